@@ -1,0 +1,47 @@
+# The README's commands. `make demo` and `make test` set everything up from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+# torch is installed first, pinned, so that pip never pulls the newest CUDA build (GBs) into the venv.
+# Pick another with e.g. `make test TORCH_VERSION=2.6.0 TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"`.
+TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip -q --disable-pip-version-check
+
+.PHONY: install demo test docs readme clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
+	$(PIP) install -e ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/seqdist-selfcheck
+
+test: install
+	@echo "== nbdev-export: seqdist/ must be exactly what the notebooks export"
+	tools/unchanged.sh seqdist -- $(BIN)/nbdev-export
+	@echo "== nbdev-clean: notebooks must be committed clean"
+	tools/unchanged.sh nbs -- $(BIN)/nbdev-clean
+	@echo "== nbdev-test: every notebook on CPU (cells flagged 'cuda' need a GPU and are skipped)"
+	tools/unchanged.sh cuda -- $(BIN)/nbdev-test --n-workers 2
+	@echo "== README.md must be what nbs/index.ipynb renders to"
+	tools/unchanged.sh README.md -- $(BIN)/python tools/docs.py readme
+	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
+	$(BIN)/seqdist-compile-check
+	@echo "== pytest"
+	$(BIN)/python -m pytest tests
+
+docs: install
+	@if command -v quarto >/dev/null; then $(BIN)/nbdev-docs; \
+	else echo "Quarto not found: rendering the notebooks with nbconvert into _docs/"; $(BIN)/python tools/docs.py html; fi
+
+readme: install
+	$(BIN)/python tools/docs.py readme
+
+clean:
+	rm -rf _proc _docs build dist *.egg-info

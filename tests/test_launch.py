@@ -1,0 +1,78 @@
+"""The launch glue shared by the CuPy and emulator paths: every bad launch gets a clear error naming the kernel and
+the argument, before anything runs."""
+import pytest, torch
+from seqdist.core import Log
+from seqdist.utils import load_kernel, load_cupy_func, load_cupy_module, kernel_params, semiring_sum, KERNELS, find_source
+from conftest import KERNELS as KDIR
+
+reduce = load_kernel(KDIR / 'block_reduce.cu', 'block_sum')
+lattice = load_kernel(KDIR / 'lattice_scan.cu', 'lattice_forward', **Log.cuda_macros(torch.float64))
+scalars = load_kernel(KDIR / 'misc.cu', 'scalars')
+x, out = torch.randn(2, 8), torch.empty(2)
+
+BAD_LAUNCHES = [
+    (reduce, (2,), (32,), (x, out), {}, TypeError, r"kernel block_sum takes 3 arguments \(float\* x, float\* out, int cols\), got 2"),
+    (reduce, (2,), (32,), (x.double(), out, 8), {}, TypeError, r"argument 'x' \(float\* x\) takes a torch.float32 tensor, got torch.float64"),
+    (reduce, (2,), (32,), (x.t(), out, 8), {}, ValueError, r"argument 'x' .* non-contiguous tensor: pass `.contiguous\(\)`"),
+    (reduce, (2,), (32,), (x, out, 8.0), {}, TypeError, r"argument 'cols' \(int cols\) takes an integer, got 8.0"),
+    (reduce, (2,), (32,), (x, out, 2**31), {}, ValueError, r"argument 'cols' \(int cols\): 2147483648 does not fit in a C int"),
+    (reduce, (2,), (32,), ([1.0], out, 8), {}, TypeError, r"argument 'x' \(float\* x\) takes a tensor or None, got list"),
+    (reduce, (2,), (32,), (x, out.to('meta'), 8), {}, ValueError, r"argument 'out' .* is on meta but the first tensor argument is on cpu"),
+    (reduce, (2,), (32,), (x, out, torch.ones(2)), {}, TypeError, r"argument 'cols' .* takes a scalar, got a tensor of shape \(2,\)"),
+    (reduce, (2,), (2048,), (x, out, 8), {}, ValueError, r"kernel block_sum: block=\(2048, 1, 1\) is too large"),
+    (reduce, (2,), (32, 32, 2), (x, out, 8), {}, ValueError, r"block=\(32, 32, 2\) is too large: at most 1024 threads"),
+    (reduce, (0,), (32,), (x, out, 8), {}, ValueError, r"kernel block_sum: grid must be 1 to 3 positive ints, got \(0,\)"),
+    (reduce, (1, 70000), (32,), (x, out, 8), {}, ValueError, r"grid=\(1, 70000, 1\) exceeds the limits"),
+    (reduce, 2.5, (32,), (x, out, 8), {}, ValueError, r"grid must be 1 to 3 positive ints, got 2.5"),
+    (reduce, (2,), (32,), (x, out, 8), {'shared_mem': -1}, ValueError, r"shared_mem must be a non-negative int"),
+    (reduce, (2,), (32,), (x, out, 8), {'shared_mem': 200 * 1024}, ValueError, r"shared_mem=204800 bytes exceeds the 166912 bytes a block may use"),
+    (lattice, (1,), (32,), (x.double(), torch.empty(3, 8), 2, 8), {}, TypeError, r"argument 'alpha' \(double\* alpha\) takes a torch.float64 tensor, got torch.float32"),
+    (scalars, (1,), (1,), (out.double(), 1, -1, 0.5, True, 1), {}, ValueError, r"argument 'b' \(unsigned int b\): -1 does not fit"),
+    (scalars, (1,), (1,), (out.double(), 1, 1, True, True, 1), {}, TypeError, r"argument 'c' \(float c\) takes a real number, got True"),
+]
+
+@pytest.mark.parametrize('k,grid,block,args,kw,error,message', BAD_LAUNCHES)
+def test_bad_launch_is_a_clear_error(k, grid, block, args, kw, error, message):
+    with pytest.raises(error, match=message): k(grid, block, args, **kw)
+
+def test_unknown_kernel_and_unsupported_parameter_types():
+    with pytest.raises(ValueError, match=r"no `__global__ void nope\(...\)` in the CUDA source"):
+        load_kernel(KDIR / 'misc.cu', 'nope').params
+    with pytest.raises(ValueError, match=r"unsupported parameter type 'float3'"):
+        kernel_params('__global__ void k(float3 x) {}', 'k')
+    with pytest.raises(FileNotFoundError, match=r"CUDA source 'missing.cu' not found"):
+        load_kernel('missing.cu', 'k')
+
+def test_signature_reading_resolves_macros_and_qualifiers():
+    src = 'extern "C" __global__ void f(const FLOAT* __restrict__ a, volatile long *b, unsigned n, long long m /* c */) {}'
+    assert [repr(p) for p in kernel_params(src, 'f', {'FLOAT': 'double'})] == \
+        ['double* a', 'long* b', 'unsigned int n', 'long long m']
+
+def test_legacy_loaders_and_the_registry():
+    k = load_cupy_func('cuda/semiring_reduce.cu', 'semiring_sum_rows', **Log.cuda_macros(torch.float32))
+    assert k.path == find_source('semiring_reduce.cu')
+    m = load_cupy_module('semiring_reduce.cu', **Log.cuda_macros(torch.float64)).get_function('semiring_sum_rows')
+    assert (str(m.path), 'semiring_sum_rows', tuple(m.macros.items())) in KERNELS
+    x = torch.randn(3, 100, dtype=torch.float64)
+    y = torch.empty(3, dtype=torch.float64)
+    m((3,), (64,), (x, y, 3, 100), shared_mem=2 * 8)
+    torch.testing.assert_close(y, torch.logsumexp(x, 1))
+
+def test_cuda_tensors_need_cupy_or_a_gpu():
+    if torch.cuda.is_available(): pytest.skip("a GPU is present: the CUDA path is exercised by the notebooks' cuda cells")
+    # Without a GPU, torch refuses CUDA tensors before our code runs; the launcher itself is covered by the emulator.
+    with pytest.raises((RuntimeError, AssertionError)): torch.empty(1, device='cuda')
+
+@pytest.mark.parametrize('shape', [(1, 1), (5, 31), (3, 1823), (2, 4096)])
+@pytest.mark.parametrize('block', [32, 96, 256])
+def test_semiring_sum_irregular_shapes(shape, block):
+    x = torch.randn(*shape, dtype=torch.float64) * 5
+    torch.testing.assert_close(semiring_sum(x, Log, block=block), torch.logsumexp(x, 1), rtol=1e-12, atol=0)
+
+@pytest.mark.parametrize('bad,error,message', [
+    (dict(x=torch.randn(3)), ValueError, r"x must be a 2D tensor"),
+    (dict(x=torch.randn(3, 3, dtype=torch.float16)), TypeError, r"x must be float32 or float64, got torch.float16"),
+    (dict(x=torch.randn(3, 3), block=48), ValueError, r"block must be a multiple of 32"),
+])
+def test_semiring_sum_bad_input(bad, error, message):
+    with pytest.raises(error, match=message): semiring_sum(**bad)
