@@ -49,8 +49,14 @@ def html():
     shutil.rmtree(out, ignore_errors=True); out.mkdir()
     exporter = HTMLExporter(template_name='lab')
     titles = {}
+    keep = {'code': {'id', 'cell_type', 'source', 'metadata', 'outputs', 'execution_count'},
+            'markdown': {'id', 'cell_type', 'source', 'metadata', 'attachments'}, 'raw': {'id', 'cell_type', 'source', 'metadata'}}
     for name in names:
         nb = nbformat.read(proc / name, as_version=4)
+        for c in nb.cells:  # nbdev's processors leave bookkeeping keys that nbformat's schema rejects
+            for k in set(c) - keep[c.cell_type]: del c[k]
+            c.metadata = {k: v for k, v in c.metadata.items() if k in ('tags', 'jupyter', 'collapsed')}
+            if c.cell_type == 'code': c.setdefault('outputs', []); c.setdefault('execution_count', None)
         body, _ = exporter.from_notebook_node(nb)
         target = 'index.html' if name == 'index.ipynb' else name.replace('.ipynb', '.html')
         (out / target).write_text(body)
