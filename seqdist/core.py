@@ -5,11 +5,11 @@
 # %% auto #0
 __all__ = ['Log', 'Max', 'max_grad', 'semiring', 'grad', 'SequenceDist']
 
-# %% ../nbs/00_core.ipynb #64ac54f1
+# %% ../nbs/00_core.ipynb #7d448610
 import torch
 from collections import namedtuple
 
-# %% ../nbs/00_core.ipynb #a2ef4d18
+# %% ../nbs/00_core.ipynb #5ada2e85
 def max_grad(x, dim=0):
     "Gradient of `max` along `dim`: one-hot at the (first) argmax."
     return torch.zeros_like(x).scatter_(dim, x.argmax(dim, True), 1.0)
@@ -32,7 +32,7 @@ class semiring(namedtuple('semiring', ('zero', 'one', 'mul', 'sum', 'dsum'))):
             raise TypeError(f"CUDA kernels take float32 or float64, got dtype={dtype}")
         return {'FLOAT': _cuda_dtypes[dtype], **self.cuda}
 
-# %% ../nbs/00_core.ipynb #77610459
+# %% ../nbs/00_core.ipynb #357f5ad3
 def _semiring_macros(sum2, sum3, zero):
     return {'ZERO': '{:E}'.format(zero), 'ONE': '0.0', 'MUL(a, b)': '((a) + (b))',
             'SUM(a, b)': f'{sum2}(a, b)', 'SUM3(a, b, c)': f'{sum3}(a, b, c)'}
@@ -42,7 +42,7 @@ Log = semiring(zero=-1e38, one=0., mul=torch.add, sum=torch.logsumexp, dsum=torc
 Max = semiring(zero=-1e38, one=0., mul=torch.add, sum=(lambda x, dim=0: torch.max(x, dim=dim)[0]), dsum=max_grad,
                name='Max', cuda=_semiring_macros('max2', 'max3', -1e38))
 
-# %% ../nbs/00_core.ipynb #279a8253
+# %% ../nbs/00_core.ipynb #c361c19e
 def grad(f, x):
     "Gradient of the scalar `f(x)` with respect to `x` (detached), also inside `torch.no_grad()`."
     x = x.detach().requires_grad_()
@@ -50,7 +50,7 @@ def grad(f, x):
         y = f(x)
     return torch.autograd.grad(y, x)[0].detach()
 
-# %% ../nbs/00_core.ipynb #c71bbfac
+# %% ../nbs/00_core.ipynb #a535a330
 class SequenceDist():
     "Base class of seqdist's distributions over sequences; subclasses implement `logZ` (and usually more)."
     def __init__(self): pass

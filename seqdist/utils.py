@@ -8,11 +8,11 @@ __all__ = ['MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'EMULATOR
            'float64', 'compare_fwd_bwd', 'timed', 'benchmark_fwd_bwd', 'report', 'cuda_dir', 'find_source', 'Param',
            'kernel_params', 'KernelLaunchError', 'KernelCompileError', 'Kernel', 'KernelModule', 'load_kernel',
            'load_cupy_func', 'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared', 'emulator_source',
-           'emulator_library', 'GuardedCopy', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc',
-           'compile_with_nvcc', 'gpu_compiler', 'package_kernels', 'check_gpu_compile', 'compile_check_cli',
-           'selfcheck_cli']
+           'emulator_library', 'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum', 'nvrtc_library',
+           'compile_with_nvrtc', 'compile_with_nvcc', 'gpu_compiler', 'package_kernels', 'check_gpu_compile',
+           'compile_check_cli', 'selfcheck_cli']
 
-# %% ../nbs/01_utils.ipynb #6b600374
+# %% ../nbs/01_utils.ipynb #2e6efacb
 import ctypes, ctypes.util, hashlib, os, re, shutil, subprocess, sys, tempfile, threading, time
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from .core import Log, Max, semiring
 
-# %% ../nbs/01_utils.ipynb #5872c081
+# %% ../nbs/01_utils.ipynb #9fc8d0fa
 def to_np(x):
     "A detached numpy copy of the tensor `x`."
     return x.clone().detach().cpu().numpy()
@@ -46,7 +46,7 @@ def compare_fwd_bwd(impl_A, impl_B, inputs, *args):
     print('bwd diff: {:.2e}'.format(np.max(np.abs(bwds[0]-bwds[1]))))
     return fwds, bwds
 
-# %% ../nbs/01_utils.ipynb #91215f38
+# %% ../nbs/01_utils.ipynb #4cfd7960
 def _on_cuda(xs): return any(isinstance(x, torch.Tensor) and x.is_cuda for x in xs)
 
 def timed(func, *inputs, cuda=None):
@@ -77,7 +77,7 @@ def report(times):
     for k,v in times.items():
         print('{!s}: {:.2f}ms ({:.2f}-{:.2f}ms)'.format(k, v.mean(), v.min(), v.max()))
 
-# %% ../nbs/01_utils.ipynb #166a2e96
+# %% ../nbs/01_utils.ipynb #bdf35d25
 def cuda_dir():
     "The folder of seqdist's CUDA sources: `$SEQDIST_CUDA_DIR`, else `seqdist/cuda` in a wheel, else `cuda/` of a checkout."
     if os.environ.get('SEQDIST_CUDA_DIR'): return Path(os.environ['SEQDIST_CUDA_DIR'])
@@ -95,7 +95,7 @@ def find_source(fname):
     if q.is_file(): return q
     raise FileNotFoundError(f"CUDA source {fname!r} not found (looked in the working directory and in {cuda_dir()})")
 
-# %% ../nbs/01_utils.ipynb #f853ea38
+# %% ../nbs/01_utils.ipynb #131982f7
 # C type -> (ctypes type, numpy type, torch dtypes a pointer to it accepts)
 _C_TYPES = {
     'bool': (ctypes.c_bool, np.bool_, (torch.bool,)),
@@ -152,7 +152,7 @@ def kernel_params(source, name, macros={}):
         params.append(Param(words[-1], ctype, pointer))
     return params
 
-# %% ../nbs/01_utils.ipynb #c9c6f4dc
+# %% ../nbs/01_utils.ipynb #f2ce58f2
 class KernelLaunchError(RuntimeError):
     "A kernel failed while running (in the emulator: a race-free execution was impossible or memory was misused)."
 
@@ -182,7 +182,7 @@ def _check_launch(kernel, grid, block, shared_mem, max_shared):
     if shared_mem > max_shared:
         raise ValueError(f"kernel {kernel}: shared_mem={shared_mem} bytes exceeds the {max_shared} bytes a block may use")
 
-# %% ../nbs/01_utils.ipynb #d62b96bd
+# %% ../nbs/01_utils.ipynb #deef7577
 def _marshal(kernel, args, device):
     "Check `args` against the kernel's parameters; tensors stay tensors, scalars become numpy scalars of the C type."
     params = kernel.params
@@ -215,7 +215,7 @@ def _marshal(kernel, args, device):
         values.append(nptype(a))
     return values
 
-# %% ../nbs/01_utils.ipynb #637124a1
+# %% ../nbs/01_utils.ipynb #167d845a
 KERNELS = {}  # (source path, kernel name, macros) -> Kernel, for every kernel the package asks for
 
 class Kernel:
@@ -267,7 +267,7 @@ def load_cupy_module(fname, **kwargs):
     "seqdist 0.0.3's module loader: `load_cupy_module(fname, **macros).get_function(name)` gives a `Kernel`."
     return KernelModule(fname, **kwargs)
 
-# %% ../nbs/01_utils.ipynb #e192fba2
+# %% ../nbs/01_utils.ipynb #6d39e3eb
 _cupy_modules = {}
 
 def _import_cupy():
@@ -297,16 +297,17 @@ def _launch_cupy(kernel, device, grid, block, values, shared_mem):
         with cupy.cuda.ExternalStream(torch.cuda.current_stream(idx).cuda_stream, idx):  # PyTorch's current stream
             fn(grid, block, args, shared_mem=shared_mem)
 
-# %% ../nbs/01_utils.ipynb #ed5a71c2
-_emulator = {'seed': 0, 'check_bounds': True}
+# %% ../nbs/01_utils.ipynb #3132035a
+_emulator = {'seed': 0, 'check_bounds': True, 'sanitize': False}
 _emulator_lock = threading.RLock()
 
 @contextmanager
-def emulator_options(seed=None, check_bounds=None):
-    "Within the `with` block, emulated launches run threads and blocks in the order drawn from `seed`, and check bounds or not."
+def emulator_options(seed=None, check_bounds=None, sanitize=None):
+    "In the `with` block, emulated launches order threads by `seed`, check bounds (guard pages) or not, use AddressSanitizer or not."
     old = dict(_emulator)
     if seed is not None: _emulator['seed'] = int(seed)
     if check_bounds is not None: _emulator['check_bounds'] = bool(check_bounds)
+    if sanitize is not None: _emulator['sanitize'] = bool(sanitize)
     try: yield
     finally: _emulator.update(old)
 
@@ -328,7 +329,7 @@ def emulator_source(kernel):
             'extern "C" __attribute__((visibility("default"))) const char* __emu_error() { return __emu_last_error(); }\n'
             'extern "C" __attribute__((visibility("default"))) unsigned long long __emu_fault() { return __emu_fault_address(); }\n')
 
-# %% ../nbs/01_utils.ipynb #6c2a33a6
+# %% ../nbs/01_utils.ipynb #d8231816
 _EMU_FLAGS = ('-std=gnu++17', '-O2', '-fPIC', '-shared', '-fvisibility=hidden', '-Wl,-Bsymbolic', '-U_FORTIFY_SOURCE', '-w')
 _emulator_libs = {}
 
@@ -352,6 +353,11 @@ def emulator_library(kernel):
     dirs = [cuda_dir(), kernel.path.parent]
     headers = ''.join(f.read_text() for d in dict.fromkeys(dirs) for f in sorted(d.glob('*.cuh')) + sorted(d.glob('*.h')))
     cmd = [_cxx(), *_EMU_FLAGS, '-include', str(cuda_dir()/'emu.h'), *[f'-I{d}' for d in dirs]]
+    if _emulator['sanitize']:
+        if 'libasan' not in Path('/proc/self/maps').read_text():
+            raise RuntimeError("emulator_options(sanitize=True) needs AddressSanitizer's runtime loaded first: run the "
+                               "Python process with the environment of `asan_environment()` (see `run_under_asan`)")
+        cmd += ['-fsanitize=address', '-fno-omit-frame-pointer', '-g']
     key = hashlib.sha256('\0'.join([src, headers, ' '.join(cmd)]).encode()).hexdigest()[:32]
     if key in _emulator_libs: return _emulator_libs[key]
     path = _cache_dir()/f'{kernel.name}-{key}.so'
@@ -374,7 +380,7 @@ def emulator_library(kernel):
     _emulator_libs[key] = lib
     return lib
 
-# %% ../nbs/01_utils.ipynb #e684b82d
+# %% ../nbs/01_utils.ipynb #eb03deb3
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype, _libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -419,12 +425,13 @@ def _guard(params, values):
     shared = {i for i, (a0, a1) in spans for j, (b0, b1) in spans if i != j and a0 < b1 and b0 < a1}
     return {i: GuardedCopy(params[i], values[i]) for i, _ in spans if i not in shared}
 
-# %% ../nbs/01_utils.ipynb #99032a46
+# %% ../nbs/01_utils.ipynb #8a88fba1
 def _launch_emulator(kernel, grid, block, values, shared_mem):
     _check_launch(kernel.name, grid, block, shared_mem, EMULATOR_MAX_SHARED_MEM)
     lib = emulator_library(kernel)
     with _emulator_lock:
-        guarded = _guard(kernel.params, values) if _emulator['check_bounds'] else {}
+        # Under AddressSanitizer the tensors' own memory is checked (ASan knows PyTorch's allocations, not our copies).
+        guarded = _guard(kernel.params, values) if _emulator['check_bounds'] and not _emulator['sanitize'] else {}
         try:
             cells = []
             for i, (p, v) in enumerate(zip(kernel.params, values)):
@@ -446,7 +453,21 @@ def _launch_emulator(kernel, grid, block, values, shared_mem):
         finally:
             for g in guarded.values(): g.free()
 
-# %% ../nbs/01_utils.ipynb #fc9eb6a6
+# %% ../nbs/01_utils.ipynb #37851646
+def asan_environment():
+    "Environment for a Python subprocess whose emulated kernels can use AddressSanitizer (libasan preloaded)."
+    lib = subprocess.run([_cxx(), '-print-file-name=libasan.so'], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(lib) or not os.path.exists(lib):
+        raise RuntimeError(f"AddressSanitizer's runtime (libasan.so) was not found by {_cxx()}; install it with your compiler")
+    return {**os.environ, 'LD_PRELOAD': lib, 'ASAN_OPTIONS': 'detect_leaks=0:alloc_dealloc_mismatch=0'}
+
+def run_under_asan(code, timeout=600):
+    "Run Python `code` in a subprocess with AddressSanitizer preloaded and `emulator_options(sanitize=True)`; return (exit code, stderr)."
+    prelude = "import seqdist.utils as _u; _u._emulator['sanitize'] = True\n"
+    r = subprocess.run([sys.executable, '-c', prelude + code], env=asan_environment(), capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stderr
+
+# %% ../nbs/01_utils.ipynb #fb02e1db
 _sum_rows = {(dtype, S): load_kernel('semiring_reduce.cu', 'semiring_sum_rows', **S.cuda_macros(dtype))
              for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 
@@ -463,7 +484,7 @@ def semiring_sum(x, S=Log, block=128):
                                 shared_mem=block // 32 * x.element_size())
     return out
 
-# %% ../nbs/01_utils.ipynb #2b1854ff
+# %% ../nbs/01_utils.ipynb #20ce78c6
 def nvrtc_library():
     "NVRTC (the compiler CuPy uses) through ctypes: `$SEQDIST_NVRTC`, the `nvidia-cuda-nvrtc` wheel or a CUDA toolkit; else None."
     import glob
@@ -505,7 +526,7 @@ def compile_with_nvcc(source, arch, include_dirs=(), name='kernel.cu', nvcc=None
                            capture_output=True, text=True)
         return r.returncode == 0, (r.stdout + r.stderr).strip()
 
-# %% ../nbs/01_utils.ipynb #c5011166
+# %% ../nbs/01_utils.ipynb #e772e456
 def gpu_compiler():
     "('nvrtc', compile function) or ('nvcc', ...) for the first available, or (None, None)."
     lib = nvrtc_library()
@@ -555,7 +576,7 @@ def compile_check_cli():
     failures = check_gpu_compile(archs=tuple(a.arch or ('sm_80', 'sm_90')), compiler=comp)
     sys.exit(1 if failures else 0)
 
-# %% ../nbs/01_utils.ipynb #b59ce255
+# %% ../nbs/01_utils.ipynb #97d1d2e0
 def selfcheck_cli():
     "`seqdist-selfcheck`: the semirings and the kernel toolchain on this machine, checked against PyTorch."
     torch.manual_seed(0)

@@ -88,7 +88,8 @@ def test_double_buffered_lattice_scan(S, dtype, S_states, block):
     k = kernel('lattice_scan.cu', 'lattice_forward', **S.cuda_macros(dtype))
     for seed in range(2):
         with emulator_options(seed=seed): k((N,), (block,), (x, alpha, T, S_states), shared_mem=2 * S_states * x.element_size())
-        torch.testing.assert_close(alpha, lattice_reference(x, S), rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=0)
+        torch.testing.assert_close(alpha, lattice_reference(x, S), rtol=1e-5 if dtype == torch.float32 else 1e-12,
+                                   atol=1e-6 if dtype == torch.float32 else 0)  # log-space values near 0
 
 def test_single_buffered_lattice_scan_races():
     N, T, S_states = 2, 5, 128

@@ -1,0 +1,41 @@
+"""AddressSanitizer in a subprocess: it reports an out-of-bounds write into a PyTorch tensor and an overflow of a
+static __shared__ array (which the in-process guard pages cannot see)."""
+import shutil, subprocess, pytest
+from seqdist.utils import asan_environment, run_under_asan, emulator_options, load_kernel
+from conftest import KERNELS
+
+try: asan_environment(); has_asan = True
+except RuntimeError: has_asan = False
+needs_asan = pytest.mark.skipif(not has_asan, reason="no AddressSanitizer runtime for the host compiler")
+
+LAUNCH = """
+import torch
+from seqdist.utils import load_kernel
+k = load_kernel({path!r}, {name!r})
+k((1,), (32,), {args})
+print('launched')
+"""
+
+@needs_asan
+def test_asan_reports_a_write_past_the_end_of_a_tensor(tmp_path):
+    rc, err = run_under_asan(LAUNCH.format(path=str(KERNELS / 'bugs.cu'), name='write_past_end', args='(torch.zeros(10), 10)'))
+    assert rc != 0 and 'heap-buffer-overflow' in err and '0 bytes after 40-byte region' in err.replace('to the right of', 'after'), err[-3000:]
+
+@needs_asan
+def test_asan_reports_a_static_shared_overflow(tmp_path):
+    (tmp_path / 'static_overflow.cu').write_text(
+        'extern "C" __global__ void k(float* out) {\n  __shared__ float s[32];\n  s[threadIdx.x + 1] = 1.f;\n'
+        '  __syncthreads();\n  out[threadIdx.x] = s[threadIdx.x];\n}\n')
+    rc, err = run_under_asan(LAUNCH.format(path=str(tmp_path / 'static_overflow.cu'), name='k', args='(torch.zeros(32),)'))
+    assert rc != 0 and 'global-buffer-overflow' in err, err[-3000:]
+
+@needs_asan
+def test_asan_is_quiet_on_a_correct_kernel():
+    rc, err = run_under_asan(LAUNCH.format(path=str(KERNELS / 'warp_ops.cu'), name='warp_sum_xor',
+                                           args='(torch.randn(32, dtype=torch.float64), torch.empty(32, dtype=torch.float64))'))
+    assert rc == 0 and 'ERROR: AddressSanitizer' not in err, err[-3000:]
+
+def test_sanitize_without_the_runtime_is_a_clear_error():
+    with emulator_options(sanitize=True), pytest.raises(RuntimeError, match="needs AddressSanitizer's runtime loaded first"):
+        import torch
+        load_kernel(KERNELS / 'block_reduce.cu', 'block_sum', ASAN_PROBE=1)((1,), (32,), (torch.zeros(4), torch.zeros(1), 4))
