@@ -31,6 +31,8 @@ def readme():
 def html():
     import nbformat
     from nbconvert import HTMLExporter
+    from nbconvert.preprocessors import TagRemovePreprocessor
+    import yaml
     from execnb.shell import CaptureShell
     from fastcore.nbio import read_nb, write_nb
     build = ROOT / '_proc_exec'
@@ -39,7 +41,8 @@ def html():
     for name in names:            # run each notebook where it lives, so that its relative paths hold
         nb = read_nb(ROOT / 'nbs' / name)
         cwd = os.getcwd(); os.chdir(ROOT / 'nbs')
-        try: CaptureShell().run_all(nb, exc_stop=True)
+        needs_gpu = lambda c: bool(re.search(r'^#\|\s*(cuda|notest)\b', c.source, re.M))  # as nbdev-test skips them
+        try: CaptureShell().run_all(nb, exc_stop=True, preproc=needs_gpu)
         finally: os.chdir(cwd)
         write_nb(nb, build / name)
         print(f"executed {name}")
@@ -48,19 +51,31 @@ def html():
     out = ROOT / '_docs'
     shutil.rmtree(out, ignore_errors=True); out.mkdir()
     exporter = HTMLExporter(template_name='lab')
+    exporter.register_preprocessor(TagRemovePreprocessor(remove_input_tags={'remove_input'}), enabled=True)
     titles = {}
     keep = {'code': {'id', 'cell_type', 'source', 'metadata', 'outputs', 'execution_count'},
             'markdown': {'id', 'cell_type', 'source', 'metadata', 'attachments'}, 'raw': {'id', 'cell_type', 'source', 'metadata'}}
     for name in names:
         nb = nbformat.read(proc / name, as_version=4)
+        front = {}
+        if nb.cells and nb.cells[0].cell_type == 'raw' and nb.cells[0].source.startswith('---'):  # Quarto front matter
+            front = yaml.safe_load(nb.cells[0].source.strip().strip('-')) or {}
+            nb.cells[0] = nbformat.v4.new_markdown_cell(f"# {front.get('title', name)}\n\n> {front.get('description', '')}")
         for c in nb.cells:  # nbdev's processors leave bookkeeping keys that nbformat's schema rejects
+            echo = '#| echo: false' not in c.source
             for k in set(c) - keep[c.cell_type]: del c[k]
             c.metadata = {k: v for k, v in c.metadata.items() if k in ('tags', 'jupyter', 'collapsed')}
-            if c.cell_type == 'code': c.setdefault('outputs', []); c.setdefault('execution_count', None)
+            if c.cell_type != 'code': continue
+            c.setdefault('outputs', []); c.setdefault('execution_count', None)
+            if not echo: c.metadata['tags'] = c.metadata.get('tags', []) + ['remove_input']
+            c.source = re.sub(r'^#\|.*\n?', '', c.source, flags=re.M)       # nbdev/Quarto directives
+            for o in c.outputs:                                               # Quarto-only link attributes
+                if 'text/markdown' in o.get('data', {}):
+                    o['data']['text/markdown'] = re.sub(r'\[source\]\([^)]*\)\{[^}]*\}|\{target=[^}]*\}', '', ''.join(o['data']['text/markdown']))
         body, _ = exporter.from_notebook_node(nb)
         target = 'index.html' if name == 'index.ipynb' else name.replace('.ipynb', '.html')
         (out / target).write_text(body)
-        titles[target] = next((c.source.split('\n')[0].lstrip('# ') for c in nb.cells if c.cell_type == 'markdown'), name)
+        titles[target] = f"{name[:-6]}: {front.get('title', name)}"
     links = ''.join(f'<li><a href="{t}">{titles[t]}</a></li>' for t in titles if t != 'index.html')
     index = (out / 'index.html').read_text()
     nav = f'<nav style="margin:1em 2em"><b>seqdist notebooks:</b><ul>{links}</ul></nav>'
