@@ -36,6 +36,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'seqdist.utils.Param.__init__': ('utils.html#param.__init__', 'seqdist/utils.py'),
                                'seqdist.utils.Param.__repr__': ('utils.html#param.__repr__', 'seqdist/utils.py'),
                                'seqdist.utils._LaunchCfg': ('utils.html#_launchcfg', 'seqdist/utils.py'),
+                               'seqdist.utils._build_emulator_library': ('utils.html#_build_emulator_library', 'seqdist/utils.py'),
                                'seqdist.utils._cache_dir': ('utils.html#_cache_dir', 'seqdist/utils.py'),
                                'seqdist.utils._check_launch': ('utils.html#_check_launch', 'seqdist/utils.py'),
                                'seqdist.utils._cxx': ('utils.html#_cxx', 'seqdist/utils.py'),

@@ -222,14 +222,16 @@ class Kernel:
     def __init__(self, fname, name, macros=None, **more_macros):
         self.path, self.name = find_source(fname), name
         self.macros = {k: str(v) for k, v in {**(macros or {}), **more_macros}.items()}
-        self._params, self._compiled = None, {}
+        self._params, self._source, self._compiled = None, None, {}  # read and built once, at first use
         KERNELS[(str(self.path), name, tuple(self.macros.items()))] = self
 
     def __repr__(self):
         return f"Kernel({self.path.name!r}, {self.name!r}, {', '.join(f'{k}={v}' for k, v in self.macros.items())})"
 
     @property
-    def source(self): return self.path.read_text()
+    def source(self):
+        if self._source is None: self._source = self.path.read_text()
+        return self._source
 
     def cuda_source(self):
         "The text compiled for a GPU: a `#define` per macro, then the source file."
@@ -266,8 +268,8 @@ def load_cupy_module(fname, **kwargs):
     "seqdist 0.0.3's module loader: `load_cupy_module(fname, **macros).get_function(name)` gives a `Kernel`."
     return KernelModule(fname, **kwargs)
 
-# %% ../nbs/01_utils.ipynb #6d39e3eb
-_cupy_modules = {}
+# %% ../nbs/01_utils.ipynb #b25b1ee3
+_cupy_modules, _device_props = {}, {}
 
 def _import_cupy():
     try: import cupy
@@ -279,13 +281,16 @@ def _import_cupy():
 def _launch_cupy(kernel, device, grid, block, values, shared_mem):
     cupy = _import_cupy()
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kernel.cuda_source(), kernel.name, idx)
     with cupy.cuda.Device(idx):
-        fn = _cupy_modules.get(key)
+        fn = kernel._compiled.get(idx)
         if fn is None:  # compiled by NVRTC once per source, macros and device
-            module = cupy.RawModule(code=kernel.cuda_source(), options=('--std=c++17', f'-I{cuda_dir()}'))
-            fn = _cupy_modules[key] = module.get_function(kernel.name)
-        props = cupy.cuda.runtime.getDeviceProperties(idx)
+            key = (kernel.cuda_source(), kernel.name, idx)
+            if key not in _cupy_modules:
+                module = cupy.RawModule(code=kernel.cuda_source(), options=('--std=c++17', f'-I{cuda_dir()}'))
+                _cupy_modules[key] = module.get_function(kernel.name)
+            fn = kernel._compiled[idx] = _cupy_modules[key]
+        if idx not in _device_props: _device_props[idx] = cupy.cuda.runtime.getDeviceProperties(idx)
+        props = _device_props[idx]
         if int(np.prod(block)) > fn.max_threads_per_block:
             raise ValueError(f"kernel {kernel.name}: block={block} has more threads than the {fn.max_threads_per_block} "
                              f"this kernel can run per block on device {idx}")
@@ -348,6 +353,11 @@ class _LaunchCfg(ctypes.Structure):
 
 def emulator_library(kernel):
     "The kernel compiled with the host compiler and the emulator header (cached on disk by content), loaded."
+    variant = ('emulator', _emulator['sanitize'])
+    if variant not in kernel._compiled: kernel._compiled[variant] = _build_emulator_library(kernel)
+    return kernel._compiled[variant]
+
+def _build_emulator_library(kernel):
     src = emulator_source(kernel)
     dirs = [cuda_dir(), kernel.path.parent]
     headers = ''.join(f.read_text() for d in dict.fromkeys(dirs) for f in sorted(d.glob('*.cuh')) + sorted(d.glob('*.h')))
