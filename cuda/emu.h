@@ -340,6 +340,7 @@ inline int signature(void (*)(A...), int* sizes, int n) {
 template <class T>
 struct DynamicShared {
     operator T*() const { return reinterpret_cast<T*>(g_dyn_smem); }
+    template <class U> explicit operator U*() const { return reinterpret_cast<U*>(g_dyn_smem); }  // (FLOAT*)smem
     template <class I> T& operator[](I i) const { return reinterpret_cast<T*>(g_dyn_smem)[i]; }
 };
 
