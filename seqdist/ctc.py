@@ -128,12 +128,12 @@ def logz_reference(state_scores, ext, input_lengths, target_lengths, blank=0, S:
     zero = state_scores.new_full((), S.zero)
     s = torch.arange(S_max, device=ext.device)
     n_states = (2 * target_lengths + 1)[:, None]
-    skip = torch.nn.functional.pad((ext[:, 2:] != blank) & (ext[:, 2:] != ext[:, :-2]), (2, 0), value=False)
+    skip = torch.nn.functional.pad((ext[:, 2:] != blank) & (ext[:, 2:] != ext[:, :-2]), (2, 0), value=False)[:, :S_max]
     alpha = torch.where(s < n_states.clamp(max=2), state_scores[0], zero)                      # frame 0
     for t in range(1, T):
         stay = alpha
-        move = torch.nn.functional.pad(alpha[:, :-1], (1, 0), value=S.zero)
-        jump = torch.where(skip, torch.nn.functional.pad(alpha[:, :-2], (2, 0), value=S.zero), zero)
+        move = torch.nn.functional.pad(alpha, (1, 0), value=S.zero)[:, :S_max]
+        jump = torch.where(skip, torch.nn.functional.pad(alpha, (2, 0), value=S.zero)[:, :S_max], zero)
         new = torch.where(s < n_states, S.mul(state_scores[t], S.sum(torch.stack([stay, move, jump]), dim=0)), zero)
         alpha = torch.where((t < input_lengths)[:, None], new, alpha)      # finished sequences keep their alpha
     last = alpha.gather(1, 2 * target_lengths[:, None])[:, 0]
@@ -207,7 +207,7 @@ def _forward_scaled(lp, n, T, S, U, labels, slot, skipf, alpha, emit):
             emit[t, u] = e
     emit_scale = log_scale
     a = alpha                                   # a[t, s + 2] is state s; two zeros pad the left of each row
-    for s in range(min(S, 2) + 4): a[0, s] = 0.0
+    for s in range(S + 4): a[0, s] = 0.0
     a[0, 2] = emit[0, slot[0]]
     if S > 1: a[0, 3] = emit[0, slot[1]]
     c = max(a[0, 2], a[0, 3])
@@ -234,7 +234,7 @@ def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
     for t in range(T):
         for u in range(U): emit[t, u] = lp[t, n, labels[u]]
     a = alpha
-    for s in range(S + 2): a[0, s] = -np.inf
+    for s in range(S + 4): a[0, s] = -np.inf
     a[0, 2] = emit[0, slot[0]]
     if S > 1: a[0, 3] = emit[0, slot[1]]
     for t in range(1, T):
@@ -250,12 +250,13 @@ def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
 
 # %% ../nbs/02_ctc.ipynb #644ae7e5
 @numba.njit(cache=_CACHE)
-def _backward_scaled(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, logz, emit_scale, by_state):
+def _backward_scaled(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, logz, emit_scale, by_state, write):
     """Scaled backward pass of the Log semiring, writing `grad[t, n, k] -= g * posterior(t, s)` as it goes, where k is
     the label of state s (or s itself if by_state).
     Values far below a frame's largest may underflow, in either pass; that can only matter if it loses mass that
     the other pass keeps, so logZ is computed again from the backward variables and must agree with the forward
-    one. Returns False if it does not (the caller then clears what was written and uses log space)."""
+    one. Returns False if it does not (the caller then clears what was written and uses log space). With
+    write=False it only checks: a forward-only call must not return a logZ that lost mass either."""
     log_scale = emit_scale
     b, b_prev = beta[0], beta[1]
     for s in range(S + 4): b[s] = 0.0; b_prev[s] = 0.0   # two zeros pad each end of the rows
@@ -265,7 +266,8 @@ def _backward_scaled(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, logz
     for t in range(T - 1, -1, -1):
         lo, hi = _band(t, T, S)
         tot = 0.0
-        for s in range(lo, hi + 1): tot += alpha[t, s + 2] * b[s + 2]
+        if write:
+            for s in range(lo, hi + 1): tot += alpha[t, s + 2] * b[s + 2]
         if tot > 0.0:                           # posteriors: blanks (even states) summed first, one write
             f = g / tot
             blanks = 0.0
@@ -343,13 +345,17 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, use_max, g, grad, by
             z, scaled, emit_scale = _forward_scaled(lp, n, T, S, U, labels, slot, skipf, alpha, emit)
         if not scaled:
             z = _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max)
+        want = g.shape[0] > 0 and g[n] != 0.0
+        if scaled and z != -np.inf:
+            if _backward_scaled(n, T, S, ext[n], slot, skipf, alpha, emit, g[n] if want else 0.0, grad, beta, z,
+                                emit_scale, by_state, want):
+                logz[n] = z
+                continue
+            if want: grad[:, n, :] = 0.0        # the passes disagree: clear what was written, redo in log space
+            z = _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max)
         logz[n] = z
-        if g.shape[0] == 0 or g[n] == 0.0 or z == -np.inf: continue
-        if scaled and _backward_scaled(n, T, S, ext[n], slot, skipf, alpha, emit, g[n], grad, beta, z, emit_scale, by_state): continue
-        if scaled:   # the backward pass left the safe range: clear this sequence's gradient, redo it in log space
-            grad[:, n, :] = 0.0
-            _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max)
-        _backward_log(n, T, S, ext[n], slot, skipf, alpha, emit, g[n], grad, beta, use_max, by_state)
+        if want and z != -np.inf:
+            _backward_log(n, T, S, ext[n], slot, skipf, alpha, emit, g[n], grad, beta, use_max, by_state)
     return logz
 
 # %% ../nbs/02_ctc.ipynb #fc0259f9

@@ -1,0 +1,275 @@
+"""CTC: three paths (reference, numba, CUDA source in the emulator) agree; they equal brute force and PyTorch;
+edge cases, bad inputs, torch.compile, low precision."""
+import math, random, pytest, torch
+import torch.nn.functional as F
+import seqdist.ctc as ctc
+from seqdist.core import Log, Max
+from seqdist.ctc import (ctc_loss, CTCLoss, ctc_compute, ctc_apply, posteriors, forced_align, viterbi_alignments,
+                         soft_alignments, logz_brute_force, interleave_blanks, loss_basic, loss_py, loss_cupy,
+                         loss_direct_cupy, loss_pytorch, generate_sample_inputs)
+from seqdist.utils import emulator_options
+
+def random_case(rng, dtype=torch.float64, max_T=30, max_N=4, max_C=8, device='cpu'):
+    T, N, C = rng.randint(1, max_T), rng.randint(1, max_N), rng.randint(2, max_C)
+    blank = rng.choice([0, C - 1, rng.randrange(C)])
+    S = rng.randint(0, max(0, T // 2) + 1)
+    labels = [c for c in range(C) if c != blank]
+    targets = torch.tensor([[rng.choice(labels) for _ in range(S)] for _ in range(N)], dtype=torch.long).view(N, S)
+    for n in range(N):                                   # repeats, and sometimes an infeasible target
+        if S >= 2 and rng.random() < 0.5: targets[n, 1] = targets[n, 0]
+    tl = torch.tensor([rng.randint(0, S) for _ in range(N)])
+    il = torch.tensor([rng.randint(0, T) for _ in range(N)]) if rng.random() < 0.2 else torch.tensor([rng.randint(1, T) for _ in range(N)])
+    il[rng.randrange(N)] = T
+    scale = rng.choice([1.0, 3.0, 10.0])
+    lp = (torch.randn(T, N, C, dtype=torch.float64) * scale).log_softmax(2).to(dtype)
+    garbage = torch.randint(-5, C + 5, targets.shape)    # padding past target_lengths holds garbage
+    pad = torch.arange(S)[None] >= tl[:, None]
+    targets = torch.where(pad, garbage, targets)
+    return lp, targets, il, tl, blank
+
+def torch_loss_and_grad(lp, targets, il, tl, blank, reduction, zero_infinity):
+    lp = lp.detach().requires_grad_()
+    clean = torch.where(torch.arange(targets.shape[1])[None] < tl[:, None], targets, 1 if blank != 1 else 0)
+    loss = F.ctc_loss(lp, clean, il, tl, blank, reduction, zero_infinity)
+    return loss.detach(), torch.autograd.grad(loss.sum(), lp)[0]
+
+def our_loss_and_grad(lp, targets, il, tl, blank, reduction, zero_infinity, backend='auto'):
+    lp = lp.detach().requires_grad_()
+    loss = ctc_loss(lp, targets, il, tl, blank, reduction, zero_infinity, backend=backend)
+    return loss.detach(), torch.autograd.grad(loss.sum(), lp)[0]
+
+def assert_same(a, b, rtol, atol=0.0):
+    assert torch.equal(torch.isnan(a), torch.isnan(b)), "NaN pattern differs"
+    assert torch.equal(torch.isinf(a), torch.isinf(b)), "inf pattern differs"
+    fin = torch.isfinite(a)
+    torch.testing.assert_close(a[fin], b[fin].to(a.dtype), rtol=rtol, atol=atol)
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_agrees_with_pytorch_on_randomised_cases(dtype):
+    "At least 200 cases per dtype: variable lengths, repeats, garbage padding, any blank, every reduction, zero_infinity."
+    rng = random.Random(0 if dtype == torch.float64 else 1)
+    for case in range(210):
+        lp, targets, il, tl, blank = random_case(rng, dtype)
+        reduction, zero_inf = rng.choice(['none', 'sum', 'mean']), rng.random() < 0.5
+        ours = our_loss_and_grad(lp, targets, il, tl, blank, reduction, zero_inf)
+        theirs = torch_loss_and_grad(lp, targets, il, tl, blank, reduction, zero_inf)
+        if dtype == torch.float64:
+            assert_same(ours[0], theirs[0], rtol=1e-10); assert_same(ours[1], theirs[1], rtol=1e-10, atol=1e-12)
+        else:  # ours (float64 inside) is within 1e-6 of the float64 truth; it differs from PyTorch's float32 result by no
+               # more than PyTorch's own float32 error (up to ~1e-4 on these gradients) plus 2e-6
+            truth = torch_loss_and_grad(lp.double(), targets, il, tl, blank, reduction, zero_inf)
+            assert_same(ours[0], truth[0], rtol=1e-6, atol=1e-6); assert_same(ours[1], truth[1], rtol=0, atol=1e-6)
+            for o, t, tr in zip(ours, theirs, truth):
+                fin = torch.isfinite(o) & torch.isfinite(t)
+                assert ((o - t).abs()[fin].double() <= (t.double() - tr).abs()[fin] + 2e-6 + 1e-6 * tr.abs()[fin]).all()
+
+def test_float32_is_as_accurate_as_float64_allows():
+    rng = random.Random(2)
+    for _ in range(20):
+        lp, targets, il, tl, blank = random_case(rng, torch.float64)
+        l64, g64 = our_loss_and_grad(lp, targets, il, tl, blank, 'sum', True)
+        l32, g32 = our_loss_and_grad(lp.float(), targets, il, tl, blank, 'sum', True)
+        torch.testing.assert_close(l32.double(), l64, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g32.double(), g64, rtol=0, atol=1e-6)
+
+@pytest.mark.parametrize('S', [Log, Max])
+def test_brute_force(S):
+    torch.manual_seed(0)
+    T, C = 5, 3
+    for target in ([1], [1, 2], [2, 2], [], [1, 2, 1], [1, 1, 1], [2, 1, 2]):
+        lp = torch.randn(T, 1, C, dtype=torch.float64).log_softmax(2)
+        tg = torch.tensor([target + [0] * (3 - len(target))])
+        for il in (T, 4):
+            truth = logz_brute_force(lp[:il, 0], target, 0, S)
+            for backend in ('reference', 'cpu', 'cuda'):
+                logz, _ = ctc_compute(lp, tg, torch.tensor([il]), torch.tensor([len(target)]), 0, S is Max, 0, backend)
+                if truth == -math.inf: assert logz.item() == -math.inf, (backend, target)
+                else: torch.testing.assert_close(logz[0], truth, rtol=1e-12, atol=0)
+
+def test_gradcheck_through_log_softmax():
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 5, dtype=torch.float64, requires_grad=True)
+    targets, il, tl = torch.tensor([[1, 2, 2], [3, 4, 0], [1, 0, 0]]), torch.tensor([8, 7, 5]), torch.tensor([3, 2, 1])
+    for backend in ('cpu', 'reference', 'cuda'):
+        assert torch.autograd.gradcheck(lambda x: ctc_loss(x.log_softmax(2), targets, il, tl, backend=backend), (x,))
+
+def test_gradcheck_of_exact_logz():
+    "With torch_grad=False the gradient is the exact derivative of logZ: the posteriors."
+    torch.manual_seed(0)
+    lp = torch.randn(7, 2, 4, dtype=torch.float64, requires_grad=True)
+    targets, il, tl = torch.tensor([[1, 2, 3], [2, 2, 0]]), torch.tensor([7, 6]), torch.tensor([3, 2])
+    f = lambda lp: ctc_apply(lp, targets, il, tl, 0, False, 1, False, False, 'cpu')[0]
+    assert torch.autograd.gradcheck(f, (lp,))
+
+@pytest.mark.parametrize('S', [Log, Max])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('max_threads', [1024, 32])    # 32 threads for up to 61 states: the looping path
+@pytest.mark.parametrize('by_state', [False, True])
+def test_cuda_source_in_the_emulator_equals_the_reference(S, dtype, max_threads, by_state, monkeypatch):
+    monkeypatch.setattr(ctc, 'CUDA_MAX_THREADS', max_threads)
+    torch.manual_seed(1)
+    T, N, C = 14, 3, 6
+    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2).to(dtype)
+    targets = torch.randint(1, C, (N, 30)); targets[0, 5] = targets[0, 4]
+    il, tl = torch.tensor([14, 9, 0]), torch.tensor([6, 30 if by_state else 4, 0])
+    il[1] = 14 if by_state else 9
+    tl[1] = 6
+    want = 2 if by_state else 1
+    ref = ctc_compute(lp, targets, il, tl, 0, S is Max, want, 'reference')
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    for seed in (0, 1):
+        with emulator_options(seed=seed):
+            out = ctc_compute(lp, targets, il, tl, 0, S is Max, want, 'cuda')
+        torch.testing.assert_close(out[0], ref[0], **tol); torch.testing.assert_close(out[1], ref[1], **tol)
+    cpu = ctc_compute(lp, targets, il, tl, 0, S is Max, want, 'cpu')
+    torch.testing.assert_close(cpu[0], ref[0], **tol); torch.testing.assert_close(cpu[1], ref[1], **tol)
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
+def test_edge_cases(backend):
+    lp = torch.randn(6, 3, 4, dtype=torch.float64).log_softmax(2)
+    # empty targets: only blanks; T = 1 with one label; one-sequence batch
+    assert torch.allclose(ctc_loss(lp, torch.zeros(3, 0, dtype=torch.long), [6, 6, 6], [0, 0, 0], reduction='none', backend=backend),
+                          -lp[:, :, 0].sum(0))
+    assert torch.allclose(ctc_loss(lp[:1, :1], torch.tensor([[2]]), [1], [1], reduction='none', backend=backend), -lp[0, 0, 2])
+    assert torch.allclose(ctc_loss(lp[:, :1], torch.tensor([[1, 1]]), [6], [2], backend=backend),
+                          F.ctc_loss(lp[:, :1], torch.tensor([[1, 1]]), [6], [2]))
+    # a repeated label needs a blank between: 2 frames cannot emit "1 1"
+    assert ctc_loss(lp[:2, :1], torch.tensor([[1, 1]]), [2], [2], reduction='none', backend=backend).item() == math.inf
+
+def test_input_forms_and_non_contiguous_inputs_left_unmodified():
+    torch.manual_seed(0)
+    lp = torch.randn(3, 9, 5, dtype=torch.float64).log_softmax(2).transpose(0, 1)   # (T=9, N=3, C=5), a view
+    assert not lp.is_contiguous()
+    padded = torch.tensor([[1, 2, 3, 9], [4, 4, 0, 0], [2, 0, 0, 0]])[:, [0, 1, 2, 3]]
+    tl = torch.tensor([3, 2, 1])
+    before = (lp.clone(), padded.clone())
+    ref = F.ctc_loss(lp, padded.clamp(max=4), torch.tensor([9, 9, 9]), tl, reduction='none')
+    forms = [(padded, [9, 9, 9], tl), (torch.tensor([1, 2, 3, 4, 4, 2]), (9, 9, 9), (3, 2, 1)),
+             (padded.int(), torch.tensor([9, 9, 9], dtype=torch.int32), tl.int()), (padded.T.contiguous().T, torch.tensor([9, 9, 9]), tl)]
+    for targets, il, tl_ in forms:
+        assert torch.allclose(ctc_loss(lp, targets, il, tl_, reduction='none'), ref)
+    assert torch.equal(lp, before[0]) and torch.equal(padded, before[1])
+    # unbatched (T, C) with int lengths
+    assert torch.allclose(ctc_loss(lp[:, 0], torch.tensor([1, 2, 3]), 9, 3, reduction='none'), ref[0])
+
+def test_peaked_and_long_inputs_stay_exact():
+    torch.manual_seed(0)
+    T, N, C = 60, 4, 6
+    lp = (torch.randn(T, N, C, dtype=torch.float64) * 1e3)
+    lp[:, :, 2] = -1e4                                      # log-probs down to -1e4
+    lp = lp.log_softmax(2)
+    targets = torch.tensor([[1, 2, 3], [2, 2, 4], [5, 1, 2], [3, 3, 3]])
+    il, tl = torch.tensor([60, 50, 60, 40]), torch.tensor([3, 3, 2, 3])
+    for zi in (False, True):
+        ours, theirs = our_loss_and_grad(lp, targets, il, tl, 0, 'none', zi), torch_loss_and_grad(lp, targets, il, tl, 0, 'none', zi)
+        assert_same(ours[0], theirs[0], rtol=1e-10)
+        assert_same(ours[1], theirs[1], rtol=1e-9, atol=1e-9)
+    T, N, C, L = 10_000, 2, 5, 1500                          # long sequences
+    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2)
+    targets = torch.randint(1, C, (N, L))
+    ours = our_loss_and_grad(lp, targets, [T, T - 7], [L, L - 3], 0, 'none', False)
+    theirs = torch_loss_and_grad(lp, targets, torch.tensor([T, T - 7]), torch.tensor([L, L - 3]), 0, 'none', False)
+    assert_same(ours[0], theirs[0], rtol=1e-10)
+    assert_same(ours[1], theirs[1], rtol=1e-8, atol=1e-10)
+
+def test_posteriors_and_alignments():
+    torch.manual_seed(0)
+    logits = torch.randn(20, 3, 6, dtype=torch.float64)
+    targets, il, tl = torch.tensor([[1, 2, 2, 3], [4, 5, 0, 0], [1, 0, 0, 0]]), torch.tensor([20, 15, 20]), torch.tensor([4, 2, 1])
+    soft = soft_alignments(logits, targets, il, tl, beta=1.0)                       # (T, N, 9)
+    valid = torch.arange(20)[:, None] < il[None]
+    torch.testing.assert_close(soft.sum(-1), valid.double())                       # one distribution per valid frame
+    hard = viterbi_alignments(logits, targets, il, tl)
+    assert set(hard.unique().tolist()) <= {0.0, 1.0} and torch.equal(hard.sum(-1), valid.double())
+    assert torch.equal((soft_alignments(logits, targets, il, tl, beta=1e3) > 0.5).double(), hard)
+    lab = posteriors(logits.log_softmax(2), targets, il, tl)                       # label posteriors
+    torch.testing.assert_close(lab.sum(-1), valid.double())
+
+def test_forced_align_is_the_best_path():
+    torch.manual_seed(0)
+    N, T, C = 5, 12, 5
+    lp = torch.randn(N, T, C, dtype=torch.float64).log_softmax(-1)
+    targets, il, tl = torch.randint(1, C, (N, 4)), torch.tensor([12, 12, 10, 9, 12]), torch.tensor([4, 3, 4, 2, 0])
+    labels, scores = forced_align(lp, targets, il, tl)
+    assert labels.dtype == targets.dtype and scores.shape == (N, T)
+    for n in range(N):
+        path = labels[n, :il[n]].tolist()
+        collapsed = [c for i, c in enumerate(path) if c != 0 and (i == 0 or c != path[i - 1])]
+        assert collapsed == targets[n, :tl[n]].tolist()
+        best = logz_brute_force(lp[n, :il[n]], targets[n, :tl[n]].tolist(), 0, Max) if il[n] <= 9 else \
+            ctc_compute(lp[n:n+1].transpose(0, 1), targets[n:n+1], il[n:n+1], tl[n:n+1], 0, True, 0)[0][0]
+        torch.testing.assert_close(scores[n, :il[n]].sum(), best)
+        assert (labels[n, il[n]:] == 0).all() and (scores[n, il[n]:] == 0).all()
+
+def test_seqdist_003_names():
+    torch.manual_seed(0)
+    logits, targets, il, tl = generate_sample_inputs(20, 30, 4, 6, 2, 5, device='cpu')
+    logits = logits.double().detach().requires_grad_()
+    expected = loss_pytorch(logits, targets, il, tl)
+    for f in (loss_basic, loss_py, loss_cupy, loss_direct_cupy):
+        torch.testing.assert_close(f(logits, targets, il, tl), expected)
+    torch.testing.assert_close(CTCLoss(reduction='sum')(logits.log_softmax(2), targets, il, tl),
+                               F.ctc_loss(logits.log_softmax(2), targets, il, tl, reduction='sum'))
+    assert torch.equal(interleave_blanks(torch.tensor([[3, 4]]), 0), torch.tensor([[0, 3, 0, 4, 0]]))
+
+def test_deterministic():
+    torch.manual_seed(0)
+    lp = torch.randn(50, 6, 7).log_softmax(2).requires_grad_()
+    targets, il, tl = torch.randint(1, 7, (6, 10)), torch.full((6,), 50), torch.randint(0, 11, (6,))
+    a = our_loss_and_grad(lp, targets, il, tl, 0, 'none', False)
+    b = our_loss_and_grad(lp, targets, il, tl, 0, 'none', False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    torch.manual_seed(0)
+    lp = torch.randn(20, 3, 6).log_softmax(2).to(dtype).requires_grad_()
+    targets, il, tl = torch.randint(1, 6, (3, 5)), torch.full((3,), 20), torch.tensor([5, 3, 1])
+    loss = ctc_loss(lp, targets, il, tl)
+    loss.backward()
+    assert loss.dtype == torch.float32 and lp.grad.dtype == dtype
+    l32, g32 = our_loss_and_grad(lp.detach().float(), targets, il, tl, 0, 'mean', False)
+    torch.testing.assert_close(loss.detach(), l32)
+    torch.testing.assert_close(lp.grad.float(), g32, rtol=0, atol=1e-2)
+
+def test_torch_compile_fullgraph_gives_the_eager_result():
+    torch.manual_seed(0)
+    lp = torch.randn(30, 4, 6).log_softmax(2).requires_grad_()
+    targets, il, tl = torch.randint(1, 6, (4, 8)), torch.tensor([30, 25, 30, 20]), torch.tensor([8, 5, 3, 0])
+    def f(lp): return ctc_loss(lp, targets, il, tl) * 2.0
+    compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
+    eager, comp = f(lp), compiled(lp)
+    g_eager, = torch.autograd.grad(eager, lp)
+    g_comp, = torch.autograd.grad(comp, lp)
+    assert torch.equal(eager, comp) and torch.equal(g_eager, g_comp)
+
+lp0 = torch.randn(6, 2, 5).log_softmax(2)
+tg0, il0, tl0 = torch.tensor([[1, 2], [3, 4]]), torch.tensor([6, 6]), torch.tensor([2, 2])
+BAD = [
+    (dict(log_probs=lp0[0, 0]), ValueError, r"log_probs must have shape \(T, N, C\), or \(T, C\) unbatched, got \(5,\)"),
+    (dict(log_probs=lp0[None]), ValueError, r"log_probs must have shape \(T, N, C\).*got \(1, 6, 2, 5\)"),
+    (dict(log_probs=lp0.long()), TypeError, r"log_probs must be float16, bfloat16, float32 or float64, got torch.int64"),
+    (dict(log_probs=lp0[:, :0]), ValueError, r"log_probs has an empty batch \(N = 0\)"),
+    (dict(targets=tg0.float()), TypeError, r"targets must hold integer labels, got dtype torch.float32"),
+    (dict(targets=tg0[:1]), ValueError, r"padded targets must have shape \(N, S\) with N = 2, got \(1, 2\)"),
+    (dict(targets=torch.tensor([[1, 7], [3, 4]])), ValueError, r"targets must hold labels in \[0, C\) = \[0, 5\), got \[7\]"),
+    (dict(targets=torch.tensor([[1, 0], [3, 4]])), ValueError, r"targets contain the blank label 0 within their target_lengths"),
+    (dict(targets=torch.tensor([1, 2, 3])), ValueError, r"concatenated targets have 3 labels but target_lengths sum to 4"),
+    (dict(input_lengths=torch.tensor([6, 7])), ValueError, r"input_lengths must be in \[0, T\] = \[0, 6\], got \[7\]"),
+    (dict(input_lengths=torch.tensor([-1, 6])), ValueError, r"input_lengths must be in \[0, T\] = \[0, 6\], got \[-1\]"),
+    (dict(target_lengths=torch.tensor([3, 2])), ValueError, r"target_lengths \(max 3\) exceed the padded targets' length 2"),
+    (dict(target_lengths=torch.tensor([-1, 2])), ValueError, r"target_lengths must be >= 0, got \[-1\]"),
+    (dict(input_lengths=torch.tensor([6.0, 6.0])), TypeError, r"input_lengths must hold integers, got dtype torch.float32"),
+    (dict(input_lengths=torch.tensor([6, 6, 6])), ValueError, r"input_lengths must have shape \(2,\), one length per sequence, got \(3,\)"),
+    (dict(target_lengths=torch.tensor([2, 2], device='meta')), ValueError, r"target_lengths is on meta: it must be on the CPU or on cpu"),
+    (dict(input_lengths='6'), TypeError, r"input_lengths must be a tensor, list or tuple of ints, got str"),
+    (dict(blank=5), ValueError, r"blank must be an int in \[0, C\) = \[0, 5\), got 5"),
+    (dict(reduction='avg'), ValueError, r"reduction must be 'none', 'sum' or 'mean', got 'avg'"),
+    (dict(backend='gpu'), ValueError, r"backend must be 'auto', 'cpu', 'cuda' or 'reference', got 'gpu'"),
+]
+
+@pytest.mark.parametrize('bad,error,message', BAD)
+def test_bad_input_is_a_clear_error(bad, error, message):
+    args = dict(log_probs=lp0, targets=tg0, input_lengths=il0, target_lengths=tl0)
+    args.update(bad)
+    with pytest.raises(error, match=message): ctc_loss(**args)
