@@ -21,6 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 demo: install
 	$(BIN)/seqdist-selfcheck
+	$(BIN)/seqdist-bench --quick
 
 test: install
 	@echo "== nbdev-export: seqdist/ must be exactly what the notebooks export"

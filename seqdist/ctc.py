@@ -247,6 +247,37 @@ def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
     z = a[T - 1, S + 1]
     if S > 1: z = _log_add(z, a[T - 1, S], use_max)
     return z
+@numba.njit(cache=_CACHE)
+def _viterbi(lp, n, T, S, U, labels, slot, skipf, alpha, emit, back):
+    """Max semiring in log space, keeping for each (frame, state) which predecessor won (0 stay, 1 move, 2 skip; the
+    first of equals): the gradient of a max is the indicator of its argmax, so these are what autograd would store."""
+    for t in range(T):
+        for u in range(U): emit[t, u] = lp[t, n, labels[u]]
+    a = alpha
+    for s in range(S + 4): a[0, s] = -np.inf
+    a[0, 2] = emit[0, slot[0]]
+    if S > 1: a[0, 3] = emit[0, slot[1]]
+    for t in range(1, T):
+        lo, hi = _band(t, T, S)
+        a[t, lo] = -np.inf; a[t, lo + 1] = -np.inf
+        for s in range(lo, hi + 1):
+            v, b = a[t - 1, s + 2], 0
+            if a[t - 1, s + 1] > v: v, b = a[t - 1, s + 1], 1
+            if skipf[s] != 0.0 and a[t - 1, s] > v: v, b = a[t - 1, s], 2
+            a[t, s + 2] = v + emit[t, slot[s]]
+            back[t, s] = b
+        a[t, hi + 3] = -np.inf; a[t, hi + 4] = -np.inf
+    z, s = a[T - 1, S + 1], S - 1
+    if S > 1 and a[T - 1, S] > z: z, s = a[T - 1, S], S - 2
+    return z, s
+
+@numba.njit(cache=_CACHE)
+def _backtrack(n, T, ext, back, last, g, grad, by_state):
+    "Follow the backpointers from the best final state, subtracting g at each frame's state (or its label)."
+    s = last
+    for t in range(T - 1, -1, -1):
+        grad[t, n, s if by_state else ext[s]] -= g
+        if t > 0: s -= back[t, s]
 
 # %% ../nbs/02_ctc.ipynb #644ae7e5
 @numba.njit(cache=_CACHE)
@@ -340,12 +371,16 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, use_max, g, grad, by
         slot, labels, skipf = np.empty(S + 2, np.int64), np.empty(S, np.int64), np.empty(S + 2)
         U = _lattice(ext[n], L, blank, C, slot, labels, skipf)
         alpha, emit, beta = np.empty((T, S + 4)), np.empty((T, U)), np.empty((2, S + 4))
-        scaled = not use_max
-        if scaled:
-            z, scaled, emit_scale = _forward_scaled(lp, n, T, S, U, labels, slot, skipf, alpha, emit)
+        want = g.shape[0] > 0 and g[n] != 0.0
+        if use_max:                             # Viterbi: a forward pass with backpointers, then the path
+            back = np.empty((T, S), np.int8)
+            z, last = _viterbi(lp, n, T, S, U, labels, slot, skipf, alpha, emit, back)
+            logz[n] = z
+            if want and z != -np.inf: _backtrack(n, T, ext[n], back, last, g[n], grad, by_state)
+            continue
+        z, scaled, emit_scale = _forward_scaled(lp, n, T, S, U, labels, slot, skipf, alpha, emit)
         if not scaled:
             z = _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max)
-        want = g.shape[0] > 0 and g[n] != 0.0
         if scaled and z != -np.inf:
             if _backward_scaled(n, T, S, ext[n], slot, skipf, alpha, emit, g[n] if want else 0.0, grad, beta, z,
                                 emit_scale, by_state, want):
@@ -357,6 +392,29 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, use_max, g, grad, by
         if want and z != -np.inf:
             _backward_log(n, T, S, ext[n], slot, skipf, alpha, emit, g[n], grad, beta, use_max, by_state)
     return logz
+
+
+@numba.njit(parallel=True, cache=_CACHE)
+def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
+    "The best path's state at each frame, states[n, t] (left as is past the input length); returns the best scores."
+    T_max, N, C = lp.shape
+    best = np.empty(N)
+    for n in numba.prange(N):
+        T, L = input_lengths[n], target_lengths[n]
+        S = 2 * L + 1
+        if T == 0:
+            best[n] = 0.0 if L == 0 else -np.inf
+            continue
+        slot, labels, skipf = np.empty(S + 2, np.int64), np.empty(S, np.int64), np.empty(S + 2)
+        U = _lattice(ext[n], L, blank, C, slot, labels, skipf)
+        alpha, emit, back = np.empty((T, S + 4)), np.empty((T, U)), np.empty((T, S), np.int8)
+        z, s = _viterbi(lp, n, T, S, U, labels, slot, skipf, alpha, emit, back)
+        best[n] = z
+        if z == -np.inf: continue
+        for t in range(T - 1, -1, -1):
+            states[n, t] = s
+            if t > 0: s -= back[t, s]
+    return best
 
 # %% ../nbs/02_ctc.ipynb #fc0259f9
 _ctc_kernels = {(dtype, S): {name: load_kernel('ctc.cu', name, **S.cuda_macros(dtype))
@@ -421,7 +479,8 @@ def ctc_compute(log_probs, targets, input_lengths, target_lengths, blank, use_ma
     if backend == 'auto': backend = 'cuda' if log_probs.is_cuda else 'cpu'
     if backend not in _BACKENDS: raise ValueError(f"backend must be 'auto', 'cpu', 'cuda' or 'reference', got {backend!r}")
     if backend == 'cpu' and log_probs.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; log_probs is on a GPU")
-    lp = log_probs.detach().to(_compute_dtype(log_probs.dtype)).contiguous()
+    lp = log_probs.detach().to(_compute_dtype(log_probs.dtype))
+    if backend != 'cpu': lp = lp.contiguous()    # numba reads strided arrays (e.g. batch-first views) as they are
     padded = padded_targets(lp, targets, input_lengths, target_lengths, blank)
     if want == 2 and targets.dim() == 2 and padded.shape[1] < targets.shape[1]:   # state outputs keep the padded width
         padded = torch.nn.functional.pad(padded, (0, targets.shape[1] - padded.shape[1]), value=blank)
@@ -447,19 +506,28 @@ def _(log_probs, targets, input_lengths, target_lengths, blank, use_max, want, z
 
 def _ctc_setup_context(ctx, inputs, output):
     log_probs, targets, input_lengths, target_lengths, blank, use_max, want, zero_infinity, torch_grad, backend = inputs
-    ctx.save_for_backward(log_probs, input_lengths, output[0], output[1])
-    ctx.want, ctx.zero_infinity, ctx.torch_grad = want, zero_infinity, torch_grad
+    ctx.save_for_backward(log_probs, input_lengths, output[0], output[1], targets, target_lengths)
+    ctx.want, ctx.zero_infinity, ctx.torch_grad, ctx.blank = want, zero_infinity, torch_grad, blank
 
 def _ctc_backward(ctx, grad_logz, grad_P):
-    """d logZ / d log_probs from the posteriors the forward pass computed. With torch_grad, PyTorch's convention for
-    ctc_loss: it also subtracts exp(log_probs), which the log_softmax before a CTC loss cancels."""
-    log_probs, input_lengths, logz, P = ctx.saved_tensors
-    if ctx.want != 1: raise RuntimeError("seqdist::ctc: call it with want=1 to differentiate logZ")
+    """d logZ / d log_probs from the posteriors the forward pass computed (of the labels, or of the states, which are
+    then added into their labels). With torch_grad, PyTorch's convention for ctc_loss: it also subtracts
+    exp(log_probs), which the log_softmax before a CTC loss cancels."""
+    log_probs, input_lengths, logz, P, targets, target_lengths = ctx.saved_tensors
+    if ctx.want == 0: raise RuntimeError("seqdist::ctc: call it with want=1 or 2 to differentiate logZ")
     T = log_probs.shape[0]
     valid = torch.arange(T, device=log_probs.device)[:, None] < input_lengths.to(log_probs.device)[None]   # (T, N)
     g = torch.where(torch.isinf(logz), 0.0 if ctx.zero_infinity else math.nan, grad_logz)   # infeasible: as PyTorch
     w = torch.where(valid, g[None], 0.0)[..., None].to(P.dtype)
-    grad = torch.exp(log_probs.to(P.dtype)).add_(P) if ctx.torch_grad else P.clone()   # one allocation
+    dtype = P.dtype
+    if ctx.want == 1:
+        grad = torch.exp(log_probs.to(dtype)).add_(P) if ctx.torch_grad else P.clone()   # one allocation
+    else:
+        grad = torch.exp(log_probs.to(dtype)) if ctx.torch_grad else log_probs.new_zeros(log_probs.shape, dtype=dtype)
+        tl = target_lengths.to(targets.device)
+        clean = torch.where(torch.arange(targets.shape[1], device=targets.device)[None] < tl[:, None], targets, ctx.blank)
+        ext = interleave_blanks(clean, ctx.blank).to(log_probs.device)
+        grad.scatter_add_(2, ext[None].expand(T, -1, -1), P)
     return grad.mul_(-w).to(log_probs.dtype), None, None, None, None, None, None, None, None, None
 
 torch.library.register_autograd('seqdist::ctc', _ctc_backward, setup_context=_ctc_setup_context)
@@ -487,7 +555,9 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
     computed in float32 (the loss is returned in float32, the gradient in the input's dtype)."""
     if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     lp, tg, il, tl, unbatched = ctc_inputs(log_probs, targets, input_lengths, target_lengths, blank)
-    want = 1 if torch.is_grad_enabled() and lp.requires_grad else 0
+    want = 0
+    if torch.is_grad_enabled() and lp.requires_grad:   # posteriors of the states if they are fewer than the labels
+        want = 2 if tg.dim() == 2 and 2 * tg.shape[1] + 1 < lp.shape[2] else 1
     logz, _ = ctc_apply(lp, tg, il, tl, blank, False, want, zero_infinity, True, backend)
     loss = -logz
     if zero_infinity: loss = torch.where(torch.isinf(loss), torch.zeros_like(loss), loss)
@@ -535,10 +605,14 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     if input_lengths is None: input_lengths = torch.full((N,), T, dtype=torch.long)
     if target_lengths is None: target_lengths = torch.full((N,), targets.shape[1], dtype=torch.long)
     lp, tg, il, tl, _ = ctc_inputs(log_probs.transpose(0, 1), targets, input_lengths, target_lengths, blank)
-    _, P = ctc_compute(lp, tg, il, tl, int(blank), True, 2)
-    state = (-P).argmax(-1).T                                                   # (N, T)
     ext = interleave_blanks(padded_targets(lp, tg, il, tl, blank), blank)
-    ext = torch.nn.functional.pad(ext, (0, P.shape[-1] - ext.shape[1]), value=blank)
+    if not lp.is_cuda:      # the CPU kernel returns the path itself
+        state = torch.zeros(N, T, dtype=torch.long)
+        _viterbi_states_cpu(lp.detach().to(_compute_dtype(lp.dtype)).numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy())
+    else:                   # else the path is the Max semiring's posterior
+        _, P = ctc_compute(lp, tg, il, tl, int(blank), True, 2)
+        state = P.argmin(-1).T                                                  # (N, T): P is -1 on the path
+        ext = torch.nn.functional.pad(ext, (0, P.shape[-1] - ext.shape[1]), value=blank)
     labels = ext.gather(1, state)
     valid = torch.arange(T, device=labels.device)[None] < il.to(labels.device)[:, None]
     labels = torch.where(valid, labels, blank)
