@@ -21,7 +21,7 @@ from .utils import load_kernel
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 
-# %% ../nbs/02_ctc.ipynb #753556ab
+# %% ../nbs/02_ctc.ipynb #30579401
 def interleave_blanks(targets, blank_idx: int):
     "The extended label sequences (N, 2L+1): a blank before, between and after the labels of each target (N, L)."
     N, L = targets.shape
@@ -42,7 +42,7 @@ def loss_pytorch(logits, targets, input_lengths, target_lengths, blank=0, reduct
     log_probs = logits.log_softmax(2)
     return nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
 
-# %% ../nbs/02_ctc.ipynb #714cbeb5
+# %% ../nbs/02_ctc.ipynb #8bb3cf81
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _lengths(x, name, N, device):
@@ -119,7 +119,7 @@ def padded_targets(log_probs, targets, input_lengths, target_lengths, blank):
         raise ValueError(f"targets contain the blank label {blank} within their target_lengths")
     return torch.where(keep, padded, blank)    # the padding may hold garbage: replace it
 
-# %% ../nbs/02_ctc.ipynb #4351e7bc
+# %% ../nbs/02_ctc.ipynb #cf1817dc
 def logz_reference(state_scores, ext, input_lengths, target_lengths, blank=0, S:semiring=Log):
     """The forward algorithm over the CTC lattice in PyTorch, vectorised over sequences and states, one step per
     frame: logZ (N,) in semiring S. state_scores (T, N, 2L+1) are log_probs gathered at the extended labels `ext`.
@@ -154,7 +154,7 @@ def logz_brute_force(log_probs, target, blank=0, S:semiring=Log):
     if not scores: return log_probs.new_tensor(-math.inf)
     return S.sum(torch.stack(scores), dim=0)
 
-# %% ../nbs/02_ctc.ipynb #7784621f
+# %% ../nbs/02_ctc.ipynb #2564eb9c
 _CACHE = __name__ != "__main__"  # numba caches compiled kernels for the package, not for notebook cells
 _TINY = 1e-150   # emissions this far below the frame's best label may underflow in products: use log space instead
 _AGREE = 1e-11   # forward and backward logZ must agree this closely (relative) for the scaled result to be kept
@@ -189,7 +189,7 @@ def _lattice(ext, L, blank, C, slot, labels, skipf):
     skipf[S] = skipf[S + 1] = 0.0
     return U
 
-# %% ../nbs/02_ctc.ipynb #938ff04d
+# %% ../nbs/02_ctc.ipynb #644ae7e5
 @numba.njit(cache=_CACHE)
 def _forward_scaled(lp, n, T, S, U, labels, slot, skipf, alpha, emit):
     """Log semiring in scaled probability space: exp once per (frame, label), multiply-adds in the recursion, each
@@ -279,7 +279,7 @@ def _backtrack(n, T, ext, back, last, g, grad, by_state):
         grad[t, n, s if by_state else ext[s]] -= g
         if t > 0: s -= back[t, s]
 
-# %% ../nbs/02_ctc.ipynb #644ae7e5
+# %% ../nbs/02_ctc.ipynb #6f017c13
 @numba.njit(cache=_CACHE)
 def _backward_scaled(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, logz, emit_scale, by_state, write):
     """Scaled backward pass of the Log semiring, writing `grad[t, n, k] -= g * posterior(t, s)` as it goes, where k is
@@ -354,7 +354,7 @@ def _backward_log(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, use_max
             b_prev[s + 2] = v
         b, b_prev = b_prev, b
 
-# %% ../nbs/02_ctc.ipynb #1c25404e
+# %% ../nbs/02_ctc.ipynb #c51a7e4a
 @numba.njit(parallel=True, cache=_CACHE)
 def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, use_max, g, grad, by_state):
     """logZ of each sequence (N,), and, if `g` is not empty, `grad[t, n, k] -= g[n] * posterior` (Log) or `-= g[n]`
@@ -416,7 +416,7 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
             if t > 0: s -= back[t, s]
     return best
 
-# %% ../nbs/02_ctc.ipynb #fc0259f9
+# %% ../nbs/02_ctc.ipynb #18282c61
 _ctc_kernels = {(dtype, S): {name: load_kernel('ctc.cu', name, **S.cuda_macros(dtype))
                              for name in ('ctc_alpha', 'ctc_beta', 'ctc_posteriors')}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
@@ -442,7 +442,7 @@ def _ctc_cuda(lp, ext, il, tl, blank, use_max, want):
                                                             int(want == 2), int(use_max)))
     return logz, P
 
-# %% ../nbs/02_ctc.ipynb #a9c331a8
+# %% ../nbs/02_ctc.ipynb #aa3e1ba8
 def _ctc_reference(lp, ext, il, tl, blank, use_max, want):
     "The PyTorch reference: logZ, and P (negated posteriors) through autograd."
     S = Max if use_max else Log
@@ -471,7 +471,7 @@ _BACKENDS = {'cpu': _ctc_cpu_numba, 'cuda': _ctc_cuda, 'reference': _ctc_referen
 
 def _compute_dtype(dtype): return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
-# %% ../nbs/02_ctc.ipynb #e2824969
+# %% ../nbs/02_ctc.ipynb #8335b192
 def ctc_compute(log_probs, targets, input_lengths, target_lengths, blank, use_max, want, backend='auto'):
     """logZ (N,) of each sequence in the Log (or Max) semiring, and P: minus the posteriors (T, N, C) of the labels
     (want=1), of the states (T, N, 2S+1 for padded targets (N, S); want=2), or nothing (want=0). No autograd.
@@ -547,7 +547,7 @@ def ctc_apply(log_probs, targets, input_lengths, target_lengths, blank, use_max,
     if backend == 'reference': return _CTCReference.apply(*args, backend)
     return ctc_op(*args, backend)
 
-# %% ../nbs/02_ctc.ipynb #0e9c3391
+# %% ../nbs/02_ctc.ipynb #805a4dee
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction='mean', zero_infinity=False, *,
              backend='auto'):
     """`torch.nn.functional.ctc_loss`, on CPU and GPU: same arguments, values and gradients. log_probs (T, N, C) or
@@ -573,7 +573,7 @@ class CTCLoss(nn.Module):
     def forward(self, log_probs, targets, input_lengths, target_lengths):
         return ctc_loss(log_probs, targets, input_lengths, target_lengths, self.blank, self.reduction, self.zero_infinity)
 
-# %% ../nbs/02_ctc.ipynb #97ffa7ec
+# %% ../nbs/02_ctc.ipynb #7624463d
 def posteriors(log_probs, targets, input_lengths, target_lengths, blank=0, S:semiring=Log, by_state=False, backend='auto'):
     """Posterior probability of each label (T, N, C) or lattice state (T, N, 2S+1 for padded targets (N, S)) at each
     frame: the gradient of logZ. With S=Max, the best path as 0/1. Zero past each input length."""
@@ -592,7 +592,7 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
     "seqdist 0.0.3: state posteriors (T, N, 2L+1) at inverse temperature `beta` (beta -> inf gives the Viterbi path)."
     return posteriors((logits.detach() * beta).log_softmax(2), targets, input_lengths, target_lengths, 0, Log, by_state=True)
 
-# %% ../nbs/02_ctc.ipynb #b8feaed5
+# %% ../nbs/02_ctc.ipynb #6e3ddde1
 def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0):
     """`torchaudio.functional.forced_align`, batched and on every device: log_probs (N, T, C) batch first, targets
     (N, L). Returns the label of each frame on the best path (N, T) (targets' dtype) and its log-probability (N, T).
@@ -619,7 +619,7 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     scores = torch.where(valid, log_probs.gather(2, labels[..., None])[..., 0], 0.0)
     return labels.to(targets.dtype), scores
 
-# %% ../nbs/02_ctc.ipynb #222b5876
+# %% ../nbs/02_ctc.ipynb #4678d742
 def prepare_inputs(scores, targets, input_lengths, target_lengths):
     "seqdist 0.0.3: state scores (T, N, 2L+1), repeat mask, final states and input lengths of the lattice (blank 0)."
     states = interleave_blanks(targets, blank_idx=0)

@@ -50,6 +50,7 @@ def html():
     proc = processed(build)
     out = ROOT / '_docs'
     shutil.rmtree(out, ignore_errors=True); out.mkdir()
+    if (ROOT / 'nbs' / 'images').exists(): shutil.copytree(ROOT / 'nbs' / 'images', out / 'images')   # figures the prose links
     exporter = HTMLExporter(template_name='lab')
     exporter.register_preprocessor(TagRemovePreprocessor(remove_input_tags={'remove_input'}), enabled=True)
     titles = {}
