@@ -119,7 +119,7 @@ def padded_targets(log_probs, targets, input_lengths, target_lengths, blank):
         raise ValueError(f"targets contain the blank label {blank} within their target_lengths")
     return torch.where(keep, padded, blank)    # the padding may hold garbage: replace it
 
-# %% ../nbs/02_ctc.ipynb #cf1817dc
+# %% ../nbs/02_ctc.ipynb #3ae4dce2
 def logz_reference(state_scores, ext, input_lengths, target_lengths, blank=0, S:semiring=Log):
     """The forward algorithm over the CTC lattice in PyTorch, vectorised over sequences and states, one step per
     frame: logZ (N,) in semiring S. state_scores (T, N, 2L+1) are log_probs gathered at the extended labels `ext`.
@@ -154,7 +154,7 @@ def logz_brute_force(log_probs, target, blank=0, S:semiring=Log):
     if not scores: return log_probs.new_tensor(-math.inf)
     return S.sum(torch.stack(scores), dim=0)
 
-# %% ../nbs/02_ctc.ipynb #2564eb9c
+# %% ../nbs/02_ctc.ipynb #77effaa9
 _CACHE = __name__ != "__main__"  # numba caches compiled kernels for the package, not for notebook cells
 _TINY = 1e-150   # emissions this far below the frame's best label may underflow in products: use log space instead
 _AGREE = 1e-11   # forward and backward logZ must agree this closely (relative) for the scaled result to be kept
@@ -189,7 +189,7 @@ def _lattice(ext, L, blank, C, slot, labels, skipf):
     skipf[S] = skipf[S + 1] = 0.0
     return U
 
-# %% ../nbs/02_ctc.ipynb #644ae7e5
+# %% ../nbs/02_ctc.ipynb #6f017c13
 @numba.njit(cache=_CACHE)
 def _forward_scaled(lp, n, T, S, U, labels, slot, skipf, alpha, emit):
     """Log semiring in scaled probability space: exp once per (frame, label), multiply-adds in the recursion, each
@@ -279,7 +279,7 @@ def _backtrack(n, T, ext, back, last, g, grad, by_state):
         grad[t, n, s if by_state else ext[s]] -= g
         if t > 0: s -= back[t, s]
 
-# %% ../nbs/02_ctc.ipynb #6f017c13
+# %% ../nbs/02_ctc.ipynb #3e75d209
 @numba.njit(cache=_CACHE)
 def _backward_scaled(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, logz, emit_scale, by_state, write):
     """Scaled backward pass of the Log semiring, writing `grad[t, n, k] -= g * posterior(t, s)` as it goes, where k is
@@ -354,7 +354,7 @@ def _backward_log(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, use_max
             b_prev[s + 2] = v
         b, b_prev = b_prev, b
 
-# %% ../nbs/02_ctc.ipynb #c51a7e4a
+# %% ../nbs/02_ctc.ipynb #507784c1
 @numba.njit(parallel=True, cache=_CACHE)
 def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, use_max, g, grad, by_state):
     """logZ of each sequence (N,), and, if `g` is not empty, `grad[t, n, k] -= g[n] * posterior` (Log) or `-= g[n]`
@@ -416,7 +416,7 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
             if t > 0: s -= back[t, s]
     return best
 
-# %% ../nbs/02_ctc.ipynb #18282c61
+# %% ../nbs/02_ctc.ipynb #d112fcf8
 _ctc_kernels = {(dtype, S): {name: load_kernel('ctc.cu', name, **S.cuda_macros(dtype))
                              for name in ('ctc_alpha', 'ctc_beta', 'ctc_posteriors')}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
@@ -442,7 +442,7 @@ def _ctc_cuda(lp, ext, il, tl, blank, use_max, want):
                                                             int(want == 2), int(use_max)))
     return logz, P
 
-# %% ../nbs/02_ctc.ipynb #aa3e1ba8
+# %% ../nbs/02_ctc.ipynb #f5d24b42
 def _ctc_reference(lp, ext, il, tl, blank, use_max, want):
     "The PyTorch reference: logZ, and P (negated posteriors) through autograd."
     S = Max if use_max else Log
@@ -471,7 +471,7 @@ _BACKENDS = {'cpu': _ctc_cpu_numba, 'cuda': _ctc_cuda, 'reference': _ctc_referen
 
 def _compute_dtype(dtype): return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
-# %% ../nbs/02_ctc.ipynb #8335b192
+# %% ../nbs/02_ctc.ipynb #ba002393
 def ctc_compute(log_probs, targets, input_lengths, target_lengths, blank, use_max, want, backend='auto'):
     """logZ (N,) of each sequence in the Log (or Max) semiring, and P: minus the posteriors (T, N, C) of the labels
     (want=1), of the states (T, N, 2S+1 for padded targets (N, S); want=2), or nothing (want=0). No autograd.
@@ -547,7 +547,7 @@ def ctc_apply(log_probs, targets, input_lengths, target_lengths, blank, use_max,
     if backend == 'reference': return _CTCReference.apply(*args, backend)
     return ctc_op(*args, backend)
 
-# %% ../nbs/02_ctc.ipynb #805a4dee
+# %% ../nbs/02_ctc.ipynb #75a2cac9
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction='mean', zero_infinity=False, *,
              backend='auto'):
     """`torch.nn.functional.ctc_loss`, on CPU and GPU: same arguments, values and gradients. log_probs (T, N, C) or
@@ -573,7 +573,7 @@ class CTCLoss(nn.Module):
     def forward(self, log_probs, targets, input_lengths, target_lengths):
         return ctc_loss(log_probs, targets, input_lengths, target_lengths, self.blank, self.reduction, self.zero_infinity)
 
-# %% ../nbs/02_ctc.ipynb #7624463d
+# %% ../nbs/02_ctc.ipynb #0fea7a89
 def posteriors(log_probs, targets, input_lengths, target_lengths, blank=0, S:semiring=Log, by_state=False, backend='auto'):
     """Posterior probability of each label (T, N, C) or lattice state (T, N, 2S+1 for padded targets (N, S)) at each
     frame: the gradient of logZ. With S=Max, the best path as 0/1. Zero past each input length."""
@@ -581,7 +581,7 @@ def posteriors(log_probs, targets, input_lengths, target_lengths, blank=0, S:sem
     lp, tg, il, tl, unbatched = ctc_inputs(log_probs, targets, input_lengths, target_lengths, blank)
     if by_state and tg.dim() != 2: raise ValueError("by_state=True needs padded targets (N, S)")
     _, P = ctc_compute(lp, tg, il, tl, int(blank), S is Max, 2 if by_state else 1, backend)
-    post = -P
+    post = 0.0 - P                                  # (not -P: no negative zeros)
     return post[:, 0] if unbatched else post
 
 def viterbi_alignments(logits, targets, input_lengths, target_lengths):
@@ -592,7 +592,7 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
     "seqdist 0.0.3: state posteriors (T, N, 2L+1) at inverse temperature `beta` (beta -> inf gives the Viterbi path)."
     return posteriors((logits.detach() * beta).log_softmax(2), targets, input_lengths, target_lengths, 0, Log, by_state=True)
 
-# %% ../nbs/02_ctc.ipynb #6e3ddde1
+# %% ../nbs/02_ctc.ipynb #24619e13
 def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0):
     """`torchaudio.functional.forced_align`, batched and on every device: log_probs (N, T, C) batch first, targets
     (N, L). Returns the label of each frame on the best path (N, T) (targets' dtype) and its log-probability (N, T).
@@ -619,7 +619,7 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     scores = torch.where(valid, log_probs.gather(2, labels[..., None])[..., 0], 0.0)
     return labels.to(targets.dtype), scores
 
-# %% ../nbs/02_ctc.ipynb #4678d742
+# %% ../nbs/02_ctc.ipynb #ffea94e8
 def prepare_inputs(scores, targets, input_lengths, target_lengths):
     "seqdist 0.0.3: state scores (T, N, 2L+1), repeat mask, final states and input lengths of the lattice (blank 0)."
     states = interleave_blanks(targets, blank_idx=0)

@@ -273,3 +273,13 @@ def test_bad_input_is_a_clear_error(bad, error, message):
     args = dict(log_probs=lp0, targets=tg0, input_lengths=il0, target_lengths=tl0)
     args.update(bad)
     with pytest.raises(error, match=message): ctc_loss(**args)
+
+def test_torch_compile_inductor_fullgraph():
+    "The default backend compiles the surrounding code too (log_softmax is fused, hence a tolerance)."
+    torch.manual_seed(0)
+    x = torch.randn(30, 4, 6).requires_grad_()
+    targets, il, tl = torch.randint(1, 6, (4, 8)), torch.tensor([30, 25, 30, 20]), torch.tensor([8, 5, 3, 0])
+    def f(x): return ctc_loss(x.log_softmax(2), targets, il, tl) * 2.0
+    eager, comp = f(x), torch.compile(f, fullgraph=True)(x)
+    torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(comp, x)[0], torch.autograd.grad(eager, x)[0], rtol=1e-5, atol=1e-6)
