@@ -1,0 +1,96 @@
+// Sparse-transition CRF: forward and backward scores and edge posteriors, in log space, in any semiring
+// (written by nbs/04_sparse.ipynb). Ms (T, N, C, NZ): score of entering state c by its j-th edge, from idx[c, j].
+#include "semiring.cuh"
+
+// One block per sequence; thread i owns states i, i + blockDim.x, ... (K = C / blockDim.x of them: a tuning knob).
+// The previous frame's scores are in shared memory, double-buffered: one barrier per frame.
+extern "C" __global__ void sparse_fwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
+                                      const FLOAT* __restrict__ v0, FLOAT* __restrict__ alpha, int T, int N, int C, int NZ) {
+    extern __shared__ unsigned char smem[];
+    FLOAT* buf = (FLOAT*)smem;                       // 2 * C values
+    const int n = blockIdx.x;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) buf[c] = alpha[(long long)n * C + c] = v0[(long long)n * C + c];
+    __syncthreads();
+    for (int t = 0; t < T; t++) {
+        const FLOAT* prev = buf + (t % 2) * C;
+        FLOAT* cur = buf + ((t + 1) % 2) * C;
+        const FLOAT* M = Ms + ((long long)t * N + n) * C * NZ;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            FLOAT a = ZERO;
+            for (int j = 0; j < NZ; j++) a = SUM(a, MUL(M[c * NZ + j], prev[idx[c * NZ + j]]));
+            cur[c] = a;
+            alpha[((long long)(t + 1) * N + n) * C + c] = a;
+        }
+        __syncthreads();
+    }
+}
+
+// beta[t, s] = sum over the edges e leaving s (e = c * NZ + j with idx[c, j] = s) of Ms[t, e] * beta[t + 1, c].
+// out_edges lists, for each state, its NZ edges (every state has NZ of them: checked by the caller), so each thread
+// reads rather than scatters, and no atomics are needed.
+extern "C" __global__ void sparse_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ out_edges,
+                                      const FLOAT* __restrict__ vT, FLOAT* __restrict__ beta, int T, int N, int C, int NZ) {
+    extern __shared__ unsigned char smem[];
+    FLOAT* buf = (FLOAT*)smem;
+    const int n = blockIdx.x;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) buf[(T % 2) * C + c] = beta[((long long)T * N + n) * C + c] = vT[(long long)n * C + c];
+    __syncthreads();
+    for (int t = T - 1; t >= 0; t--) {
+        const FLOAT* next = buf + ((t + 1) % 2) * C;
+        FLOAT* cur = buf + (t % 2) * C;
+        const FLOAT* M = Ms + ((long long)t * N + n) * C * NZ;
+        for (int s = threadIdx.x; s < C; s += blockDim.x) {
+            FLOAT b = ZERO;
+            for (int k = 0; k < NZ; k++) {
+                const int e = out_edges[s * NZ + k];
+                b = SUM(b, MUL(M[e], next[e / NZ]));
+            }
+            cur[s] = b;
+            beta[((long long)t * N + n) * C + s] = b;
+        }
+        __syncthreads();
+    }
+}
+
+// grad[t, n, e] = g[n] * posterior of edge e at frame t. Log: exp(alpha + Ms + beta - logZ). Max: 1 on the frame's
+// best edge, found by a block-wide argmax (ties: the smallest edge index), so the result is deterministic.
+// One block per (t, n); blockDim.x is a power of two.
+extern "C" __global__ void sparse_posteriors(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
+                                             const FLOAT* __restrict__ alpha, const FLOAT* __restrict__ beta,
+                                             const FLOAT* __restrict__ logz, const FLOAT* __restrict__ g,
+                                             FLOAT* __restrict__ grad, int N, int C, int NZ, int use_max) {
+    extern __shared__ unsigned char smem[];
+    FLOAT* best = (FLOAT*)smem;                       // blockDim.x values
+    int* where = (int*)(best + blockDim.x);           // blockDim.x indices
+    const int t = blockIdx.x, n = blockIdx.y, E = C * NZ;
+    const long long frame = ((long long)t * N + n);
+    const FLOAT* M = Ms + frame * E;
+    const FLOAT* a = alpha + frame * C;
+    const FLOAT* b = beta + (frame + N) * C;           // beta at t + 1
+    FLOAT* out = grad + frame * E;
+    FLOAT my_best = -INFINITY;
+    int my_where = E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const FLOAT w = MUL(MUL(a[idx[e]], M[e]), b[e / NZ]);
+        if (use_max) {
+            out[e] = 0;
+            if (w > my_best) { my_best = w; my_where = e; }
+        } else {
+            out[e] = g[n] * exp(w - logz[n]);
+        }
+    }
+    if (!use_max) return;                              // uniform across the block: no barrier follows for anyone
+    best[threadIdx.x] = my_best; where[threadIdx.x] = my_where;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half /= 2) {
+        if (threadIdx.x < half) {
+            const FLOAT o = best[threadIdx.x + half];
+            const int ow = where[threadIdx.x + half];
+            if (o > best[threadIdx.x] || (o == best[threadIdx.x] && ow < where[threadIdx.x])) {
+                best[threadIdx.x] = o; where[threadIdx.x] = ow;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0 && where[0] < E) out[where[0]] = g[n];
+}

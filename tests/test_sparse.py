@@ -1,0 +1,142 @@
+"""Sparse CRF: reference = brute force; cpu, cuda (emulated) and reference agree on logZ, its gradient, and the
+forward / backward scores, in both semirings and dtypes, for several K and the looping path; 0.0.3 names."""
+import itertools, math, pytest, torch
+import torch.nn.functional as F
+from seqdist.core import Log, Max
+from seqdist.sparse import (logZ, logZ_reference, logZ_scan_py, logZ_scan, sparse_logz_compute, fwd_scores_cupy,
+                            bwd_scores_cupy, bwd_scores_py, Mv_scan_py, Mv_scan_cupy, logZ_fwd_cupy, logZ_bwd_cupy,
+                            ctc_loss, ctc_loss_scan, ctc_loss_scan_py, cupy_func)
+from seqdist.utils import emulator_options
+
+def kmer_idx(state_len, n_base=4):
+    C = n_base ** state_len
+    c = torch.arange(C)[:, None]
+    return torch.cat([c, (c // n_base) + torch.arange(n_base)[None] * n_base ** (state_len - 1)], 1)
+
+def brute_force(Ms, idx, v0, vT, S):
+    T, N, C, NZ = Ms.shape
+    out = []
+    for n in range(N):
+        scores = []
+        for p in itertools.product(range(C), repeat=T + 1):
+            terms = [v0[n, p[0]], vT[n, p[-1]]]
+            for t in range(T):
+                ways = [Ms[t, n, p[t + 1], j] for j in range(NZ) if idx[p[t + 1], j] == p[t]]
+                if not ways: break
+                terms.append(S.sum(torch.stack(ways), dim=0))
+            else: scores.append(sum(terms))
+        out.append(S.sum(torch.stack(scores), dim=0))
+    return torch.stack(out)
+
+@pytest.mark.parametrize('S', [Log, Max])
+def test_brute_force(S):
+    torch.manual_seed(0)
+    T, N, C, NZ = 3, 2, 4, 3
+    Ms = torch.randn(T, N, C, NZ, dtype=torch.float64)
+    idx = torch.tensor([[c, (c + 1) % C, (c + 3) % C] for c in range(C)], dtype=torch.int32)
+    v0, vT = torch.randn(N, C, dtype=torch.float64), torch.randn(N, C, dtype=torch.float64)
+    truth = brute_force(Ms, idx, v0, vT, S)
+    for backend in ('reference', 'cpu', 'cuda'):
+        torch.testing.assert_close(logZ(Ms, idx, v0, vT, S, backend=backend), truth, rtol=1e-12, atol=1e-12)
+
+@pytest.mark.parametrize('S', [Log, Max])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('state_len,K', [(2, 1), (3, 1), (3, 2), (3, 4)])   # C=64 with K>1: fewer threads than states
+def test_three_paths_agree(S, dtype, state_len, K):
+    torch.manual_seed(1)
+    T, N = 9, 3
+    idx = kmer_idx(state_len).int()
+    C = idx.shape[0]
+    Ms = torch.randn(T, N, C, 5, dtype=torch.float64).to(dtype)
+    v0, vT = torch.randn(N, C, dtype=torch.float64).to(dtype), torch.zeros(N, C, dtype=dtype)
+    ref = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, 'reference')
+    tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-11)
+    for backend in ('cpu', 'cuda'):
+        with emulator_options(seed=K):
+            z, g = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, backend, K)
+        torch.testing.assert_close(z, ref[0], **tol); torch.testing.assert_close(g, ref[1], **tol)
+        for fn, v in ((fwd_scores_cupy, v0), (bwd_scores_cupy, vT)):
+            with emulator_options(seed=K):
+                got = fn(Ms, idx, v, S, K, backend=backend)
+            torch.testing.assert_close(got, fn(Ms, idx, v, S, K, backend='reference'), **tol)
+
+def test_scores_are_consistent_with_logz():
+    torch.manual_seed(0)
+    T, N = 12, 2
+    idx = kmer_idx(2)
+    Ms = torch.randn(T, N, 16, 5, dtype=torch.float64)
+    v0 = vT = torch.zeros(N, 16, dtype=torch.float64)
+    alpha, beta = fwd_scores_cupy(Ms, idx, v0), bwd_scores_cupy(Ms, idx, vT)
+    z = logZ(Ms, idx, v0, vT)
+    torch.testing.assert_close(torch.logsumexp(alpha + beta, -1), z[None].expand(T + 1, -1))
+    torch.testing.assert_close(beta, bwd_scores_py(Ms, idx, vT))
+
+def test_gradcheck():
+    torch.manual_seed(0)
+    idx = kmer_idx(1)
+    Ms = torch.randn(4, 2, 4, 5, dtype=torch.float64, requires_grad=True)
+    v0, vT = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    for backend in ('cpu', 'reference', 'cuda'):
+        assert torch.autograd.gradcheck(lambda m: logZ(m, idx, v0, vT, backend=backend), (Ms,))
+
+def test_peaked_scores_fall_back_to_log_space():
+    torch.manual_seed(0)
+    idx = kmer_idx(2)
+    Ms = torch.randn(30, 3, 16, 5) * 60                    # frames span far more than exp can hold in float32
+    v0 = vT = torch.zeros(3, 16)
+    z, g = sparse_logz_compute(Ms, idx, v0, vT, False, True, 'cpu')
+    zr, gr = sparse_logz_compute(Ms.double(), idx, v0.double(), vT.double(), False, True, 'reference')
+    torch.testing.assert_close(z.double(), zr, rtol=1e-6, atol=1e-3); torch.testing.assert_close(g.double(), gr, rtol=0, atol=1e-5)
+
+def test_seqdist_003_names():
+    torch.manual_seed(0)
+    idx = kmer_idx(2)
+    Ms = torch.randn(10, 2, 16, 5, dtype=torch.float64, requires_grad=True)
+    v0 = vT = torch.zeros(2, 16, dtype=torch.float64)
+    z = logZ(Ms, idx.int(), v0, vT, Log, K=1)
+    for f in (logZ_scan_py, logZ_scan):
+        torch.testing.assert_close(f(Ms, idx, v0, vT, Log), z)
+    torch.testing.assert_close(torch.autograd.grad(logZ_scan(Ms, idx, v0, vT, Log).sum(), Ms)[0],
+                               torch.autograd.grad(z.sum(), Ms)[0])
+    torch.testing.assert_close(Mv_scan_cupy(Ms, idx, v0), Mv_scan_py(Ms, idx, v0))
+    lz, part = logZ_fwd_cupy(Ms, idx, v0, vT)
+    torch.testing.assert_close(lz, z)
+    assert logZ_bwd_cupy is bwd_scores_cupy and cupy_func('bwd_scores', torch.float32, Log, 5, 1).name == 'sparse_bwd'
+    logits = torch.randn(30, 3, 6, dtype=torch.float64)
+    targets, il, tl = torch.randint(1, 6, (3, 5)), torch.full((3,), 30), torch.tensor([5, 3, 4])
+    expected = F.ctc_loss(logits.log_softmax(2), targets, il, tl)
+    for f in (ctc_loss, ctc_loss_scan, ctc_loss_scan_py):
+        torch.testing.assert_close(f(logits, targets, il, tl), expected)
+
+def test_backward_twice_with_retain_graph():
+    Ms = torch.randn(5, 2, 16, 5, requires_grad=True)
+    z = logZ(Ms, kmer_idx(2), torch.zeros(2, 16), torch.zeros(2, 16)).sum()
+    g1, = torch.autograd.grad(z, Ms, retain_graph=True)
+    g2, = torch.autograd.grad(z, Ms)
+    assert torch.equal(g1, g2)
+
+Ms0, idx0, v00 = torch.randn(4, 2, 16, 5), kmer_idx(2), torch.zeros(2, 16)
+BAD = [
+    (dict(Ms=Ms0[0]), ValueError, r"Ms must be a \(T, N, C, NZ\) tensor, got torch.Size\(\[2, 16, 5\]\)"),
+    (dict(Ms=Ms0.half()), TypeError, r"Ms must be float32 or float64, got torch.float16"),
+    (dict(idx=idx0.float()), TypeError, r"idx must be an int32 or int64 tensor, got torch.float32"),
+    (dict(idx=idx0[:, :4]), ValueError, r"idx must have shape \(C, NZ\) = \(16, 5\), got \(16, 4\)"),
+    (dict(idx=idx0 + 1), ValueError, r"idx must hold states in \[0, C\) = \[0, 16\), got values in \[1, 16\]"),
+    (dict(v0=v00[:1]), ValueError, r"v0 must be a \(2, 16\) tensor, got torch.Size\(\[1, 16\]\)"),
+    (dict(vT=v00.double()), TypeError, r"vT must have Ms' dtype and device"),
+    (dict(K=0), ValueError, r"K must be a positive int, got 0"),
+    (dict(S='Log'), ValueError, r"S must be Log or Max, got 'Log'"),
+    (dict(backend='gpu'), ValueError, r"backend must be 'auto', 'cpu', 'cuda' or 'reference', got 'gpu'"),
+]
+
+@pytest.mark.parametrize('bad,error,message', BAD)
+def test_bad_input_is_a_clear_error(bad, error, message):
+    args = dict(Ms=Ms0, idx=idx0, v0=v00, vT=v00)
+    args.update(bad)
+    with pytest.raises(error, match=message): logZ(**args)
+
+def test_cuda_kernels_need_regular_out_degree():
+    idx = torch.tensor([[0, 1], [0, 1], [0, 2]])      # state 0 has 3 outgoing edges, state 2 one
+    with pytest.raises(ValueError, match="every state to have NZ = 2 outgoing edges"):   # the backward kernel needs it
+        logZ(torch.randn(3, 1, 3, 2, requires_grad=True), idx, torch.zeros(1, 3), torch.zeros(1, 3), backend='cuda')
+    logZ(torch.randn(3, 1, 3, 2), idx, torch.zeros(1, 3), torch.zeros(1, 3), backend='cpu')   # the CPU kernel takes any graph
