@@ -2,6 +2,10 @@
 // the macros FLOAT, ZERO, ONE, MUL(a, b), SUM(a, b), SUM3(a, b, c) (see seqdist.core.semiring.cuda_macros).
 #pragma once
 
+#ifndef INFINITY   // NVRTC compiles without the C math headers
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 template <class T> __device__ __forceinline__ T max2(T a, T b) { return a > b ? a : b; }
 template <class T> __device__ __forceinline__ T max3(T a, T b, T c) { return max2(max2(a, b), c); }
 
