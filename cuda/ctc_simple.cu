@@ -1,0 +1,47 @@
+// Forward and backward scores of the stay/move lattice, in log space, in any semiring (written by
+// nbs/03_ctc_simple.ipynb). One block per sequence; thread i owns states i, i + blockDim.x, ... (the loop is the
+// path for targets longer than the block); the previous frame is double-buffered in shared memory.
+#include "semiring.cuh"
+
+extern "C" __global__ void simple_alpha(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
+                                        const long long* __restrict__ lengths, FLOAT* __restrict__ alpha, int T, int N, int L) {
+    extern __shared__ unsigned char smem[];
+    FLOAT* buf = (FLOAT*)smem;                        // 2 * L values
+    const int n = blockIdx.x, Ln = (int)lengths[n];
+    for (int s = threadIdx.x; s < L; s += blockDim.x) buf[s] = alpha[(long long)n * L + s] = s == 0 ? ONE : ZERO;
+    __syncthreads();
+    for (int t = 0; t < T; t++) {
+        const FLOAT* prev = buf + (t % 2) * L;
+        FLOAT* cur = buf + ((t + 1) % 2) * L;
+        const long long row = ((long long)t * N + n);
+        for (int s = threadIdx.x; s < L; s += blockDim.x) {
+            FLOAT a = s < Ln ? MUL(stay[row * L + s], prev[s]) : ZERO;
+            if (s > 0 && s < Ln) a = SUM(a, MUL(move[row * (L - 1) + s - 1], prev[s - 1]));
+            cur[s] = a;
+            alpha[(row + N) * L + s] = a;
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void simple_beta(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
+                                       const long long* __restrict__ lengths, FLOAT* __restrict__ beta, int T, int N, int L) {
+    extern __shared__ unsigned char smem[];
+    FLOAT* buf = (FLOAT*)smem;
+    const int n = blockIdx.x, Ln = (int)lengths[n];
+    for (int s = threadIdx.x; s < L; s += blockDim.x)
+        buf[(T % 2) * L + s] = beta[((long long)T * N + n) * L + s] = s == Ln - 1 ? ONE : ZERO;
+    __syncthreads();
+    for (int t = T - 1; t >= 0; t--) {
+        const FLOAT* next = buf + ((t + 1) % 2) * L;
+        FLOAT* cur = buf + (t % 2) * L;
+        const long long row = ((long long)t * N + n);
+        for (int s = threadIdx.x; s < L; s += blockDim.x) {
+            FLOAT b = s < Ln ? MUL(stay[row * L + s], next[s]) : ZERO;
+            if (s + 1 < Ln) b = SUM(b, MUL(move[row * (L - 1) + s], next[s + 1]));
+            cur[s] = b;
+            beta[row * L + s] = b;
+        }
+        __syncthreads();
+    }
+}

@@ -1,0 +1,153 @@
+"""ctc_simple (stay/move lattice) and the CTC_CRF distribution: three paths agree with 0.0.3's PyTorch versions and
+brute force; the API as a basecaller calls it."""
+import itertools, math, pytest, torch
+import seqdist.ctc_simple as simple
+from seqdist.core import Log, Max
+from seqdist.crf import CTC_CRF, kmer_transitions
+from seqdist import sparse
+from seqdist.utils import emulator_options
+
+def brute_force_simple(stay, move, L, S):
+    "Sum over all 0/1 move sequences with L - 1 moves: the paths from state 0 to state L - 1."
+    T = stay.shape[0]
+    scores = []
+    for moves in itertools.combinations(range(T), L - 1):
+        s, total = 0, 0.0
+        for t in range(T):
+            if t in moves: total = total + move[t, s]; s += 1
+            else: total = total + stay[t, s]
+        scores.append(total)
+    return S.sum(torch.stack(scores), dim=0) if scores else torch.tensor(-math.inf, dtype=stay.dtype)
+
+@pytest.mark.parametrize('S', [Log, Max])
+def test_simple_brute_force_and_infeasible(S):
+    torch.manual_seed(0)
+    T, L = 6, 4
+    stay, move = torch.randn(T, 3, L, dtype=torch.float64), torch.randn(T, 3, L - 1, dtype=torch.float64)
+    lengths = torch.tensor([4, 2, 1])
+    for backend in ('reference', 'cpu', 'cuda'):
+        z = simple.logZ(stay, move, lengths, S, backend=backend)
+        for n in range(3):
+            torch.testing.assert_close(z[n], brute_force_simple(stay[:, n], move[:, n], int(lengths[n]), S))
+    z, gs, gm = simple.simple_compute(stay[:2], move[:2], torch.tensor([4, 4, 4]), S is Max, True, 'cpu')   # 4 states, 2 frames
+    assert (z == -math.inf).all() and (gs == 0).all() and (gm == 0).all()
+
+@pytest.mark.parametrize('S', [Log, Max])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('threads', [1024, 32])
+def test_simple_three_paths_agree_with_003(S, dtype, threads, monkeypatch):
+    monkeypatch.setattr(simple, 'CUDA_MAX_THREADS', threads)
+    torch.manual_seed(1)
+    stay, move, lengths = simple.generate_sample_inputs(T=50, N=3, L_min=10, L_max=45, device='cpu')
+    stay, move = stay.detach().to(dtype), move.detach().to(dtype)
+    s, m = stay.double().requires_grad_(), move.double().requires_grad_()
+    ref = simple.logZ_fwd(s, m, lengths, S)
+    g = torch.autograd.grad(ref.sum(), (s, m))
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-11)
+    for backend in ('reference', 'cpu', 'cuda'):
+        with emulator_options(seed=threads):
+            z, gs, gm = simple.simple_compute(stay, move, lengths, S is Max, True, backend)
+        torch.testing.assert_close(z.double(), ref, **tol)
+        torch.testing.assert_close(gs.double(), g[0], **tol); torch.testing.assert_close(gm.double(), g[1], **tol)
+
+def test_simple_003_names_and_gradcheck():
+    torch.manual_seed(0)
+    stay, move, lengths = simple.generate_sample_inputs(T=12, N=2, L_min=3, L_max=6, device='cpu')
+    stay, move = stay.detach().double().requires_grad_(), move.detach().double().requires_grad_()
+    torch.testing.assert_close(simple.logZ_cupy(stay, move, lengths), simple.logZ_py(stay, move, lengths))
+    assert torch.autograd.gradcheck(lambda s, m: simple.logZ(s, m, lengths), (stay, move))
+    hard = simple.viterbi_alignments(stay, move, lengths)
+    assert set(hard.unique().tolist()) <= {0.0, 1.0} and torch.equal(hard.sum(-1), torch.ones(12, 2, dtype=torch.float64))
+    soft = simple.soft_alignments(stay, move, lengths, beta=1.0)
+    torch.testing.assert_close(soft.sum(-1), torch.ones(12, 2, dtype=torch.float64))
+    assert torch.equal((simple.soft_alignments(stay, move, lengths, beta=1e4) > 0.5).double(), hard)
+    assert simple.mean(lambda x: x)(torch.tensor([1.0, 3.0])) == 2.0
+    torch.testing.assert_close(simple.dot(stay[0], move[0, :, :1].expand(-1, stay.shape[2])), torch.logsumexp(stay[0] + move[0, :, :1], -1))
+
+@pytest.mark.parametrize('bad,error,message', [
+    (dict(move_scores=torch.randn(5, 2, 3)), ValueError, r"move_scores must have shape \(T, N, L - 1\) = \(5, 2, 2\), got \(5, 2, 3\)"),
+    (dict(stay_scores=torch.randn(5, 2, 3).half()), TypeError, r"stay_scores must be float32 or float64, got torch.float16"),
+    (dict(target_lengths=torch.tensor([0, 3])), ValueError, r"target_lengths must be in \[1, L\] = \[1, 3\], got \[0\]"),
+    (dict(target_lengths=torch.tensor([3, 4])), ValueError, r"target_lengths must be in \[1, L\] = \[1, 3\], got \[4\]"),
+    (dict(target_lengths=torch.tensor([3.0, 3.0])), ValueError, r"target_lengths must be 2 integers"),
+    (dict(S='Max'), ValueError, r"S must be Log or Max"),
+])
+def test_simple_bad_input(bad, error, message):
+    args = dict(stay_scores=torch.randn(5, 2, 3), move_scores=torch.randn(5, 2, 2), target_lengths=torch.tensor([3, 2]))
+    args.update(bad)
+    with pytest.raises(error, match=message): simple.logZ(**args)
+
+def brute_force_crf_target(crf, scores, bases):
+    "log of the sum over the paths of the target's k-mers (stay/move lattice), by enumeration."
+    stay, move = crf.prepare_ctc_scores(scores, bases[None])
+    return brute_force_simple(stay[:, 0], move[:, 0], stay.shape[2], Log)
+
+def test_crf_loss_logz_and_brute_force():
+    torch.manual_seed(0)
+    crf = CTC_CRF(state_len=2, alphabet='NACG')
+    T = 5
+    scores = torch.randn(T, 1, crf.n_score(), dtype=torch.float64)
+    bases = torch.tensor([1, 3, 3, 2])
+    loss = crf.ctc_loss(scores, bases[None], torch.tensor([4]), reduction='none')
+    expected = -(brute_force_crf_target(crf, scores, bases) - crf.logZ(scores)[0]) / 4
+    torch.testing.assert_close(loss[0], expected)
+    # logZ against the dense product of transition matrices
+    Ms = scores.reshape(T, 1, crf.n_states, crf.n_base + 1)
+    dense = torch.zeros(T, crf.n_states, crf.n_states, dtype=torch.float64)
+    for c in range(crf.n_states):
+        for j in range(crf.n_base + 1): dense[:, c, crf.idx[c, j]] += Ms[:, 0, c, j].exp()
+    z = torch.ones(crf.n_states, dtype=torch.float64)
+    for t in range(T): z = dense[t] @ z
+    torch.testing.assert_close(crf.logZ(scores)[0], z.sum().log())
+
+def test_crf_as_a_basecaller_calls_it():
+    "Scores reshaped to (T, N, -1, n_base + 1), int32 idx, S=Max Viterbi through posteriors, K=1 keyword."
+    torch.manual_seed(0)
+    crf = CTC_CRF(state_len=3, alphabet='NACGT')
+    T, N = 40, 4
+    scores = torch.randn(T, N, crf.n_score(), requires_grad=True)
+    Ms = scores.reshape(T, N, -1, crf.n_base + 1)
+    idx = crf.idx
+    assert idx.dtype == torch.int32 and Ms.shape == (T, N, 64, 5)
+    v0 = vT = Ms.new_full((N, 64), Log.one)
+    z = sparse.logZ(Ms, idx, v0, vT, Log, K=1)
+    torch.testing.assert_close(z, crf.logZ(scores))
+    alpha = sparse.fwd_scores_cupy(Ms, idx, v0, Log, K=1)
+    beta = sparse.bwd_scores_cupy(Ms, idx, vT, Log, K=1)
+    torch.testing.assert_close(torch.logsumexp(alpha + beta, -1), z[None].expand(T + 1, -1), rtol=1e-5, atol=1e-4)
+    traceback = crf.posteriors(scores, Max)                                   # (T, N, n_score), one edge per frame
+    assert traceback.shape == scores.shape and torch.equal(traceback.sum(-1), torch.ones(T, N))
+    path = crf.viterbi(scores)
+    assert path.shape == (T, N) and int(path.max()) <= 4
+    assert isinstance(crf.path_to_str(path[:, 0]), str)
+    targets = torch.randint(1, 5, (N, 8)); targets[0, 6:] = 0                 # 0 = padding
+    lengths = torch.tensor([6, 8, 8, 7])
+    loss = crf.ctc_loss(scores, targets, lengths)
+    loss.backward()
+    assert torch.isfinite(loss) and scores.grad.shape == scores.shape and torch.isfinite(scores.grad).all()
+    assert crf.ctc_loss(scores, targets, lengths, reduction='none').shape == (N,)
+    assert (crf.ctc_loss(scores, targets, lengths, loss_clip=0.5, reduction='none') <= 0.5).all()
+    al = crf.ctc_viterbi_alignments(scores.detach(), targets, lengths)
+    assert al.shape == (T, N, 8 - 3 + 1) and torch.equal(al.sum(-1), torch.ones(T, N))
+
+def test_crf_decodes_perfect_scores():
+    for k in (1, 2, 3):
+        crf = CTC_CRF(state_len=k, alphabet='NACGT')
+        torch.manual_seed(k)
+        bases = torch.randint(1, 5, (12,))
+        kmers = [sum(int(bases[i + m] - 1) * 4 ** (k - 1 - m) for m in range(k)) for i in range(len(bases) - k + 1)]
+        scores = torch.full((3 * len(kmers), 1, crf.n_score()), -10.0)
+        for i, c in enumerate(kmers):
+            for t in range(3 * i, 3 * i + 3):
+                scores[t, 0, c * 5 + (1 + int(bases[i - 1] - 1) if t == 3 * i and i > 0 else 0)] = 5.0
+        assert crf.path_to_str(crf.viterbi(scores)[:, 0]) == crf.path_to_str(bases[k:])
+        assert crf.ctc_loss(scores, bases[None], torch.tensor([12])).item() < 1e-5
+
+def test_crf_bad_input():
+    with pytest.raises(ValueError, match="state_len must be a positive int"): CTC_CRF(0, 'NACGT')
+    with pytest.raises(ValueError, match="alphabet must hold a blank and at least one base"): CTC_CRF(2, 'N')
+    crf = CTC_CRF(2, 'NACGT')
+    with pytest.raises(ValueError, match=r"scores must be \(T, N, 80\) for state_len=2 and 5 symbols"): crf.logZ(torch.randn(5, 2, 81))
+    with pytest.raises(ValueError, match=r"reduction must be 'mean' or 'none'"):
+        crf.ctc_loss(torch.randn(5, 1, 80), torch.tensor([[1, 2, 3]]), torch.tensor([3]), reduction='sum')
+    assert torch.equal(kmer_transitions(1, 4), torch.tensor([[c, 0, 1, 2, 3] for c in range(4)], dtype=torch.int32))
