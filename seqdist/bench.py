@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CTC_SHAPES', 'median_ms', 'load_torchaudio', 'ctc_inputs_for', 'bench_ctc', 'bench_forced_align', 'sweep_ctc',
-           'markdown_table', 'run_benchmarks', 'bench_cli']
+           'bench_sparse', 'bench_ctc_crf', 'markdown_table', 'run_benchmarks', 'bench_cli']
 
 # %% ../nbs/10_bench.ipynb #2e89983f
 import argparse, json, os, sys, time
@@ -92,7 +92,46 @@ def sweep_ctc(Ts=(125, 250, 500, 1000, 2000, 4000), N=16, C=20, labels_per_frame
         rows.append(dict(T=T, L=L, ours_ms=r['ours_ms'], anchor_ms=r['anchor_ms']))
     return rows
 
-# %% ../nbs/10_bench.ipynb #44a650c7
+# %% ../nbs/10_bench.ipynb #89624098
+def bench_sparse(shapes=((500, 16, 4), (500, 8, 5)), warmup=2, reps=7):
+    "fwd+bwd of `sparse.logZ` against seqdist 0.0.3's pure-PyTorch `logZ_scan_py` (kept verbatim in seqdist.sparse)."
+    from seqdist import sparse
+    from seqdist.crf import kmer_transitions
+    from seqdist.core import Log
+    rows = []
+    for T, N, state_len in shapes:
+        C = 4 ** state_len
+        Ms = torch.randn(T, N, C, 5, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        idx, v = kmer_transitions(state_len, 4), torch.zeros(N, C)
+        def run(f, ix):
+            z = f(Ms, ix, v, v, Log)
+            return z.detach(), torch.autograd.grad(z.sum(), Ms)[0]
+        (z0, g0), (z1, g1) = run(sparse.logZ_scan_py, idx.long()), run(sparse.logZ, idx)
+        t0 = median_ms(lambda: run(sparse.logZ_scan_py, idx.long()), warmup, reps)
+        t1 = median_ms(lambda: run(sparse.logZ, idx), warmup, reps)
+        rows.append(dict(op='sparse.logZ fwd+bwd', shape=f"T={T} N={N} C={C} NZ=5", anchor="seqdist 0.0.3 logZ_scan_py",
+                         anchor_ms=t0, ours_ms=t1, ratio=t0 / t1,
+                         check=f"logZ diff {(z0 - z1).abs().max().item():.1e}, grad diff {(g0 - g1).abs().max().item():.1e}"))
+    return rows
+
+def bench_ctc_crf(T=1000, N=16, state_len=5, warmup=2, reps=7):
+    "CTC_CRF.ctc_loss fwd+bwd at a basecaller shape, and (as context) the CTC loss of the same targets."
+    from seqdist.crf import CTC_CRF
+    crf = CTC_CRF(state_len, 'NACGT')
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(T, N, crf.n_score(), generator=g).requires_grad_()
+    L = T // 5
+    targets = torch.randint(1, 5, (N, L), generator=g)
+    lengths = torch.randint(int(0.9 * L), L + 1, (N,), generator=g)
+    t_crf = median_ms(lambda: torch.autograd.grad(crf.ctc_loss(scores, targets, lengths), scores), warmup, reps)
+    lp = torch.randn(T, N, 5, generator=g).log_softmax(2).requires_grad_()
+    il = torch.full((N,), T)
+    t_ctc = median_ms(lambda: torch.autograd.grad(ctc_loss(lp, targets, il, lengths), lp), warmup, reps)
+    return [dict(op='CTC_CRF.ctc_loss fwd+bwd', shape=f"T={T} N={N} state_len={state_len} L~{L}",
+                 anchor='seqdist ctc_loss, same targets (C=5)', anchor_ms=t_ctc, ours_ms=t_crf, ratio=t_ctc / t_crf,
+                 check=f'context, not a speed-up: the CRF also normalises over {crf.n_states} states')]
+
+# %% ../nbs/10_bench.ipynb #4309c717
 def markdown_table(rows):
     "The benchmark rows as a markdown table."
     lines = ["| op | shape | anchor | anchor ms | ours ms | speed-up | check |", "|---|---|---|---|---|---|---|"]
@@ -107,8 +146,11 @@ def run_benchmarks(quick=False, device='cpu'):
     import numba; numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     if quick:
         rows = bench_ctc([(200, 16, 20, 30, 40)], device, warmup=1, reps=3)
-        return rows + (bench_forced_align(100, 8, 100, 10, 20, warmup=1, reps=3) if device == 'cpu' else [])
-    return bench_ctc(device=device) + (bench_forced_align() if device == 'cpu' else [])
+        if device != 'cpu': return rows
+        return rows + bench_forced_align(100, 8, 100, 10, 20, warmup=1, reps=3) + bench_sparse([(100, 4, 3)], 1, 3) + \
+               bench_ctc_crf(200, 4, 3, 1, 3)
+    if device != 'cpu': return bench_ctc(device=device)
+    return bench_ctc() + bench_forced_align() + bench_sparse() + bench_ctc_crf()
 
 def bench_cli():
     "`seqdist-bench`: time every family against the implementation a user would otherwise pick, in one run."

@@ -151,3 +151,13 @@ def test_crf_bad_input():
     with pytest.raises(ValueError, match=r"reduction must be 'mean' or 'none'"):
         crf.ctc_loss(torch.randn(5, 1, 80), torch.tensor([[1, 2, 3]]), torch.tensor([3]), reduction='sum')
     assert torch.equal(kmer_transitions(1, 4), torch.tensor([[c, 0, 1, 2, 3] for c in range(4)], dtype=torch.int32))
+
+def test_torch_compile_fullgraph_of_the_crf_ops():
+    torch.manual_seed(0)
+    crf = CTC_CRF(state_len=2, alphabet='NACGT')
+    scores = torch.randn(12, 3, crf.n_score(), requires_grad=True)
+    targets, lengths = torch.randint(1, 5, (3, 5)), torch.tensor([5, 4, 3])
+    def f(x): return crf.ctc_loss(x, targets, lengths) + crf.logZ(x).sum() * 1e-3
+    eager, comp = f(scores), torch.compile(f, fullgraph=True, backend='aot_eager')(scores)
+    assert torch.equal(eager, comp)
+    assert torch.equal(torch.autograd.grad(eager, scores)[0], torch.autograd.grad(comp, scores)[0])
