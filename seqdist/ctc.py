@@ -16,7 +16,7 @@ import numba
 import torch
 import torch.nn as nn
 from torch import Tensor
-from .core import semiring, Log, Max, grad, max_grad, SequenceDist
+from .core import semiring, Log, Max, grad, max_grad, SequenceDist, semiring_sum2
 from .utils import load_kernel
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
@@ -164,12 +164,6 @@ def _band(t, T, S):
     "States of the lattice that are reachable at frame t and can still reach a final state by frame T-1."
     return max(0, S - 2 * (T - t)), min(S - 1, 2 * t + 1)
 
-@numba.njit(inline='always')
-def _log_add(a, b, use_max):
-    if use_max: return a if a >= b else b
-    if a < b: a, b = b, a
-    if b == -np.inf: return a
-    return a + np.log1p(np.exp(b - a))
 
 @numba.njit(cache=_CACHE)
 def _lattice(ext, L, blank, C, slot, labels, skipf):
@@ -241,11 +235,11 @@ def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
         lo, hi = _band(t, T, S)
         for s in range(S + 2): a[t, s] = -np.inf
         for s in range(lo, hi + 1):
-            v = _log_add(a[t - 1, s + 2], a[t - 1, s + 1], use_max)
-            if skipf[s] != 0.0: v = _log_add(v, a[t - 1, s], use_max)
+            v = semiring_sum2(a[t - 1, s + 2], a[t - 1, s + 1], use_max)
+            if skipf[s] != 0.0: v = semiring_sum2(v, a[t - 1, s], use_max)
             a[t, s + 2] = v + emit[t, slot[s]]
     z = a[T - 1, S + 1]
-    if S > 1: z = _log_add(z, a[T - 1, S], use_max)
+    if S > 1: z = semiring_sum2(z, a[T - 1, S], use_max)
     return z
 @numba.njit(cache=_CACHE)
 def _viterbi(lp, n, T, S, U, labels, slot, skipf, alpha, emit, back):
@@ -337,7 +331,7 @@ def _backward_log(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, use_max
             w = alpha[t, s + 2] + b[s + 2]
             if use_max:
                 if w > tot: tot, best = w, s
-            else: tot = _log_add(tot, w, False)
+            else: tot = semiring_sum2(tot, w, False)
         if use_max:
             if best >= 0: grad[t, n, best if by_state else ext[best]] -= g
         elif tot > -np.inf:
@@ -349,8 +343,8 @@ def _backward_log(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, use_max
         for s in range(S + 4): b_prev[s] = -np.inf
         for s in range(lo, hi + 1):
             v = emit[t, slot[s]] + b[s + 2]
-            if s + 1 < S: v = _log_add(v, emit[t, slot[s + 1]] + b[s + 3], use_max)
-            if s + 2 < S and skipf[s + 2] != 0.0: v = _log_add(v, emit[t, slot[s + 2]] + b[s + 4], use_max)
+            if s + 1 < S: v = semiring_sum2(v, emit[t, slot[s + 1]] + b[s + 3], use_max)
+            if s + 2 < S and skipf[s + 2] != 0.0: v = semiring_sum2(v, emit[t, slot[s + 2]] + b[s + 4], use_max)
             b_prev[s + 2] = v
         b, b_prev = b_prev, b
 

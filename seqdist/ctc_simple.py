@@ -15,7 +15,7 @@ import numba
 import torch
 from torch import Tensor
 from torch.nn.functional import pad
-from .core import semiring, Log, Max
+from .core import semiring, Log, Max, semiring_sum2
 from .utils import load_kernel
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
@@ -84,14 +84,7 @@ def logZ_py(stay_scores, move_scores, target_lengths):
 
 mean = lambda f: (lambda *xs: f(*xs).mean())
 
-# %% ../nbs/03_ctc_simple.ipynb #66eb0615
-@numba.njit(inline='always')
-def _add(a, b, use_max):
-    if use_max: return a if a >= b else b
-    if a < b: a, b = b, a
-    if b == -np.inf: return a
-    return a + np.log1p(np.exp(b - a))
-
+# %% ../nbs/03_ctc_simple.ipynb #198db700
 @numba.njit(parallel=True, cache=_CACHE)
 def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta):
     """Forward and backward scores (T+1, N, L) of the stay/move lattice in log space, one thread per sequence:
@@ -105,14 +98,14 @@ def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta):
         for t in range(T):
             for s in range(L):
                 a = stay[t, n, s] + alpha[t, n, s] if s < Ln else -np.inf
-                if 0 < s < Ln: a = _add(a, move[t, n, s - 1] + alpha[t, n, s - 1], use_max)
+                if 0 < s < Ln: a = semiring_sum2(a, move[t, n, s - 1] + alpha[t, n, s - 1], use_max)
                 alpha[t + 1, n, s] = a
         for s in range(L): beta[T, n, s] = -np.inf
         beta[T, n, Ln - 1] = 0.0
         for t in range(T - 1, -1, -1):
             for s in range(L):
                 b = stay[t, n, s] + beta[t + 1, n, s] if s < Ln else -np.inf
-                if s + 1 < Ln: b = _add(b, move[t, n, s] + beta[t + 1, n, s + 1], use_max)
+                if s + 1 < Ln: b = semiring_sum2(b, move[t, n, s] + beta[t + 1, n, s + 1], use_max)
                 beta[t, n, s] = b
 
 # %% ../nbs/03_ctc_simple.ipynb #61191d71

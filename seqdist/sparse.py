@@ -15,7 +15,7 @@ import numpy as np
 import numba
 import torch
 from torch import Tensor
-from .core import semiring, Log, Max
+from .core import semiring, Log, Max, semiring_sum2
 from .utils import load_kernel
 from .ctc import interleave_blanks
 
@@ -75,11 +75,9 @@ def bwd_scores_py(Ms, idx, vT, S:semiring=Log):
 # %% ../nbs/04_sparse.ipynb #ab6634c1
 @numba.njit(inline='always')
 def _plus(a, b, log_domain, use_max):
-    if use_max: return a if a >= b else b
-    if not log_domain: return a + b
-    if a < b: a, b = b, a
-    if b == -np.inf: return a
-    return a + np.log1p(np.exp(b - a))
+    "The semiring sum in either domain: probabilities add; log-space numbers go through semiring_sum2."
+    if not log_domain and not use_max: return a + b
+    return semiring_sum2(a, b, use_max)
 
 @numba.njit(cache=_CACHE)
 def _sparse_forward(W, idx, v, n, alpha, log_scale, log_domain, use_max):
