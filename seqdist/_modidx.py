@@ -130,6 +130,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                 'seqdist.sparse._ctc_loss': ('sparse.html#_ctc_loss', 'seqdist/sparse.py'),
                                 'seqdist.sparse._out_edges': ('sparse.html#_out_edges', 'seqdist/sparse.py'),
                                 'seqdist.sparse._plus': ('sparse.html#_plus', 'seqdist/sparse.py'),
+                                'seqdist.sparse._scores': ('sparse.html#_scores', 'seqdist/sparse.py'),
                                 'seqdist.sparse._scores_cuda': ('sparse.html#_scores_cuda', 'seqdist/sparse.py'),
                                 'seqdist.sparse._sparse_backward': ('sparse.html#_sparse_backward', 'seqdist/sparse.py'),
                                 'seqdist.sparse._sparse_backward_formula': ('sparse.html#_sparse_backward_formula', 'seqdist/sparse.py'),

@@ -349,27 +349,25 @@ def logZ(Ms, idx, v0, vT, S:semiring=Log, K=1, backend='auto'):
     logz, _ = (_SparseReference.apply(*args) if backend == 'reference' else sparse_logz_op(*args))
     return logz
 
-def fwd_scores_cupy(Ms, idx, v0, S:semiring=Log, K=4, backend='auto'):
-    "Forward scores (T+1, N, C): alpha[t] = the semiring sum of the scores of the paths reaching each state after t frames."
-    idx = check_sparse_inputs(Ms, idx, v0)
+def _scores(Ms, idx, v, S, K, backend, forward):
+    "Forward or backward scores (T+1, N, C) in log space, by the chosen backend."
+    idx = check_sparse_inputs(Ms, idx, v if forward else None, None if forward else v)
     if backend == 'auto': backend = 'cuda' if Ms.is_cuda else 'cpu'
     _threads(Ms.shape[2], K)
-    if backend == 'reference': return Mv_scan_py(Ms.detach(), idx, v0.detach(), S)
-    if backend == 'cuda': return _scores_cuda(Ms.detach(), idx, v0.detach(), S, K, True)
+    Ms, v = Ms.detach(), v.detach()
+    if backend == 'reference': return (Mv_scan_py if forward else bwd_scores_py)(Ms, idx, v, S)
+    if backend == 'cuda': return _scores_cuda(Ms, idx, v, S, K, forward)
     out = Ms.new_empty(Ms.shape[0] + 1, Ms.shape[1], Ms.shape[2])
-    _sparse_scores_cpu(Ms.detach().contiguous().numpy(), idx.numpy(), v0.detach().contiguous().numpy(), S is Max, True, out.numpy())
+    _sparse_scores_cpu(Ms.contiguous().numpy(), idx.numpy(), v.contiguous().numpy(), S is Max, forward, out.numpy())
     return out
+
+def fwd_scores_cupy(Ms, idx, v0, S:semiring=Log, K=4, backend='auto'):
+    "Forward scores (T+1, N, C): alpha[t] = the semiring sum of the scores of the paths reaching each state after t frames."
+    return _scores(Ms, idx, v0, S, K, backend, True)
 
 def bwd_scores_cupy(Ms, idx, vT, S:semiring=Log, K=4, backend='auto'):
     "Backward scores (T+1, N, C): beta[t] = the semiring sum of the scores of the paths from each state after t frames to the end."
-    idx = check_sparse_inputs(Ms, idx, None, vT)
-    if backend == 'auto': backend = 'cuda' if Ms.is_cuda else 'cpu'
-    _threads(Ms.shape[2], K)
-    if backend == 'reference': return bwd_scores_py(Ms.detach(), idx, vT.detach(), S)
-    if backend == 'cuda': return _scores_cuda(Ms.detach(), idx, vT.detach(), S, K, False)
-    out = Ms.new_empty(Ms.shape[0] + 1, Ms.shape[1], Ms.shape[2])
-    _sparse_scores_cpu(Ms.detach().contiguous().numpy(), idx.numpy(), vT.detach().contiguous().numpy(), S is Max, False, out.numpy())
-    return out
+    return _scores(Ms, idx, vT, S, K, backend, False)
 
 logZ_bwd_cupy = bwd_scores_cupy   # 0.0.3's older name
 
