@@ -166,11 +166,12 @@ def _band(t, T, S):
 
 
 @numba.njit(cache=_CACHE)
-def _lattice(ext, L, blank, C, slot, labels, skipf):
-    """For the 2L+1 states: the slot of each state's label among the U distinct labels used (returned), and
-    skipf = 1.0 where a state may be entered from two states back (a label that differs from the previous one).
-    slot and skipf have two padding entries past the end (slot 0, skipf 0.0) so that loops need no bounds tests."""
+def _lattice(ext, L, blank, C):
+    """The lattice of one sequence's 2L+1 states: the number U of distinct labels used, each state's slot among them,
+    the labels, and skipf = 1.0 where a state may be entered from two states back (a label that differs from the
+    previous one). slot and skipf have two padding entries past the end (slot 0, skipf 0.0), so loops need no bounds tests."""
     S = 2 * L + 1
+    slot, labels, skipf = np.empty(S + 2, np.int64), np.empty(S, np.int64), np.empty(S + 2)
     first = np.full(C, -1, np.int64)
     U = 0
     for s in range(S):
@@ -181,7 +182,7 @@ def _lattice(ext, L, blank, C, slot, labels, skipf):
         skipf[s] = 1.0 if (s >= 2 and c != blank and c != ext[s - 2]) else 0.0
     slot[S] = slot[S + 1] = 0
     skipf[S] = skipf[S + 1] = 0.0
-    return U
+    return U, slot, labels, skipf
 
 # %% ../nbs/02_ctc.ipynb #6f017c13
 @numba.njit(cache=_CACHE)
@@ -362,8 +363,7 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, use_max, g, grad, by
         if T == 0:
             logz[n] = 0.0 if L == 0 else -np.inf
             continue
-        slot, labels, skipf = np.empty(S + 2, np.int64), np.empty(S, np.int64), np.empty(S + 2)
-        U = _lattice(ext[n], L, blank, C, slot, labels, skipf)
+        U, slot, labels, skipf = _lattice(ext[n], L, blank, C)
         alpha, emit, beta = np.empty((T, S + 4)), np.empty((T, U)), np.empty((2, S + 4))
         want = g.shape[0] > 0 and g[n] != 0.0
         if use_max:                             # Viterbi: a forward pass with backpointers, then the path
@@ -399,8 +399,7 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
         if T == 0:
             best[n] = 0.0 if L == 0 else -np.inf
             continue
-        slot, labels, skipf = np.empty(S + 2, np.int64), np.empty(S, np.int64), np.empty(S + 2)
-        U = _lattice(ext[n], L, blank, C, slot, labels, skipf)
+        U, slot, labels, skipf = _lattice(ext[n], L, blank, C)
         alpha, emit, back = np.empty((T, S + 4)), np.empty((T, U)), np.empty((T, S), np.int8)
         z, s = _viterbi(lp, n, T, S, U, labels, slot, skipf, alpha, emit, back)
         best[n] = z
