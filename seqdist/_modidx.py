@@ -66,6 +66,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                              'seqdist.ctc._fwd_bwd_py': ('ctc.html#_fwd_bwd_py', 'seqdist/ctc.py'),
                              'seqdist.ctc._lattice': ('ctc.html#_lattice', 'seqdist/ctc.py'),
                              'seqdist.ctc._lengths': ('ctc.html#_lengths', 'seqdist/ctc.py'),
+                             'seqdist.ctc._log_start': ('ctc.html#_log_start', 'seqdist/ctc.py'),
                              'seqdist.ctc._logz_fwd': ('ctc.html#_logz_fwd', 'seqdist/ctc.py'),
                              'seqdist.ctc._viterbi': ('ctc.html#_viterbi', 'seqdist/ctc.py'),
                              'seqdist.ctc._viterbi_states_cpu': ('ctc.html#_viterbi_states_cpu', 'seqdist/ctc.py'),

@@ -224,14 +224,19 @@ def _forward_scaled(lp, n, T, S, U, labels, slot, skipf, alpha, emit):
     return np.log(z) + log_scale, True, emit_scale
 
 @numba.njit(cache=_CACHE)
-def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
-    "The same recursion in log space, for any semiring (Log: log-add, Max: max); exact at any dynamic range."
+def _log_start(lp, n, T, S, U, labels, slot, alpha, emit):
+    "Log-space emissions of the target's labels, and frame 0 of alpha (a blank or the first label); returns alpha."
     for t in range(T):
         for u in range(U): emit[t, u] = lp[t, n, labels[u]]
-    a = alpha
-    for s in range(S + 4): a[0, s] = -np.inf
-    a[0, 2] = emit[0, slot[0]]
-    if S > 1: a[0, 3] = emit[0, slot[1]]
+    for s in range(S + 4): alpha[0, s] = -np.inf
+    alpha[0, 2] = emit[0, slot[0]]
+    if S > 1: alpha[0, 3] = emit[0, slot[1]]
+    return alpha
+
+@numba.njit(cache=_CACHE)
+def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
+    "The same recursion in log space, for any semiring (Log: log-add, Max: max); exact at any dynamic range."
+    a = _log_start(lp, n, T, S, U, labels, slot, alpha, emit)
     for t in range(1, T):
         lo, hi = _band(t, T, S)
         for s in range(S + 2): a[t, s] = -np.inf
@@ -246,12 +251,7 @@ def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
 def _viterbi(lp, n, T, S, U, labels, slot, skipf, alpha, emit, back):
     """Max semiring in log space, keeping for each (frame, state) which predecessor won (0 stay, 1 move, 2 skip; the
     first of equals): the gradient of a max is the indicator of its argmax, so these are what autograd would store."""
-    for t in range(T):
-        for u in range(U): emit[t, u] = lp[t, n, labels[u]]
-    a = alpha
-    for s in range(S + 4): a[0, s] = -np.inf
-    a[0, 2] = emit[0, slot[0]]
-    if S > 1: a[0, 3] = emit[0, slot[1]]
+    a = _log_start(lp, n, T, S, U, labels, slot, alpha, emit)
     for t in range(1, T):
         lo, hi = _band(t, T, S)
         a[t, lo] = -np.inf; a[t, lo + 1] = -np.inf
