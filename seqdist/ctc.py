@@ -225,18 +225,18 @@ def _forward_scaled(lp, n, T, S, U, labels, slot, skipf, alpha, emit):
 
 @numba.njit(cache=_CACHE)
 def _log_start(lp, n, T, S, U, labels, slot, alpha, emit):
-    "Log-space emissions of the target's labels, and frame 0 of alpha (a blank or the first label); returns alpha."
+    "Log-space emissions of the target's labels, and frame 0 of alpha (a blank or the first label), in place."
     for t in range(T):
         for u in range(U): emit[t, u] = lp[t, n, labels[u]]
     for s in range(S + 4): alpha[0, s] = -np.inf
     alpha[0, 2] = emit[0, slot[0]]
     if S > 1: alpha[0, 3] = emit[0, slot[1]]
-    return alpha
 
 @numba.njit(cache=_CACHE)
 def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
     "The same recursion in log space, for any semiring (Log: log-add, Max: max); exact at any dynamic range."
-    a = _log_start(lp, n, T, S, U, labels, slot, alpha, emit)
+    _log_start(lp, n, T, S, U, labels, slot, alpha, emit)
+    a = alpha
     for t in range(1, T):
         lo, hi = _band(t, T, S)
         for s in range(S + 2): a[t, s] = -np.inf
@@ -251,7 +251,8 @@ def _forward_log(lp, n, T, S, U, labels, slot, skipf, alpha, emit, use_max):
 def _viterbi(lp, n, T, S, U, labels, slot, skipf, alpha, emit, back):
     """Max semiring in log space, keeping for each (frame, state) which predecessor won (0 stay, 1 move, 2 skip; the
     first of equals): the gradient of a max is the indicator of its argmax, so these are what autograd would store."""
-    a = _log_start(lp, n, T, S, U, labels, slot, alpha, emit)
+    _log_start(lp, n, T, S, U, labels, slot, alpha, emit)
+    a = alpha
     for t in range(1, T):
         lo, hi = _band(t, T, S)
         a[t, lo] = -np.inf; a[t, lo + 1] = -np.inf
