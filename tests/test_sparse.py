@@ -139,4 +139,8 @@ def test_cuda_kernels_need_regular_out_degree():
     idx = torch.tensor([[0, 1], [0, 1], [0, 2]])      # state 0 has 3 outgoing edges, state 2 one
     with pytest.raises(ValueError, match="every state to have NZ = 2 outgoing edges"):   # the backward kernel needs it
         logZ(torch.randn(3, 1, 3, 2, requires_grad=True), idx, torch.zeros(1, 3), torch.zeros(1, 3), backend='cuda')
-    logZ(torch.randn(3, 1, 3, 2), idx, torch.zeros(1, 3), torch.zeros(1, 3), backend='cpu')   # the CPU kernel takes any graph
+    Ms, v0, vT = torch.randn(3, 2, 3, 2, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    for S in (Log, Max):                                                    # the CPU kernel takes any graph
+        z, g = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, 'cpu')
+        zr, gr = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, 'reference')
+        torch.testing.assert_close(z, zr); torch.testing.assert_close(g, gr)
