@@ -10,6 +10,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'seqdist.bench.load_torchaudio': ('bench.html#load_torchaudio', 'seqdist/bench.py'),
                                'seqdist.bench.markdown_table': ('bench.html#markdown_table', 'seqdist/bench.py'),
                                'seqdist.bench.median_ms': ('bench.html#median_ms', 'seqdist/bench.py'),
+                               'seqdist.bench.paired_median_ms': ('bench.html#paired_median_ms', 'seqdist/bench.py'),
                                'seqdist.bench.run_benchmarks': ('bench.html#run_benchmarks', 'seqdist/bench.py'),
                                'seqdist.bench.sweep_ctc': ('bench.html#sweep_ctc', 'seqdist/bench.py')},
             'seqdist.core': { 'seqdist.core.SequenceDist': ('core.html#sequencedist', 'seqdist/core.py'),

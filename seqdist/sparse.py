@@ -424,9 +424,10 @@ def _sparse_backward_cuda(g, Ms, idx, v0, vT, logz, alpha, frames, ok, use_max, 
     T, N, C, NZ = Ms.shape
     beta = _scores_cuda(Ms, idx, vT, S, K, False)
     grad = Ms.new_empty(Ms.shape)
-    g = torch.where(torch.isfinite(logz), g, 0).to(Ms.dtype).contiguous()
+    feasible = torch.isfinite(logz)               # a sequence with no path: zero gradient (and no -inf - -inf in the kernel)
+    g, logz = torch.where(feasible, g, 0).to(Ms.dtype).contiguous(), torch.where(feasible, logz, 0).contiguous()
     threads = 256
-    _sparse_kernels[(Ms.dtype, S)]['sparse_posteriors']((T, N), (threads,), (Ms.contiguous(), idx.to(torch.int32).contiguous(), alpha, beta, logz.contiguous(), g, grad, N, C, NZ, int(use_max)),
+    _sparse_kernels[(Ms.dtype, S)]['sparse_posteriors']((T, N), (threads,), (Ms.contiguous(), idx.to(torch.int32).contiguous(), alpha, beta, logz, g, grad, N, C, NZ, int(use_max)),
                                                         shared_mem=threads * (Ms.element_size() + 4))
     return grad
 

@@ -144,3 +144,87 @@ def test_cuda_kernels_need_regular_out_degree():
         z, g = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, 'cpu')
         zr, gr = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, 'reference')
         torch.testing.assert_close(z, zr); torch.testing.assert_close(g, gr)
+
+@pytest.mark.parametrize('N', [1, 5, 9])
+@pytest.mark.parametrize('S', [Log, Max])
+def test_bundles_of_any_size_and_weighted_gradients(N, S):
+    "Sequences go through the CPU kernel in bundles of 4, the last one filled by repeating its last sequence."
+    torch.manual_seed(N)
+    idx = kmer_idx(2)
+    Ms = torch.randn(7, N, 16, 5, dtype=torch.float64)
+    v0, vT = torch.randn(N, 16, dtype=torch.float64), torch.randn(N, 16, dtype=torch.float64)
+    zr, gr = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, 'reference')
+    weights = torch.rand(N, dtype=torch.float64)
+    x = Ms.clone().requires_grad_()
+    z = logZ(x, idx, v0, vT, S, backend='cpu')
+    g, = torch.autograd.grad((z * weights).sum(), x)
+    torch.testing.assert_close(z.detach(), zr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g, gr * weights[None, :, None, None], rtol=1e-12, atol=1e-12)
+
+def _ring(C=4):
+    "Each state entered from itself (j = 0) and from the state before it (j = 1)."
+    return torch.tensor([[c, (c - 1) % C] for c in range(C)])
+
+def test_a_score_that_could_underflow_forward_goes_to_log_space():
+    "Frames span 250 (< 300), but two moves of e^-250 leave a score e^-500 below its frame's best: flagged, redone."
+    from seqdist.sparse import _sparse_forward_numba
+    idx = _ring()
+    Ms = torch.full((4, 2, 4, 2), -250.0, dtype=torch.float64)
+    Ms[:, :, 0, 0] = 0.0
+    no = -1000.0                                                # (not -inf: the reference's autograd gives NaN there)
+    v0 = torch.tensor([[0.0, no, no, no]] * 2, dtype=torch.float64)
+    vT = torch.tensor([[no, no, no, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    ok = _sparse_forward_numba(Ms, idx, v0, vT, False, True)[3]
+    assert not ok[0] and not ok[1]
+    for S in (Log, Max):
+        z, g = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, 'cpu')
+        zr, gr = sparse_logz_compute(Ms, idx, v0, vT, S is Max, True, 'reference')
+        assert z[0] < -700
+        torch.testing.assert_close(z, zr, rtol=1e-12, atol=1e-12); torch.testing.assert_close(g, gr, rtol=1e-12, atol=1e-12)
+
+def test_a_score_that_could_underflow_backward_goes_to_log_space():
+    "The forward pass is fine (every state moves on at weight 1), the backward scores fall e^-500 apart: redone."
+    from seqdist.sparse import _sparse_forward_numba, _bundle_backward, _out_edges_padded, _scaled_start
+    idx = _ring()
+    Ms = torch.full((5, 1, 4, 2), -250.0)
+    Ms[:, :, :, 1] = 0.0
+    v0 = torch.zeros(1, 4)
+    vT = torch.tensor([[0.0, -1000.0, -1000.0, -1000.0]])
+    logz, alpha, frames, ok = _sparse_forward_numba(Ms, idx, v0, vT, False, True)
+    assert ok.all()
+    okb, grad = ok.clone(), torch.empty_like(Ms)
+    _bundle_backward(Ms.numpy(), frames[0].numpy(), idx.numpy(), _out_edges_padded(idx).numpy(), _scaled_start(vT)[0].numpy(),
+                     alpha.numpy(), frames[1].numpy(), torch.ones(1, dtype=torch.float64).numpy(), False, False, grad.numpy(), okb.numpy())
+    assert not okb.any()
+    z, g = sparse_logz_compute(Ms, idx, v0, vT, False, True, 'cpu')
+    zr, gr = sparse_logz_compute(Ms.double(), idx, v0.double(), vT.double(), False, True, 'reference')
+    torch.testing.assert_close(z.double(), zr, rtol=1e-6, atol=1e-4); torch.testing.assert_close(g.double(), gr, rtol=0, atol=1e-6)
+
+def test_views_and_inputs_left_unmodified():
+    torch.manual_seed(0)
+    idx = kmer_idx(2)
+    base = torch.randn(3, 6, 16, 5)
+    Ms = base.transpose(0, 1)                                   # (6, 3, 16, 5), not contiguous
+    v0, vT = torch.randn(16, 3).T, torch.zeros(3, 16)
+    copies = [t.clone() for t in (Ms, v0, vT)]
+    x = Ms.detach().requires_grad_()
+    z = logZ(x, idx.int(), v0, vT)
+    g, = torch.autograd.grad(z.sum(), x)
+    zr, gr = sparse_logz_compute(Ms.double(), idx, v0.double(), vT.double(), False, True, 'reference')
+    torch.testing.assert_close(z.double(), zr, rtol=1e-6, atol=1e-5); torch.testing.assert_close(g.double(), gr, rtol=1e-5, atol=1e-6)
+    for t, c in zip((Ms, v0, vT), copies): assert torch.equal(t, c)
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_impossible_starts_and_ends(backend):
+    "-inf in v0 / vT forbids states; a sequence with no path gets logZ = -inf and a zero gradient."
+    torch.manual_seed(0)
+    idx, inf = _ring(), float('inf')
+    Ms = torch.randn(3, 3, 4, 2, dtype=torch.float64, requires_grad=True)
+    v0 = torch.tensor([[0.0, -inf, -inf, -inf], [0, 0, 0, 0], [-inf] * 4], dtype=torch.float64)
+    vT = torch.tensor([[-inf, -inf, 0.0, -inf], [0, 0, 0, 0], [0, 0, 0, 0]], dtype=torch.float64)
+    for S in (Log, Max):
+        z = logZ(Ms, idx, v0, vT, S, backend=backend)
+        g, = torch.autograd.grad(z.sum(), Ms)
+        zr, gr = sparse_logz_compute(Ms.detach(), idx, v0.clamp(min=-1e4), vT.clamp(min=-1e4), S is Max, True, 'reference')
+        torch.testing.assert_close(z[:2].detach(), zr[:2]); torch.testing.assert_close(g[:, :2], gr[:, :2])
+        assert z[2] == -inf and not g[:, 2].any()
