@@ -88,15 +88,19 @@ class CTC_CRF(SequenceDist):
         kmers = sum(bases[:, i:n + i] * self.n_base ** (self.state_len - 1 - i) for i in range(self.state_len))
         stay = kmers * (self.n_base + 1)                                      # column 0 of each k-mer's group
         move = stay[:, 1:] + 1 + bases[:, :n - 1]                             # entered from the k-mer before it
-        return scores.gather(2, stay.expand(T, -1, -1)), scores.gather(2, move.expand(T, -1, -1))
+        both = scores.gather(2, torch.cat([stay, move], 1).expand(T, -1, -1))  # one gather: one scatter backwards
+        return both[:, :, :n], both[:, :, n:]
 
     def ctc_loss(self, scores, targets, target_lengths, loss_clip=None, reduction='mean', normalise_scores=True):
-        "-log P(targets) / target length of each sequence under the globally normalised CRF; 'mean' or 'none' reduction."
+        """-log P(targets) / target length of each sequence under the globally normalised CRF; 'mean' or 'none' reduction.
+        A path takes one score per frame, so normalising the scores (`normalise`) lowers every path's score by the
+        CRF's logZ: the loss is computed as (logZ - the target's logZ) without a normalised copy of the scores."""
         if reduction not in ('mean', 'none', None): raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-        if normalise_scores: scores = self.normalise(scores)
         stay, move = self.prepare_ctc_scores(scores, targets)
         target_lengths = torch.as_tensor(target_lengths, device=scores.device)
-        loss = -ctc_simple.logZ(stay, move, target_lengths + 1 - self.state_len) / target_lengths
+        log_p = ctc_simple.logZ(stay, move, target_lengths + 1 - self.state_len)
+        if normalise_scores: log_p = log_p - self.logZ(scores)
+        loss = -log_p / target_lengths
         if loss_clip: loss = torch.clamp(loss, 0.0, loss_clip)
         return loss.mean() if reduction == 'mean' else loss
 

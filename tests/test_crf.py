@@ -161,3 +161,17 @@ def test_torch_compile_fullgraph_of_the_crf_ops():
     eager, comp = f(scores), torch.compile(f, fullgraph=True, backend='aot_eager')(scores)
     assert torch.equal(eager, comp)
     assert torch.equal(torch.autograd.grad(eager, scores)[0], torch.autograd.grad(comp, scores)[0])
+
+def test_ctc_loss_equals_the_loss_of_normalised_scores():
+    "ctc_loss subtracts the CRF's logZ from the target's instead of normalising the scores: same value, same gradient."
+    torch.manual_seed(0)
+    crf = CTC_CRF(state_len=2, alphabet='NACGT')
+    scores = torch.randn(15, 3, crf.n_score(), dtype=torch.float64, requires_grad=True)
+    targets, lengths = torch.randint(1, 5, (3, 6)), torch.tensor([6, 4, 5])
+    for reduction in ('mean', 'none'):
+        a = crf.ctc_loss(scores, targets, lengths, reduction=reduction)
+        b = crf.ctc_loss(crf.normalise(scores), targets, lengths, reduction=reduction, normalise_scores=False)
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(torch.autograd.grad(a.sum(), scores)[0], torch.autograd.grad(b.sum(), scores)[0])
+    stay, move = crf.prepare_ctc_scores(scores, targets)
+    assert stay.shape == (15, 3, 5) and move.shape == (15, 3, 4)
