@@ -422,6 +422,7 @@ def _sparse_backward_cuda(g, Ms, idx, v0, vT, logz, alpha, frames, ok, use_max, 
     "g times the edge posteriors (or best path): the backward kernel's beta, then one block per (frame, sequence)."
     S = Max if use_max else Log
     T, N, C, NZ = Ms.shape
+    if T == 0: return Ms.new_empty(Ms.shape)
     beta = _scores_cuda(Ms, idx, vT, S, K, False)
     grad = Ms.new_empty(Ms.shape)
     feasible = torch.isfinite(logz)               # a sequence with no path: zero gradient (and no -inf - -inf in the kernel)
@@ -494,7 +495,8 @@ def _sparse_logz_reference(Ms, idx, v0, vT, use_max, want):
         x = Ms.detach().requires_grad_()
         logz = logZ_reference(x, idx, v0, vT, S)
         feasible = logz > -1e30
-        grad = torch.autograd.grad(torch.where(feasible, logz, 0).sum(), x)[0] if want else Ms.new_empty(0)
+        grad = Ms.new_empty(0) if not want else \
+               torch.autograd.grad(torch.where(feasible, logz, 0).sum(), x)[0] if logz.requires_grad else torch.zeros_like(Ms)   # T = 0
     return torch.where(feasible, logz, -math.inf).detach(), grad
 
 _SPARSE_BACKENDS = {'cpu': (_sparse_forward_numba, _sparse_backward_numba), 'cuda': (_sparse_forward_cuda, _sparse_backward_cuda)}

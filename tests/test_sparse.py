@@ -228,3 +228,14 @@ def test_impossible_starts_and_ends(backend):
         zr, gr = sparse_logz_compute(Ms.detach(), idx, v0.clamp(min=-1e4), vT.clamp(min=-1e4), S is Max, True, 'reference')
         torch.testing.assert_close(z[:2].detach(), zr[:2]); torch.testing.assert_close(g[:, :2], gr[:, :2])
         assert z[2] == -inf and not g[:, 2].any()
+
+def test_no_frames():
+    "T = 0: a path is a single state, logZ = (+)_c v0 (x) vT, and the gradient is empty."
+    torch.manual_seed(0)
+    Ms = torch.randn(0, 2, 4, 2, dtype=torch.float64, requires_grad=True)
+    v0, vT = torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    for S in (Log, Max):
+        for backend in ('cpu', 'cuda', 'reference'):
+            z = logZ(Ms, _ring(), v0, vT, S, backend=backend)
+            torch.testing.assert_close(z.detach(), S.sum(v0 + vT, dim=1))
+            assert torch.autograd.grad(z.sum(), Ms)[0].shape == Ms.shape
