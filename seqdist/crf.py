@@ -20,6 +20,30 @@ def kmer_transitions(state_len, n_base):
     c = torch.arange(C)[:, None]
     return torch.cat([c, c // n_base + torch.arange(n_base)[None] * n_base ** (state_len - 1)], 1).to(torch.int32)
 
+class _NormalisedTargetLogP(torch.autograd.Function):
+    """log P(target) (N,) under the globally normalised CRF: the target lattice's logZ minus the CRF's. The backward
+    pass has the CRF's kernel write -g times its posteriors into the gradient and adds g times the target's
+    posteriors there in place, so no other (T, N, n_score) tensor is made (autograd would add a scatter's result
+    to the CRF's gradient: two more tensors of that size)."""
+    @staticmethod
+    def forward(ctx, scores, cols, lengths, idx, n):
+        T, N, _ = scores.shape
+        Ms = scores.detach().reshape(T, N, idx.shape[0], idx.shape[1])
+        ends = Ms.new_zeros(N, idx.shape[0])
+        logz, alpha, frames, ok = sparse.sparse_logz_op(Ms, idx, ends, ends, False, True, 'auto', 1)
+        both = scores.detach().gather(2, cols.expand(T, -1, -1))
+        logp, gs, gm = ctc_simple.simple_op(both[:, :, :n], both[:, :, n:], lengths, False, True, 'auto')
+        ctx.save_for_backward(Ms, idx, ends, logz, alpha, frames, ok, cols, torch.cat([gs, gm], 2))
+        return logp - logz
+
+    @staticmethod
+    def backward(ctx, g):
+        Ms, idx, ends, logz, alpha, frames, ok, cols, target_posteriors = ctx.saved_tensors
+        T, N = Ms.shape[:2]
+        grad = sparse.sparse_logz_backward_op(-g, Ms, idx, ends, ends, logz, alpha, frames, ok, False, 'auto', 1)
+        grad = grad.view(T, N, -1).scatter_add_(2, cols.expand(T, -1, -1), target_posteriors * g[None, :, None].to(grad.dtype))
+        return grad, None, None, None, None
+
 class CTC_CRF(SequenceDist):
     """A k-mer CTC-CRF over `alphabet` (the blank first, e.g. 'NACGT'): states are the n_base ** state_len k-mers, and
     scores (T, N, len(alphabet) * n_states) hold, for each state, its stay score then its n_base move scores."""
@@ -76,30 +100,39 @@ class CTC_CRF(SequenceDist):
         path = np.asarray(path.cpu() if isinstance(path, torch.Tensor) else path)
         return ''.join(symbols[path[path != 0]])
 
-    def prepare_ctc_scores(self, scores, targets):
-        """Stay scores (T, N, L - state_len + 1) and move scores (T, N, L - state_len) of the target's k-mers, for
-        targets (N, L) of 1-based bases (0 = padding)."""
+    def _target_columns(self, scores, targets):
+        "The columns of the scores that the target's k-mers stay in (N, n) and move into (N, n - 1), side by side, and n."
         self._Ms(scores)
         if targets.dim() != 2 or targets.shape[1] < self.state_len:
             raise ValueError(f"targets must be (N, L) with L >= state_len = {self.state_len}, got {tuple(targets.shape)}")
-        T = scores.shape[0]
-        bases = (targets.long() - 1).clamp(min=0)
+        bases = (targets.long() - 1).clamp(min=0).to(scores.device)
         n = targets.shape[1] - self.state_len + 1
         kmers = sum(bases[:, i:n + i] * self.n_base ** (self.state_len - 1 - i) for i in range(self.state_len))
         stay = kmers * (self.n_base + 1)                                      # column 0 of each k-mer's group
         move = stay[:, 1:] + 1 + bases[:, :n - 1]                             # entered from the k-mer before it
-        both = scores.gather(2, torch.cat([stay, move], 1).expand(T, -1, -1))  # one gather: one scatter backwards
+        return torch.cat([stay, move], 1), n
+
+    def prepare_ctc_scores(self, scores, targets):
+        """Stay scores (T, N, L - state_len + 1) and move scores (T, N, L - state_len) of the target's k-mers, for
+        targets (N, L) of 1-based bases (0 = padding)."""
+        cols, n = self._target_columns(scores, targets)
+        both = scores.gather(2, cols.expand(len(scores), -1, -1))             # one gather: one scatter backwards
         return both[:, :, :n], both[:, :, n:]
 
     def ctc_loss(self, scores, targets, target_lengths, loss_clip=None, reduction='mean', normalise_scores=True):
         """-log P(targets) / target length of each sequence under the globally normalised CRF; 'mean' or 'none' reduction.
         A path takes one score per frame, so normalising the scores (`normalise`) lowers every path's score by the
-        CRF's logZ: the loss is computed as (logZ - the target's logZ) without a normalised copy of the scores."""
+        CRF's logZ: the loss is computed as (logZ - the target's logZ) without a normalised copy of the scores, and
+        its gradient is written into one tensor (`_NormalisedTargetLogP`)."""
         if reduction not in ('mean', 'none', None): raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-        stay, move = self.prepare_ctc_scores(scores, targets)
         target_lengths = torch.as_tensor(target_lengths, device=scores.device)
-        log_p = ctc_simple.logZ(stay, move, target_lengths + 1 - self.state_len)
-        if normalise_scores: log_p = log_p - self.logZ(scores)
+        lattice_lengths = target_lengths + 1 - self.state_len
+        if normalise_scores and torch.is_grad_enabled() and scores.requires_grad:
+            cols, n = self._target_columns(scores, targets)
+            log_p = _NormalisedTargetLogP.apply(scores, cols, lattice_lengths, self.idx.to(scores.device), n)
+        else:
+            log_p = ctc_simple.logZ(*self.prepare_ctc_scores(scores, targets), lattice_lengths)
+            if normalise_scores: log_p = log_p - self.logZ(scores)
         loss = -log_p / target_lengths
         if loss_clip: loss = torch.clamp(loss, 0.0, loss_clip)
         return loss.mean() if reduction == 'mean' else loss

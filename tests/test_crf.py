@@ -175,3 +175,11 @@ def test_ctc_loss_equals_the_loss_of_normalised_scores():
         torch.testing.assert_close(torch.autograd.grad(a.sum(), scores)[0], torch.autograd.grad(b.sum(), scores)[0])
     stay, move = crf.prepare_ctc_scores(scores, targets)
     assert stay.shape == (15, 3, 5) and move.shape == (15, 3, 4)
+
+def test_ctc_loss_gradcheck():
+    "The fused gradient of ctc_loss (the CRF's posteriors and the target's written into one tensor) by finite differences."
+    torch.manual_seed(0)
+    crf = CTC_CRF(state_len=1, alphabet='NAC')
+    scores = torch.randn(6, 2, crf.n_score(), dtype=torch.float64, requires_grad=True)
+    targets, lengths = torch.tensor([[1, 2, 2], [2, 1, 0]]), torch.tensor([3, 2])
+    assert torch.autograd.gradcheck(lambda s: crf.ctc_loss(s, targets, lengths, reduction='none'), (scores,))
