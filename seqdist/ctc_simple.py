@@ -169,20 +169,20 @@ def simple_compute(stay_scores, move_scores, target_lengths, use_max, want, back
     stay, move = stay_scores.detach(), move_scores.detach()
     alpha, beta = _SIMPLE_BACKENDS[backend](stay, move, tl.to(stay.device), use_max)
     alpha, beta = alpha.to(stay.device, torch.float64), beta.to(stay.device, torch.float64)
-    finite = lambda x: torch.where(x > -1e30, x, -math.inf)     # S.zero of the reference and CUDA paths is -1e38
-    alpha, beta = finite(alpha), finite(beta)
+    if backend != 'cpu':                                               # S.zero of the reference and CUDA paths is -1e38
+        alpha, beta = [torch.where(x > -1e30, x, -math.inf) for x in (alpha, beta)]
     logz = alpha[-1].gather(1, (tl.to(stay.device) - 1)[:, None])[:, 0]
     if not want: return logz.to(stay.dtype), stay.new_empty(0), stay.new_empty(0)
-    ws = alpha[:-1] + stay + beta[1:]                                  # weight of each stay edge (T, N, L)
-    wm = alpha[:-1, :, :-1] + move + beta[1:, :, 1:]                   # and of each move edge (T, N, L-1)
+    ws = (alpha[:-1] + stay).add_(beta[1:])                            # weight of each stay edge (T, N, L)
+    wm = (alpha[:-1, :, :-1] + move).add_(beta[1:, :, 1:])             # and of each move edge (T, N, L-1)
     feasible = torch.isfinite(logz)[None, :, None]
     if use_max:                                                        # the best edge of each frame
         best = torch.cat([ws, wm], -1).argmax(-1, keepdim=True)
         onehot = torch.zeros_like(torch.cat([ws, wm], -1)).scatter_(-1, best, 1.0) * feasible
         gs, gm = onehot[..., :ws.shape[-1]], onehot[..., ws.shape[-1]:]
-    else:
+    else:                                                              # in place: these are (T, N, L) float64
         z = torch.where(feasible, logz[None, :, None], 0.0)
-        gs, gm = torch.exp(ws - z) * feasible, torch.exp(wm - z) * feasible
+        gs, gm = ws.sub_(z).exp_().mul_(feasible), wm.sub_(z).exp_().mul_(feasible)
     return logz.to(stay.dtype), gs.to(stay.dtype), gm.to(stay.dtype)
 
 # %% ../nbs/03_ctc_simple.ipynb #fe96acb6
