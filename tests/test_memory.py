@@ -37,11 +37,11 @@ def test_dtypes_sizes_and_the_pool_bound():
     assert d.dtype == torch.float64 and d.shape == (2, 1 << 18)
     small = empty_large((3, 4))
     assert small.shape == (3, 4) and small.dtype == torch.float32
-    held = [empty_large(SHAPE) for _ in range(utils.LARGE_POOL_MAX_FREE + 3)]
+    held = [empty_large(SHAPE) for _ in range(utils.LARGE_POOL.max_free + 3)]
     del held
-    assert len(utils._free) == utils.LARGE_POOL_MAX_FREE
+    assert len(utils.LARGE_POOL.free) == utils.LARGE_POOL.max_free
     release_large_buffers()
-    assert len(utils._free) == 0
+    assert len(utils.LARGE_POOL.free) == 0
 
 def test_buffers_freed_in_other_threads():
     release_large_buffers()
@@ -54,4 +54,4 @@ def test_buffers_freed_in_other_threads():
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads: t.start()
     for t in threads: t.join()
-    assert out == [1.0] * 80 and len(utils._free) <= utils.LARGE_POOL_MAX_FREE
+    assert out == [1.0] * 80 and len(utils.LARGE_POOL.free) <= utils.LARGE_POOL.max_free
