@@ -140,6 +140,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                 'seqdist.sparse._bundle_forward': ('sparse.html#_bundle_forward', 'seqdist/sparse.py'),
                                 'seqdist.sparse._ctc_loss': ('sparse.html#_ctc_loss', 'seqdist/sparse.py'),
                                 'seqdist.sparse._exp_reduce': ('sparse.html#_exp_reduce', 'seqdist/sparse.py'),
+                                'seqdist.sparse._frame_scales': ('sparse.html#_frame_scales', 'seqdist/sparse.py'),
                                 'seqdist.sparse._frame_weights': ('sparse.html#_frame_weights', 'seqdist/sparse.py'),
                                 'seqdist.sparse._inv': ('sparse.html#_inv', 'seqdist/sparse.py'),
                                 'seqdist.sparse._lane_rows': ('sparse.html#_lane_rows', 'seqdist/sparse.py'),

@@ -169,8 +169,7 @@ def simple_compute(stay_scores, move_scores, target_lengths, use_max, want, back
     stay, move = stay_scores.detach(), move_scores.detach()
     alpha, beta = _SIMPLE_BACKENDS[backend](stay, move, tl.to(stay.device), use_max)
     alpha, beta = alpha.to(stay.device, torch.float64), beta.to(stay.device, torch.float64)
-    if backend != 'cpu':                                               # S.zero of the reference and CUDA paths is -1e38
-        alpha, beta = [torch.where(x > -1e30, x, -math.inf) for x in (alpha, beta)]
+    for x in (alpha, beta): x.masked_fill_(x < -1e30, -math.inf)     # S.zero of the reference and CUDA paths is -1e38
     logz = alpha[-1].gather(1, (tl.to(stay.device) - 1)[:, None])[:, 0]
     if not want: return logz.to(stay.dtype), stay.new_empty(0), stay.new_empty(0)
     ws = (alpha[:-1] + stay).add_(beta[1:])                            # weight of each stay edge (T, N, L)

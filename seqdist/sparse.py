@@ -159,6 +159,14 @@ def _inv(m): return 1.0 / m if m > 0.0 else 1.0
 @numba.njit(inline='always')
 def _positive_min(lo, v): return min(lo, v) if v > 0.0 else lo
 
+@numba.njit(inline='always')
+def _frame_scales(m0, m1, m2, m3, z0, z1, z2, z3, low):
+    """1 / each lane's largest score m (what scales its frame to a largest value of 1); low[l] is set if the lane's
+    smallest positive score z is below _TINY of its largest."""
+    i0, i1, i2, i3 = _inv(m0), _inv(m1), _inv(m2), _inv(m3)
+    low[0] |= z0 * i0 < _TINY; low[1] |= z1 * i1 < _TINY; low[2] |= z2 * i2 < _TINY; low[3] |= z3 * i3 < _TINY
+    return i0, i1, i2, i3
+
 @numba.njit(parallel=True, cache=_CACHE, fastmath={'contract'})
 def _bundle_forward(Ms, shift, idx, p0, use_max, precise, alpha, log_scale, ok):
     """Forward scores of bundles of LANES sequences in scaled probability space: with w = exp(Ms - shift),
@@ -192,8 +200,7 @@ def _bundle_forward(Ms, shift, idx, p0, use_max, precise, alpha, log_scale, ok):
                 a1[c, 0] = u0; a1[c, 1] = u1; a1[c, 2] = u2; a1[c, 3] = u3
                 m0 = max(m0, u0); m1 = max(m1, u1); m2 = max(m2, u2); m3 = max(m3, u3)
                 z0 = _positive_min(z0, u0); z1 = _positive_min(z1, u1); z2 = _positive_min(z2, u2); z3 = _positive_min(z3, u3)
-            i0, i1, i2, i3 = _inv(m0), _inv(m1), _inv(m2), _inv(m3)
-            low[0] |= z0 * i0 < _TINY; low[1] |= z1 * i1 < _TINY; low[2] |= z2 * i2 < _TINY; low[3] |= z3 * i3 < _TINY
+            i0, i1, i2, i3 = _frame_scales(m0, m1, m2, m3, z0, z1, z2, z3, low)
             r0, r1, r2, r3 = _lane_rows(alpha, t + 1, lane_n)
             for c in range(C):
                 v0, v1, v2, v3 = a1[c, 0] * i0, a1[c, 1] * i1, a1[c, 2] * i2, a1[c, 3] * i3
@@ -275,8 +282,7 @@ def _bundle_backward(Ms, shift, idx, out_edges, pT, alpha, log_scale, g, use_max
                 b0[s, 0] = u0; b0[s, 1] = u1; b0[s, 2] = u2; b0[s, 3] = u3
                 m0 = max(m0, u0); m1 = max(m1, u1); m2 = max(m2, u2); m3 = max(m3, u3)
                 z0 = _positive_min(z0, u0); z1 = _positive_min(z1, u1); z2 = _positive_min(z2, u2); z3 = _positive_min(z3, u3)
-            i0, i1, i2, i3 = _inv(m0), _inv(m1), _inv(m2), _inv(m3)
-            low[0] |= z0 * i0 < _TINY; low[1] |= z1 * i1 < _TINY; low[2] |= z2 * i2 < _TINY; low[3] |= z3 * i3 < _TINY
+            i0, i1, i2, i3 = _frame_scales(m0, m1, m2, m3, z0, z1, z2, z3, low)
             for c in range(C):
                 b0[c, 0] *= i0; b0[c, 1] *= i1; b0[c, 2] *= i2; b0[c, 3] *= i3
             b0, b1 = b1, b0
