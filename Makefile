@@ -6,6 +6,9 @@ VENV ?= .venv
 # Pick another with e.g. `make test TORCH_VERSION=2.6.0 TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"`.
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
+# torchaudio is an anchor the tests compare against (rnnt_loss, forced_align). PyPI's wheel is a CUDA build: it is
+# installed without its dependencies and loads on a CPU-only torch through stub CUDA libraries (tools/torchaudio_cpu).
+TORCHAUDIO_VERSION ?= 2.11.0
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
@@ -13,10 +16,12 @@ PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile tools/torchaudio_cpu/build.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
 	$(PIP) install -e ".[dev]"
+	$(PIP) install --no-deps "torchaudio==$(TORCHAUDIO_VERSION)"
+	tools/torchaudio_cpu/build.sh $(VENV)/cuda-stubs
 	touch $@
 
 demo: install
@@ -35,7 +40,7 @@ test: install
 	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
 	$(BIN)/seqdist-compile-check
 	@echo "== pytest"
-	$(BIN)/python -m pytest tests
+	SEQDIST_REQUIRE_TORCHAUDIO=1 $(BIN)/python -m pytest tests
 
 docs: install
 	@if command -v quarto >/dev/null; then $(BIN)/nbdev-docs; \

@@ -35,12 +35,28 @@ def paired_median_ms(fn_a, fn_b, warmup=2, reps=7):
             start = time.perf_counter(); fn(); ts.append((time.perf_counter() - start) * 1e3)
     return float(np.median(times[0])), float(np.median(times[1]))
 
+def _preload_cuda_stubs(folder):
+    "Load the stub CUDA libraries that PyPI's torchaudio (a CUDA build) needs, so that it imports on a CPU-only torch."
+    import ctypes
+    for name in ('libcudart.so.13', 'libc10_cuda.so', 'libtorch_cuda.so'):
+        ctypes.CDLL(os.path.join(folder, name), mode=ctypes.RTLD_GLOBAL)
+    for k in [k for k in sys.modules if k.startswith('torchaudio')]: del sys.modules[k]
+
 def load_torchaudio():
-    "torchaudio if it imports (directly, or through the anchors' CUDA stubs when ../shared/anchors is on sys.path), else None."
+    """torchaudio if it imports: directly, else (on a CPU-only torch) with the stub CUDA libraries that `make install`
+    builds into `<venv>/cuda-stubs` (or `$SEQDIST_CUDA_STUBS`), else through the anchors' stubs when ../shared/anchors
+    is on sys.path; None if none of these works."""
     try:
         import torchaudio
         return torchaudio
     except (ImportError, OSError): pass
+    stubs = os.environ.get('SEQDIST_CUDA_STUBS', os.path.join(sys.prefix, 'cuda-stubs'))
+    if torch.version.cuda is None and os.path.isdir(stubs):
+        try:
+            _preload_cuda_stubs(stubs)
+            import torchaudio
+            return torchaudio
+        except (ImportError, OSError): pass
     try:
         import anchors_env
         return anchors_env.load_torchaudio()

@@ -283,3 +283,21 @@ def test_torch_compile_inductor_fullgraph():
     eager, comp = f(x), torch.compile(f, fullgraph=True)(x)
     torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.autograd.grad(comp, x)[0], torch.autograd.grad(eager, x)[0], rtol=1e-5, atol=1e-6)
+
+@pytest.mark.torchaudio
+@pytest.mark.parametrize('seed', range(4))
+def test_forced_align_equals_torchaudio(seed):
+    from seqdist.bench import load_torchaudio
+    fa = load_torchaudio().functional.forced_align
+    g = torch.Generator().manual_seed(seed)
+    N, T, C = 6, 40, 7
+    lp = torch.randn(N, T, C, generator=g).log_softmax(2)
+    tl = torch.randint(1, 12, (N,), generator=g)          # torchaudio refuses empty targets
+    il = torch.randint(30, T + 1, (N,), generator=g)
+    targets = torch.randint(1, C, (N, 12), generator=g)
+    targets[:, 1::3] = targets[:, 0::3][:, :targets[:, 1::3].shape[1]]   # repeated labels
+    labels, scores = forced_align(lp, targets, il, tl)
+    for n in range(N):
+        ref_labels, ref_scores = fa(lp[n:n+1, :il[n]], targets[n:n+1, :tl[n]].int(), blank=0)
+        assert torch.equal(labels[n, :il[n]], ref_labels[0].long())
+        assert torch.allclose(scores[n, :il[n]], ref_scores[0], atol=1e-6)
