@@ -19,7 +19,7 @@ from numba.extending import intrinsic
 import torch
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2
-from .utils import load_kernel, empty_large
+from .utils import load_kernel, empty_large, tensor_cached
 from .ctc import interleave_blanks
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
@@ -370,15 +370,23 @@ def check_sparse_inputs(Ms, idx, v0=None, vT=None):
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"idx must be an int32 or int64 tensor, got {getattr(idx, 'dtype', type(idx).__name__)}")
     if tuple(idx.shape) != (C, NZ): raise ValueError(f"idx must have shape (C, NZ) = ({C}, {NZ}), got {tuple(idx.shape)}")
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= C):
-        raise ValueError(f"idx must hold states in [0, C) = [0, {C}), got values in [{int(idx.min())}, {int(idx.max())}]")
     for name, v in (('v0', v0), ('vT', vT)):
         if v is None: continue
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != (N, C):
             raise ValueError(f"{name} must be a ({N}, {C}) tensor, got {getattr(v, 'shape', type(v).__name__)}")
         if v.dtype != Ms.dtype or v.device != Ms.device:
             raise TypeError(f"{name} must have Ms' dtype and device ({Ms.dtype}, {Ms.device}), got ({v.dtype}, {v.device})")
-    return idx.to(device=Ms.device, dtype=torch.int64)
+    return tensor_cached(idx, ('checked', Ms.device), lambda: _checked_graph(idx, Ms.device))
+
+def _checked_graph(idx, device):
+    """idx as int64 on `device` after checking its values: done once per idx tensor (`tensor_cached`), so that a
+    training step, which passes the same idx every time, neither copies it nor waits for the GPU to check it. idx
+    may be on any device (bonito keeps it on the CPU with CUDA scores, as seqdist 0.0.3 allowed)."""
+    C = idx.shape[0]
+    if idx.numel():
+        lo, hi = (int(v) for v in torch.aminmax(idx))
+        if lo < 0 or hi >= C: raise ValueError(f"idx must hold states in [0, C) = [0, {C}), got values in [{lo}, {hi}]")
+    return idx.to(device=device, dtype=torch.int64)
 
 # %% ../nbs/04_sparse.ipynb #ab17dde0
 _sparse_kernels = {(dtype, S): {name: load_kernel('sparse.cu', name, **S.cuda_macros(dtype))
@@ -396,21 +404,28 @@ def _threads(C, K):
     if isinstance(K, bool) or not isinstance(K, (int, np.integer)) or K < 1: raise ValueError(f"K must be a positive int, got {K!r}")
     return int(min(1024, max(32, 32 * math.ceil(C / K / 32))))
 
+def _idx32(idx):
+    "idx (as `check_sparse_inputs` returns it) in the kernels' int32, made once."
+    return tensor_cached(idx, 'int32', lambda: idx.to(torch.int32).contiguous())
+
 def _out_edges(idx, NZ):
-    "For each state the NZ edges leaving it (as flat indices c * NZ + j), for the backward kernel."
+    "For each state the NZ edges leaving it (as flat indices c * NZ + j) on idx's device, for the backward kernel; made once per idx."
+    return tensor_cached(idx, 'out_edges', lambda: _make_out_edges(idx, NZ))
+
+def _make_out_edges(idx, NZ):
     C = idx.shape[0]
     counts = torch.bincount(idx.flatten().cpu(), minlength=C)
     if not (counts == NZ).all():
         raise ValueError(f"the CUDA kernels need every state to have NZ = {NZ} outgoing edges in idx; "
                          f"counts range over [{int(counts.min())}, {int(counts.max())}] (use backend='cpu')")
-    return idx.flatten().argsort(stable=True).to(torch.int32)
+    return idx.flatten().argsort(stable=True).to(torch.int32).contiguous()
 
 def _scores_cuda(Ms, idx, v, S, K, forward):
     T, N, C, NZ = Ms.shape
     k = _sparse_kernels[(Ms.dtype, S)]
     out = Ms.new_empty(T + 1, N, C)
     shared = 2 * C * Ms.element_size()
-    edges = idx.to(torch.int32).contiguous() if forward else _out_edges(idx, NZ).to(Ms.device)
+    edges = _idx32(idx) if forward else _out_edges(idx, NZ)
     k['sparse_fwd' if forward else 'sparse_bwd']((N,), (_threads(C, K),), (Ms.contiguous(), edges, v.contiguous(), out, T, N, C, NZ), shared_mem=shared)
     return out
 
@@ -434,13 +449,16 @@ def _sparse_backward_cuda(g, Ms, idx, v0, vT, logz, alpha, frames, ok, use_max, 
     feasible = torch.isfinite(logz)               # a sequence with no path: zero gradient (and no -inf - -inf in the kernel)
     g, logz = torch.where(feasible, g, 0).to(Ms.dtype).contiguous(), torch.where(feasible, logz, 0).contiguous()
     threads = 256
-    _sparse_kernels[(Ms.dtype, S)]['sparse_posteriors']((T, N), (threads,), (Ms.contiguous(), idx.to(torch.int32).contiguous(), alpha, beta, logz, g, grad, N, C, NZ, int(use_max)),
+    _sparse_kernels[(Ms.dtype, S)]['sparse_posteriors']((T, N), (threads,), (Ms.contiguous(), _idx32(idx), alpha, beta, logz, g, grad, N, C, NZ, int(use_max)),
                                                         shared_mem=threads * (Ms.element_size() + 4))
     return grad
 
 # %% ../nbs/04_sparse.ipynb #d70c228c
 def _out_edges_padded(idx):
-    "For each state the flat indices c * NZ + j of the edges leaving it, padded with C * NZ (a zero weight)."
+    "For each state the flat indices c * NZ + j of the edges leaving it, padded with C * NZ (a zero weight); made once per idx."
+    return tensor_cached(idx, 'out_edges_padded', lambda: _make_out_edges_padded(idx))
+
+def _make_out_edges_padded(idx):
     C, NZ = idx.shape
     src = idx.flatten().cpu()
     counts = torch.bincount(src, minlength=C)
@@ -548,7 +566,7 @@ def sparse_logz_backward_op(g: Tensor, Ms: Tensor, idx: Tensor, v0: Tensor, vT: 
                             ok: Tensor, use_max: bool, backend: str, K: int) -> Tensor:
     "g (N,) times the gradient of logZ w.r.t. Ms, from what `seqdist::sparse_logz` saved: a fresh (T, N, C, NZ) tensor."
     _, backward = _SPARSE_BACKENDS[_sparse_backend(Ms, backend, K)]
-    return backward(g.detach(), Ms.detach(), idx.to(torch.int64), v0.detach(), vT.detach(), logz, alpha, frames, ok, use_max, K)
+    return backward(g.detach(), Ms.detach(), check_sparse_inputs(Ms, idx), v0.detach(), vT.detach(), logz, alpha, frames, ok, use_max, K)
 
 @sparse_logz_backward_op.register_fake
 def _(g, Ms, idx, v0, vT, logz, alpha, frames, ok, use_max, backend, K):

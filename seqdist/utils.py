@@ -5,15 +5,15 @@
 # %% auto #0
 __all__ = ['LARGE_POOL', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS',
            'to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed', 'benchmark_fwd_bwd', 'report',
-           'release_large_buffers', 'empty_large', 'cuda_dir', 'find_source', 'Param', 'kernel_params',
-           'KernelLaunchError', 'KernelCompileError', 'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func',
-           'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared', 'emulator_source', 'emulator_library',
-           'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc',
-           'compile_with_nvcc', 'gpu_compiler', 'package_kernels', 'check_gpu_compile', 'compile_check_cli',
-           'selfcheck_cli']
+           'release_large_buffers', 'empty_large', 'tensor_cached', 'cuda_dir', 'find_source', 'Param', 'kernel_params',
+           'KernelLaunchError', 'KernelCompileError', 'count_launches', 'Kernel', 'KernelModule', 'load_kernel',
+           'load_cupy_func', 'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared', 'emulator_source',
+           'emulator_library', 'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum', 'nvrtc_library',
+           'compile_with_nvrtc', 'compile_with_nvcc', 'gpu_compiler', 'package_kernels', 'check_gpu_compile',
+           'compile_check_cli', 'selfcheck_cli']
 
 # %% ../nbs/01_utils.ipynb #2e6efacb
-import ctypes, ctypes.util, hashlib, math, mmap, os, re, shutil, subprocess, sys, tempfile, threading, time
+import ctypes, ctypes.util, collections, hashlib, math, mmap, os, re, shutil, subprocess, sys, tempfile, threading, time, weakref
 from contextlib import contextmanager
 from pathlib import Path
 import numpy as np
@@ -127,6 +127,22 @@ def empty_large(shape, dtype=torch.float32):
     try: entry = LARGE_POOL.take(nbytes)
     except (OSError, ValueError): return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(np.asarray(_Lease(LARGE_POOL, entry, shape, np_dtype.str)))
+
+# %% ../nbs/01_utils.ipynb #9cbc2df3
+_TENSOR_CACHE = {}   # id(tensor) -> (weak reference to it, its version, {key: derived value})
+
+def tensor_cached(t, key, make):
+    """`make()`, computed once per tensor `t` (and per in-place version of it) and `key`: for data derived from an
+    argument that callers pass unchanged call after call (a CRF's transition graph checked, moved to a device,
+    transposed), so that a call does no copy and no host-device synchronisation for it. The entry dies with `t`."""
+    try: version = t._version
+    except RuntimeError: return make()                  # inference tensors have no version counter: nothing cached
+    k = id(t)
+    entry = _TENSOR_CACHE.get(k)
+    if entry is None or entry[0]() is not t or entry[1] != version:
+        entry = _TENSOR_CACHE[k] = (weakref.ref(t, lambda _, k=k: _TENSOR_CACHE.pop(k, None)), version, {})
+    if key not in entry[2]: entry[2][key] = make()
+    return entry[2][key]
 
 # %% ../nbs/01_utils.ipynb #9bc56201
 def cuda_dir():
@@ -268,6 +284,16 @@ def _marshal(kernel, args, device):
 
 # %% ../nbs/01_utils.ipynb #3c428cdb
 KERNELS = {}  # (source path, kernel name, macros) -> Kernel, for every kernel the package asks for
+_launch_counts = []   # the Counters of the active `count_launches` blocks
+
+@contextmanager
+def count_launches():
+    """Count the kernel launches made inside the block, by kernel name, on any device (`with count_launches() as n:`).
+    On a GPU each launch costs host time, so the tests hold every op to a launch budget through the emulator."""
+    counts = collections.Counter()
+    _launch_counts.append(counts)
+    try: yield counts
+    finally: _launch_counts.remove(counts)
 
 class Kernel:
     "CUDA kernel `name` of source `fname`, specialised by `macros`; call it as a CuPy RawKernel: `kernel(grid, block, args, shared_mem=0)`."
@@ -299,6 +325,7 @@ class Kernel:
         grid, block, args = _dims(grid, 'grid', self.name), _dims(block, 'block', self.name), tuple(args)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device('cpu'))
         values = _marshal(self, args, device)
+        for counts in _launch_counts: counts[self.name] += 1
         if device.type == 'cuda': return _launch_cupy(self, device, grid, block, values, shared_mem)
         if device.type == 'cpu': return _launch_emulator(self, grid, block, values, shared_mem)
         raise ValueError(f"kernel {self.name}: tensors on {device}; kernels run on CUDA devices or, emulated, on the CPU")

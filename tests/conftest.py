@@ -12,6 +12,12 @@ settings.register_profile('seqdist', derandomize=True, deadline=None)  # the sam
 settings.load_profile('seqdist')
 
 def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        for item in items:
+            if 'gpu' in item.keywords: item.add_marker(pytest.mark.skip(reason="needs a CUDA device (make gpu-check)"))
+    _torchaudio(items)
+
+def _torchaudio(items):
     """Tests marked `torchaudio` compare with torchaudio: they are skipped, visibly, where it cannot be loaded, except
     under `make test` (SEQDIST_REQUIRE_TORCHAUDIO=1), which installs it and where its absence is a failure."""
     if not any('torchaudio' in item.keywords for item in items): return

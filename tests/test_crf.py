@@ -183,3 +183,31 @@ def test_ctc_loss_gradcheck():
     scores = torch.randn(6, 2, crf.n_score(), dtype=torch.float64, requires_grad=True)
     targets, lengths = torch.tensor([[1, 2, 2], [2, 1, 0]]), torch.tensor([3, 2])
     assert torch.autograd.gradcheck(lambda s: crf.ctc_loss(s, targets, lengths, reduction='none'), (scores,))
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_add_at_columns_sums_repeated_columns_in_a_fixed_order(dtype):
+    "The GPU's deterministic scatter (repeats summed by prefix sums first) equals scatter_add_, repeats included."
+    from seqdist.crf import add_at_columns
+    g = torch.Generator().manual_seed(0)
+    T, N, C, J = 5, 3, 7, 9
+    cols = torch.randint(0, C, (N, J), generator=g)
+    cols[0] = 2                                                       # one column, J times
+    cols[1, :4] = torch.tensor([6, 1, 6, 6])
+    values = torch.randn(T, N, J, generator=g, dtype=dtype)
+    out = torch.randn(T, N, C, generator=g, dtype=dtype)
+    expected = out.clone().scatter_add_(2, cols.expand(T, -1, -1), values)
+    got = add_at_columns(out.clone(), cols, values, sorted_runs=True)
+    torch.testing.assert_close(got, expected, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=1e-6 if dtype == torch.float32 else 1e-12)
+    assert torch.equal(add_at_columns(out.clone(), cols, values), expected)          # the CPU: scatter_add_ itself
+
+def test_prepare_ctc_scores_gradient_is_the_scatter_of_the_gather():
+    torch.manual_seed(0)
+    crf = CTC_CRF(state_len=2, alphabet='NACGT')
+    scores = torch.randn(6, 3, crf.n_score(), dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([[1, 1, 1, 1, 1], [1, 2, 1, 2, 1], [4, 3, 2, 1, 1]])     # repeated k-mers
+    stay, move = crf.prepare_ctc_scores(scores, targets)
+    w1, w2 = torch.randn_like(stay), torch.randn_like(move)
+    g, = torch.autograd.grad((stay * w1).sum() + (move * w2).sum(), scores)
+    cols, n = crf._target_columns(scores, targets)
+    ref = torch.zeros_like(scores).scatter_add_(2, cols.expand(6, -1, -1), torch.cat([w1, w2], 2))
+    torch.testing.assert_close(g, ref)

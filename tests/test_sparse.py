@@ -239,3 +239,29 @@ def test_no_frames():
             z = logZ(Ms, _ring(), v0, vT, S, backend=backend)
             torch.testing.assert_close(z.detach(), S.sum(v0 + vT, dim=1))
             assert torch.autograd.grad(z.sum(), Ms)[0].shape == Ms.shape
+
+def test_idx_is_checked_and_moved_once_and_again_after_an_in_place_change():
+    "A training step passes the same idx every time: it is checked and copied once (no host-device sync per call)."
+    from seqdist.sparse import check_sparse_inputs
+    from seqdist.crf import kmer_transitions
+    idx = kmer_transitions(2, 4)                                       # int32, as bonito keeps it
+    Ms = torch.randn(3, 2, 16, 5)
+    first = check_sparse_inputs(Ms, idx)
+    assert first.dtype == torch.int64 and torch.equal(first, idx.long())
+    assert check_sparse_inputs(Ms, idx) is first
+    idx[0, 0] = 16                                                     # now out of range: checked again
+    with pytest.raises(ValueError, match=r"idx must hold states in \[0, C\) = \[0, 16\), got values in \[0, 16\]"):
+        check_sparse_inputs(Ms, idx)
+    idx[0, 0] = 0
+    assert torch.equal(check_sparse_inputs(Ms, idx), first) and check_sparse_inputs(Ms, idx) is not first
+
+def test_backward_op_takes_the_callers_idx_as_it_was_saved():
+    "The backward op gets the idx the caller passed (int32, possibly on another device) and normalises it itself."
+    from seqdist.crf import kmer_transitions
+    idx = kmer_transitions(2, 4)
+    Ms = torch.randn(4, 3, 16, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.zeros(3, 16, dtype=torch.float64)
+    for backend in ('cpu', 'cuda'):
+        g, = torch.autograd.grad(logZ(Ms, idx, v, v, backend=backend).sum(), Ms)
+        g_ref, = torch.autograd.grad(logZ(Ms, idx.long(), v, v, backend='reference').sum(), Ms)
+        torch.testing.assert_close(g, g_ref)
