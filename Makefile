@@ -12,7 +12,7 @@ TORCHAUDIO_VERSION ?= 2.11.0
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: install demo test docs readme clean
+.PHONY: install demo test gpu-check docs readme clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +41,13 @@ test: install
 	$(BIN)/seqdist-compile-check
 	@echo "== pytest"
 	SEQDIST_REQUIRE_TORCHAUDIO=1 $(BIN)/python -m pytest tests
+
+# On a machine with a GPU and torch, CuPy, numba and pytest already installed, and no network: no venv, no pip.
+# The GPU tests (marker `gpu`), every notebook with its `cuda` cells, and the quick GPU benchmark.
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m pytest -m gpu -rs tests
+	PYTHONPATH=. $(PYTHON) tools/run_notebook.py --flags cuda nbs/*.ipynb
+	PYTHONPATH=. $(PYTHON) -c "import sys; from seqdist.bench import bench_cli; sys.argv[1:] = ['--device', 'cuda', '--quick']; bench_cli()"
 
 docs: install
 	@if command -v quarto >/dev/null; then $(BIN)/nbdev-docs; \
