@@ -1,0 +1,55 @@
+"""Launch and synchronisation budgets of the GPU glue, counted on CPU through the emulator (the same Python glue and
+kernels as on a GPU). On a GPU at training shapes the host decides who wins (the GPU issue's profile): every kernel
+launch, PyTorch op and host read of a tensor value (`.item()`, `int(t)`, `bool(t)`: a host-device synchronisation when
+the tensor is on the GPU) costs time between launches. These tests hold each op to its budget so that the overhead
+cannot creep back unseen; lower a budget when you lower the count."""
+import collections, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from seqdist.utils import count_launches
+from seqdist.ctc import ctc_compute, ctc_inputs
+from seqdist import sparse, ctc_simple
+from seqdist.crf import kmer_transitions
+
+class CountOps(TorchDispatchMode):
+    "PyTorch ops called (by name) inside the block; `host_reads` counts reads of a tensor's value by the host."
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+    @property
+    def host_reads(self): return self.ops['aten._local_scalar_dense.default']
+    @property
+    def total(self): return sum(self.ops.values())
+
+def budget(fn):
+    fn()                                            # warm: per-argument data is made once (tensor_cached)
+    with count_launches() as launches, CountOps() as ops: fn()
+    return launches, ops
+
+def test_ctc_budget():
+    torch.manual_seed(0)
+    T, N, C = 20, 3, 6
+    lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
+                                   torch.tensor([5, 3, 4]))
+    launches, ops = budget(lambda: ctc_compute(lp, tg, il, tl, 0, False, 1, 'cuda'))
+    assert launches == {'ctc_alpha': 1, 'ctc_beta': 1, 'ctc_posteriors': 1}
+    # Today's glue still validates lengths and labels by reading them on the host: 6 reads, which are host-device
+    # synchronisations when they live on the GPU (the GPU issue asks for none).
+    assert ops.host_reads <= 6 and ops.total <= 42, ops.ops
+
+def test_sparse_budget_no_host_reads_once_warm():
+    torch.manual_seed(0)
+    idx = kmer_transitions(2, 4)
+    Ms, v = torch.randn(5, 3, 16, 5), torch.zeros(3, 16)
+    launches, ops = budget(lambda: sparse.sparse_logz_compute(Ms, idx, v, v, False, True, 'cuda', 1))
+    assert launches == {'sparse_fwd': 1, 'sparse_bwd': 1, 'sparse_posteriors': 1}
+    assert ops.host_reads == 0 and ops.total <= 23, ops.ops      # idx is checked and transposed once, then cached
+
+def test_ctc_simple_budget():
+    torch.manual_seed(0)
+    stay, move, lengths = torch.randn(6, 3, 5), torch.randn(6, 3, 4), torch.tensor([5, 3, 4])
+    launches, ops = budget(lambda: ctc_simple.simple_compute(stay, move, lengths, False, True, 'cuda'))
+    assert launches == {'simple_alpha': 1, 'simple_beta': 1}
+    assert ops.host_reads <= 2 and ops.total <= 50, ops.ops     # 2 reads: the target_lengths range check
