@@ -78,6 +78,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                              'seqdist.ctc._lengths': ('ctc.html#_lengths', 'seqdist/ctc.py'),
                              'seqdist.ctc._log_start': ('ctc.html#_log_start', 'seqdist/ctc.py'),
                              'seqdist.ctc._logz_fwd': ('ctc.html#_logz_fwd', 'seqdist/ctc.py'),
+                             'seqdist.ctc._on_host': ('ctc.html#_on_host', 'seqdist/ctc.py'),
+                             'seqdist.ctc._require': ('ctc.html#_require', 'seqdist/ctc.py'),
                              'seqdist.ctc._viterbi': ('ctc.html#_viterbi', 'seqdist/ctc.py'),
                              'seqdist.ctc._viterbi_states_cpu': ('ctc.html#_viterbi_states_cpu', 'seqdist/ctc.py'),
                              'seqdist.ctc.ctc_apply': ('ctc.html#ctc_apply', 'seqdist/ctc.py'),
@@ -260,5 +262,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                'seqdist.utils.semiring_sum': ('utils.html#semiring_sum', 'seqdist/utils.py'),
                                'seqdist.utils.tensor_cached': ('utils.html#tensor_cached', 'seqdist/utils.py'),
                                'seqdist.utils.timed': ('utils.html#timed', 'seqdist/utils.py'),
+                               'seqdist.utils.to_device': ('utils.html#to_device', 'seqdist/utils.py'),
                                'seqdist.utils.to_np': ('utils.html#to_np', 'seqdist/utils.py'),
                                'seqdist.utils.zero_grad': ('utils.html#zero_grad', 'seqdist/utils.py')}}}

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, grad, max_grad, SequenceDist, semiring_sum2
-from .utils import load_kernel
+from .utils import load_kernel, to_device
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 
@@ -92,32 +92,58 @@ def ctc_inputs(log_probs, targets, input_lengths, target_lengths, blank=0):
     tl = _lengths(target_lengths, 'target_lengths', N, log_probs.device)
     return log_probs, targets.long(), il, tl, unbatched
 
+def _on_host(*xs):
+    "Whether the host can read these tensors without waiting for a GPU."
+    return all(x.device.type == 'cpu' for x in xs)
+
+def _require(ok, on_host, message):
+    """Raise ValueError(message()) if not ok: read by the host where the values live on the CPU; where they live on a
+    GPU, checked by the GPU (`torch._assert_async`) so that the call does not wait for it: a bad value then fails at
+    the next synchronisation, as a device-side assertion."""
+    if on_host:
+        if not bool(ok): raise ValueError(message())
+    else: torch._assert_async(ok, "seqdist.ctc: " + message.__doc__)
+
 def padded_targets(log_probs, targets, input_lengths, target_lengths, blank):
-    "Check the lengths and labels, and return the targets padded (N, max(target_lengths)) on log_probs' device."
+    """Check the lengths and labels, and return the targets padded (N, L) on log_probs' device, L = max(target_lengths)
+    (or, for padded targets with lengths on a GPU, their padded width: no waiting for the GPU to know the max). Values
+    on the CPU are checked there, with errors naming them; values on a GPU are checked by the GPU (`_require`)."""
     T, N, C = log_probs.shape
-    il, tl = input_lengths.cpu(), target_lengths.cpu()
-    if (il < 0).any() or (il > T).any():
-        raise ValueError(f"input_lengths must be in [0, T] = [0, {T}], got {il[(il < 0) | (il > T)][:5].tolist()}")
-    if (tl < 0).any(): raise ValueError(f"target_lengths must be >= 0, got {tl[tl < 0][:5].tolist()}")
-    L = int(tl.max()) if N else 0
+    il, tl = input_lengths, target_lengths
+    def bad_il():
+        "input_lengths out of [0, T]"
+        return f"input_lengths must be in [0, T] = [0, {T}], got {il[(il < 0) | (il > T)][:5].tolist()}"
+    _require(((il >= 0) & (il <= T)).all(), _on_host(il), bad_il)
+    def bad_tl():
+        "negative target_lengths"
+        return f"target_lengths must be >= 0, got {tl[tl < 0][:5].tolist()}"
+    _require((tl >= 0).all(), _on_host(tl), bad_tl)
     if targets.dim() == 2:
-        if L > targets.shape[1]:
-            raise ValueError(f"target_lengths (max {L}) exceed the padded targets' length {targets.shape[1]}")
+        S = targets.shape[1]
+        L = (int(tl.max()) if N else 0) if _on_host(tl) else S
+        def too_long():
+            "target_lengths longer than the padded targets"
+            return f"target_lengths (max {int(tl.max())}) exceed the padded targets' length {S}"
+        _require((tl <= S).all(), _on_host(tl), too_long)
         padded = targets[:, :L]
     else:
-        if int(tl.sum()) != targets.shape[0]:
-            raise ValueError(f"concatenated targets have {targets.shape[0]} labels but target_lengths sum to {int(tl.sum())}")
-        padded = torch.full((N, L), blank, dtype=torch.long)
-        keep = torch.arange(L)[None] < tl[:, None]
-        padded[keep] = targets.cpu()
-    padded = padded.to(log_probs.device)
-    keep = torch.arange(L, device=padded.device)[None] < tl.to(padded.device)[:, None]
-    labels = padded[keep]
-    if labels.numel() and ((labels < 0) | (labels >= C)).any():
-        raise ValueError(f"targets must hold labels in [0, C) = [0, {C}), got {labels[(labels < 0) | (labels >= C)][:5].tolist()}")
-    if labels.numel() and (labels == blank).any():
-        raise ValueError(f"targets contain the blank label {blank} within their target_lengths")
-    return torch.where(keep, padded, blank)    # the padding may hold garbage: replace it
+        L = int(tl.max()) if N else 0            # a host read: concatenated targets need their lengths' max (as PyTorch)
+        def bad_sum():
+            "target_lengths that do not sum to the number of concatenated targets"
+            return f"concatenated targets have {targets.shape[0]} labels but target_lengths sum to {int(tl.sum())}"
+        _require(tl.sum() == targets.shape[0], _on_host(tl), bad_sum)
+        starts = tl.cumsum(0) - tl
+        where = (starts[:, None] + torch.arange(L, device=tl.device)[None]).clamp(max=max(targets.shape[0] - 1, 0))
+        padded = targets[to_device(where, targets.device)] if targets.numel() else targets.new_full((N, L), blank)
+    keep = torch.arange(L, device=padded.device)[None] < to_device(tl, padded.device)[:, None]
+    def bad_label():
+        "target labels out of [0, C) or equal to blank"
+        labels = padded[keep]
+        out = labels[(labels < 0) | (labels >= C)]
+        if out.numel(): return f"targets must hold labels in [0, C) = [0, {C}), got {out[:5].tolist()}"
+        return f"targets contain the blank label {blank} within their target_lengths"
+    _require((~keep | ((padded >= 0) & (padded < C) & (padded != blank))).all(), _on_host(padded), bad_label)
+    return to_device(torch.where(keep, padded, blank), log_probs.device)    # the padding may hold garbage: replace it
 
 # %% ../nbs/02_ctc.ipynb #3ae4dce2
 def logz_reference(state_scores, ext, input_lengths, target_lengths, blank=0, S:semiring=Log):
@@ -424,7 +450,7 @@ def _ctc_cuda(lp, ext, il, tl, blank, use_max, want):
     k = _ctc_kernels[(lp.dtype, Max if use_max else Log)]
     block = min(CUDA_MAX_THREADS, 32 * math.ceil(S_max / 32))
     shared = 2 * S_max * lp.element_size()
-    ext, il, tl = ext.to(lp.device), il.to(lp.device), tl.to(lp.device)
+    ext, il, tl = (to_device(x, lp.device) for x in (ext, il, tl))
     alpha, logz = lp.new_empty(T, N, S_max), lp.new_empty(N)
     k['ctc_alpha']((N,), (block,), (lp, ext, il, tl, alpha, logz, N, C, S_max, blank), shared_mem=shared)
     logz = torch.where(logz > -1e30, logz, -math.inf)     # S.zero is finite (-1e38): infeasible
@@ -479,8 +505,8 @@ def ctc_compute(log_probs, targets, input_lengths, target_lengths, blank, use_ma
     if want == 2 and targets.dim() == 2 and padded.shape[1] < targets.shape[1]:   # state outputs keep the padded width
         padded = torch.nn.functional.pad(padded, (0, targets.shape[1] - padded.shape[1]), value=blank)
     where = 'cpu' if backend == 'cpu' else lp.device
-    ext = interleave_blanks(padded, blank).to(where).contiguous()
-    logz, P = _BACKENDS[backend](lp, ext, input_lengths.to(where).contiguous(), target_lengths.to(where).contiguous(),
+    ext = to_device(interleave_blanks(padded, blank), where).contiguous()
+    logz, P = _BACKENDS[backend](lp, ext, to_device(input_lengths, where).contiguous(), to_device(target_lengths, where).contiguous(),
                                  blank, use_max, want)
     return logz.to(lp.dtype), P.to(lp.dtype)
 
@@ -510,7 +536,7 @@ def _ctc_backward(ctx, grad_logz, grad_P):
     log_probs, input_lengths, logz, P, targets, target_lengths = ctx.saved_tensors
     if ctx.want == 0: raise RuntimeError("seqdist::ctc: call it with want=1 or 2 to differentiate logZ")
     T = log_probs.shape[0]
-    valid = torch.arange(T, device=log_probs.device)[:, None] < input_lengths.to(log_probs.device)[None]   # (T, N)
+    valid = torch.arange(T, device=log_probs.device)[:, None] < to_device(input_lengths, log_probs.device)[None]   # (T, N)
     g = torch.where(torch.isinf(logz), 0.0 if ctx.zero_infinity else math.nan, grad_logz)   # infeasible: as PyTorch
     w = torch.where(valid, g[None], 0.0)[..., None].to(P.dtype)
     dtype = P.dtype
@@ -518,9 +544,9 @@ def _ctc_backward(ctx, grad_logz, grad_P):
         grad = torch.exp(log_probs.to(dtype)).add_(P) if ctx.torch_grad else P.clone()   # one allocation
     else:
         grad = torch.exp(log_probs.to(dtype)) if ctx.torch_grad else log_probs.new_zeros(log_probs.shape, dtype=dtype)
-        tl = target_lengths.to(targets.device)
+        tl = to_device(target_lengths, targets.device)
         clean = torch.where(torch.arange(targets.shape[1], device=targets.device)[None] < tl[:, None], targets, ctx.blank)
-        ext = interleave_blanks(clean, ctx.blank).to(log_probs.device)
+        ext = to_device(interleave_blanks(clean, ctx.blank), log_probs.device)
         grad.scatter_add_(2, ext[None].expand(T, -1, -1), P)
     return grad.mul_(-w).to(log_probs.dtype), None, None, None, None, None, None, None, None, None
 
@@ -557,7 +583,7 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reducti
     if zero_infinity: loss = torch.where(torch.isinf(loss), torch.zeros_like(loss), loss)
     if reduction == 'none': return loss[0] if unbatched else loss
     if reduction == 'sum': return loss.sum()
-    return (loss / tl.to(loss.device).clamp(min=1)).mean()
+    return (loss / to_device(tl, loss.device).clamp(min=1)).mean()
 
 class CTCLoss(nn.Module):
     "`torch.nn.CTCLoss` on seqdist's kernels."

@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['LARGE_POOL', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS',
            'to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed', 'benchmark_fwd_bwd', 'report',
-           'release_large_buffers', 'empty_large', 'tensor_cached', 'cuda_dir', 'find_source', 'Param', 'kernel_params',
-           'KernelLaunchError', 'KernelCompileError', 'count_launches', 'Kernel', 'KernelModule', 'load_kernel',
-           'load_cupy_func', 'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared', 'emulator_source',
-           'emulator_library', 'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum', 'nvrtc_library',
-           'compile_with_nvrtc', 'compile_with_nvcc', 'gpu_compiler', 'package_kernels', 'check_gpu_compile',
-           'compile_check_cli', 'selfcheck_cli']
+           'release_large_buffers', 'empty_large', 'tensor_cached', 'to_device', 'cuda_dir', 'find_source', 'Param',
+           'kernel_params', 'KernelLaunchError', 'KernelCompileError', 'count_launches', 'Kernel', 'KernelModule',
+           'load_kernel', 'load_cupy_func', 'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared',
+           'emulator_source', 'emulator_library', 'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum',
+           'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc', 'gpu_compiler', 'package_kernels',
+           'check_gpu_compile', 'compile_check_cli', 'selfcheck_cli']
 
 # %% ../nbs/01_utils.ipynb #2e6efacb
 import ctypes, ctypes.util, collections, hashlib, math, mmap, os, re, shutil, subprocess, sys, tempfile, threading, time, weakref
@@ -128,7 +128,7 @@ def empty_large(shape, dtype=torch.float32):
     except (OSError, ValueError): return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(np.asarray(_Lease(LARGE_POOL, entry, shape, np_dtype.str)))
 
-# %% ../nbs/01_utils.ipynb #9cbc2df3
+# %% ../nbs/01_utils.ipynb #f8cccad6
 _TENSOR_CACHE = {}   # id(tensor) -> (weak reference to it, its version, {key: derived value})
 
 def tensor_cached(t, key, make):
@@ -143,6 +143,14 @@ def tensor_cached(t, key, make):
         entry = _TENSOR_CACHE[k] = (weakref.ref(t, lambda _, k=k: _TENSOR_CACHE.pop(k, None)), version, {})
     if key not in entry[2]: entry[2][key] = make()
     return entry[2][key]
+
+def to_device(x, device):
+    """`x` on `device`. A CPU tensor goes to a GPU through pinned memory without blocking: a plain `.to('cuda')` of
+    pageable memory waits for the GPU to finish its queued work, a host-device synchronisation in the middle of an op."""
+    device = torch.device(device)
+    if x.device == device: return x
+    if x.device.type == 'cpu' and device.type == 'cuda': return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 # %% ../nbs/01_utils.ipynb #9bc56201
 def cuda_dir():

@@ -3,7 +3,7 @@ kernels as on a GPU). On a GPU at training shapes the host decides who wins (the
 launch, PyTorch op and host read of a tensor value (`.item()`, `int(t)`, `bool(t)`: a host-device synchronisation when
 the tensor is on the GPU) costs time between launches. These tests hold each op to its budget so that the overhead
 cannot creep back unseen; lower a budget when you lower the count."""
-import collections, torch
+import collections, pytest, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from seqdist.utils import count_launches
 from seqdist.ctc import ctc_compute, ctc_inputs
@@ -35,9 +35,25 @@ def test_ctc_budget():
                                    torch.tensor([5, 3, 4]))
     launches, ops = budget(lambda: ctc_compute(lp, tg, il, tl, 0, False, 1, 'cuda'))
     assert launches == {'ctc_alpha': 1, 'ctc_beta': 1, 'ctc_posteriors': 1}
-    # Today's glue still validates lengths and labels by reading them on the host: 6 reads, which are host-device
-    # synchronisations when they live on the GPU (the GPU issue asks for none).
-    assert ops.host_reads <= 6 and ops.total <= 42, ops.ops
+    assert ops.total <= 44, ops.ops          # lengths and labels on the CPU are checked there (host reads, no GPU wait)
+
+def test_ctc_with_lengths_on_the_gpu_reads_nothing_on_the_host(monkeypatch):
+    "Tensors that `_on_host` calls GPU-resident are checked by the device (torch._assert_async): no host read at all."
+    import seqdist.ctc as ctc
+    monkeypatch.setattr(ctc, '_on_host', lambda *xs: False)
+    torch.manual_seed(0)
+    T, N, C = 20, 3, 6
+    lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
+                                   torch.tensor([5, 3, 4]))
+    expected = ctc_compute(lp, tg, il, tl, 0, False, 1, 'cpu')
+    launches, ops = budget(lambda: ctc_compute(lp, tg, il, tl, 0, False, 1, 'cuda'))
+    assert ops.host_reads == 0, ops.ops
+    for a, b in zip(ctc_compute(lp, tg, il, tl, 0, False, 1, 'cuda'), expected): torch.testing.assert_close(a, b)
+    for bad, message in ((dict(il=il + 1), "input_lengths out of"), (dict(tl=tl - 4), "negative target_lengths"),
+                         (dict(tl=tl + 1), "longer than the padded targets"), (dict(tg=tg * 0), "equal to blank")):
+        args = dict(lp=lp, tg=tg, il=il, tl=tl, blank=0, use_max=False, want=1, backend='cuda') | bad
+        with pytest.raises(RuntimeError, match=message):       # on a GPU: a device-side assertion, at the next sync
+            ctc_compute(args['lp'], args['tg'], args['il'], args['tl'], 0, False, 1, 'cuda')
 
 def test_sparse_budget_no_host_reads_once_warm():
     torch.manual_seed(0)
