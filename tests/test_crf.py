@@ -211,3 +211,16 @@ def test_prepare_ctc_scores_gradient_is_the_scatter_of_the_gather():
     cols, n = crf._target_columns(scores, targets)
     ref = torch.zeros_like(scores).scatter_add_(2, cols.expand(6, -1, -1), torch.cat([w1, w2], 2))
     torch.testing.assert_close(g, ref)
+
+def test_bonito_layout_of_the_gpu_benchmark_equals_ctc_crf():
+    "seqdist.bench.BonitoCTC_CRF (bonito 0.5.0's CTC_CRF, the GPU anchor's layout) over our modules equals CTC_CRF."
+    from seqdist.bench import BonitoCTC_CRF
+    from seqdist import core
+    torch.manual_seed(0)
+    bonito, crf = BonitoCTC_CRF(3, dict(core=core, sparse=sparse, ctc_simple=simple)), CTC_CRF(3, 'NACGT')
+    assert torch.equal(bonito.idx, crf.idx)
+    scores = torch.randn(30, 3, crf.n_score(), dtype=torch.float64, requires_grad=True)
+    targets, lengths = torch.randint(1, 5, (3, 9)), torch.tensor([9, 7, 8])
+    a, b = bonito.ctc_loss(scores, targets, lengths), crf.ctc_loss(scores, targets, lengths)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(*(torch.autograd.grad(x, scores)[0] for x in (a, b)))
