@@ -161,7 +161,7 @@ def bench_ctc_crf(T=1000, N=16, state_len=5, warmup=2, reps=7):
                  anchor='seqdist ctc_loss, same targets (C=5)', anchor_ms=t_ctc, ours_ms=t_crf, ratio=t_ctc / t_crf,
                  check=f'context, not a speed-up: the CRF also normalises over {crf.n_states} states')]
 
-# %% ../nbs/10_bench.ipynb #246ccfb4
+# %% ../nbs/10_bench.ipynb #fe76c525
 def load_seqdist003():
     "seqdist 0.0.3 as the package `seqdist003` (from `.anchors/` of a checkout, see tools/gpu_anchors.sh), or None."
     anchors = Path(__file__).resolve().parent.parent / '.anchors' if '__file__' in globals() else Path('../.anchors').resolve()
@@ -213,7 +213,7 @@ def value_and_grad(f, x):
         return y.detach(), torch.autograd.grad(y.sum(), x)[0]
     return run
 
-# %% ../nbs/10_bench.ipynb #3260244f
+# %% ../nbs/10_bench.ipynb #ac2b7fd8
 GPU_CTC_SHAPES = [(500, 128, 20, 80, 100), (200, 32, 1000, 40, 60), (2000, 8, 5, 400, 500), (1000, 64, 5000, 100, 200),
                   (1500, 32, 32, 150, 250)]    # T, N, C, L_min, L_max: the GPU issue's shapes
 
@@ -244,7 +244,7 @@ def bench_ctc_gpu(shapes=GPU_CTC_SHAPES, device='cuda', warmup=2, reps=7):
         rows.append(compare_row('ctc_loss fwd+bwd', shape, 'seqdist 0.0.3 loss_cupy', theirs, ours, device, warmup, reps))
     return rows
 
-# %% ../nbs/10_bench.ipynb #5ce904fe
+# %% ../nbs/10_bench.ipynb #685a6c71
 class BonitoCTC_CRF:
     """The CTC-CRF of bonito 0.5.0 (its layout and calls, written out here) over a seqdist-0.0.3-like module set `sd`:
     the anchor a basecaller trains with today. Scores (T, N, 5 * 4**state_len), blank first."""

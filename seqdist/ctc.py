@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, grad, max_grad, SequenceDist, semiring_sum2
-from .utils import load_kernel, to_device
+from .utils import load_kernel, to_device, on_host, require
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 
@@ -92,46 +92,34 @@ def ctc_inputs(log_probs, targets, input_lengths, target_lengths, blank=0):
     tl = _lengths(target_lengths, 'target_lengths', N, log_probs.device)
     return log_probs, targets.long(), il, tl, unbatched
 
-def _on_host(*xs):
-    "Whether the host can read these tensors without waiting for a GPU."
-    return all(x.device.type == 'cpu' for x in xs)
-
-def _require(ok, on_host, message):
-    """Raise ValueError(message()) if not ok: read by the host where the values live on the CPU; where they live on a
-    GPU, checked by the GPU (`torch._assert_async`) so that the call does not wait for it: a bad value then fails at
-    the next synchronisation, as a device-side assertion."""
-    if on_host:
-        if not bool(ok): raise ValueError(message())
-    else: torch._assert_async(ok, "seqdist.ctc: " + message.__doc__)
-
 def padded_targets(log_probs, targets, input_lengths, target_lengths, blank):
     """Check the lengths and labels, and return the targets padded (N, L) on log_probs' device, L = max(target_lengths)
     (or, for padded targets with lengths on a GPU, their padded width: no waiting for the GPU to know the max). Values
-    on the CPU are checked there, with errors naming them; values on a GPU are checked by the GPU (`_require`)."""
+    on the CPU are checked there, with errors naming them; values on a GPU are checked by the GPU (`require`)."""
     T, N, C = log_probs.shape
     il, tl = input_lengths, target_lengths
     def bad_il():
         "input_lengths out of [0, T]"
         return f"input_lengths must be in [0, T] = [0, {T}], got {il[(il < 0) | (il > T)][:5].tolist()}"
-    _require(((il >= 0) & (il <= T)).all(), _on_host(il), bad_il)
+    require(((il >= 0) & (il <= T)).all(), on_host(il), bad_il)
     def bad_tl():
         "negative target_lengths"
         return f"target_lengths must be >= 0, got {tl[tl < 0][:5].tolist()}"
-    _require((tl >= 0).all(), _on_host(tl), bad_tl)
+    require((tl >= 0).all(), on_host(tl), bad_tl)
     if targets.dim() == 2:
         S = targets.shape[1]
-        L = (int(tl.max()) if N else 0) if _on_host(tl) else S
+        L = (int(tl.max()) if N else 0) if on_host(tl) else S
         def too_long():
             "target_lengths longer than the padded targets"
             return f"target_lengths (max {int(tl.max())}) exceed the padded targets' length {S}"
-        _require((tl <= S).all(), _on_host(tl), too_long)
+        require((tl <= S).all(), on_host(tl), too_long)
         padded = targets[:, :L]
     else:
         L = int(tl.max()) if N else 0            # a host read: concatenated targets need their lengths' max (as PyTorch)
         def bad_sum():
             "target_lengths that do not sum to the number of concatenated targets"
             return f"concatenated targets have {targets.shape[0]} labels but target_lengths sum to {int(tl.sum())}"
-        _require(tl.sum() == targets.shape[0], _on_host(tl), bad_sum)
+        require(tl.sum() == targets.shape[0], on_host(tl), bad_sum)
         starts = tl.cumsum(0) - tl
         where = (starts[:, None] + torch.arange(L, device=tl.device)[None]).clamp(max=max(targets.shape[0] - 1, 0))
         padded = targets[to_device(where, targets.device)] if targets.numel() else targets.new_full((N, L), blank)
@@ -142,7 +130,7 @@ def padded_targets(log_probs, targets, input_lengths, target_lengths, blank):
         out = labels[(labels < 0) | (labels >= C)]
         if out.numel(): return f"targets must hold labels in [0, C) = [0, {C}), got {out[:5].tolist()}"
         return f"targets contain the blank label {blank} within their target_lengths"
-    _require((~keep | ((padded >= 0) & (padded < C) & (padded != blank))).all(), _on_host(padded), bad_label)
+    require((~keep | ((padded >= 0) & (padded < C) & (padded != blank))).all(), on_host(padded), bad_label)
     return to_device(torch.where(keep, padded, blank), log_probs.device)    # the padding may hold garbage: replace it
 
 # %% ../nbs/02_ctc.ipynb #3ae4dce2

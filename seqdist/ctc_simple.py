@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import pad
 from .core import semiring, Log, Max, semiring_sum2
-from .utils import load_kernel
+from .utils import load_kernel, on_host, require, to_device
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
@@ -128,7 +128,10 @@ def check_simple_inputs(stay_scores, move_scores, target_lengths):
     tl = torch.as_tensor(target_lengths)
     if tl.is_floating_point() or tl.dim() != 1 or tl.shape[0] != N:
         raise ValueError(f"target_lengths must be {N} integers, got {tuple(tl.shape)} {tl.dtype}")
-    if (tl < 1).any() or (tl > L).any(): raise ValueError(f"target_lengths must be in [1, L] = [1, {L}], got {tl[(tl < 1) | (tl > L)][:5].tolist()}")
+    def bad():
+        "target_lengths out of [1, L]"
+        return f"target_lengths must be in [1, L] = [1, {L}], got {tl[(tl < 1) | (tl > L)][:5].tolist()}"
+    require(((tl >= 1) & (tl <= L)).all(), on_host(tl), bad)      # lengths on a GPU: checked there, without waiting
     return tl.long()
 
 def _scores_numba(stay, move, lengths, use_max):
@@ -139,11 +142,13 @@ def _scores_numba(stay, move, lengths, use_max):
     return alpha, beta
 
 def _scores_cuda(stay, move, lengths, use_max):
+    "The CUDA kernels' scores in float64 whatever the input's precision: float32 recursions lose 1e-4 in the posteriors."
     T, N, L = stay.shape
-    k = _simple_kernels[(stay.dtype, Max if use_max else Log)]
+    stay, move = stay.double(), move.double()
+    k = _simple_kernels[(torch.float64, Max if use_max else Log)]
     alpha, beta = stay.new_empty(T + 1, N, L), stay.new_empty(T + 1, N, L)
     block, shared = min(CUDA_MAX_THREADS, 32 * math.ceil(L / 32)), 2 * L * stay.element_size()
-    mv, lengths = move.contiguous() if L > 1 else stay.new_empty(T, N, 1), lengths.to(stay.device)
+    mv, lengths = move.contiguous() if L > 1 else stay.new_empty(T, N, 1), to_device(lengths, stay.device)
     for name, out in (('simple_alpha', alpha), ('simple_beta', beta)):
         k[name]((N,), (block,), (stay.contiguous(), mv, lengths, out, T, N, L), shared_mem=shared)
     return alpha, beta
@@ -167,10 +172,11 @@ def simple_compute(stay_scores, move_scores, target_lengths, use_max, want, back
     if backend == 'auto': backend = 'cuda' if stay_scores.is_cuda else 'cpu'
     if backend not in _SIMPLE_BACKENDS: raise ValueError(f"backend must be 'auto', 'cpu', 'cuda' or 'reference', got {backend!r}")
     stay, move = stay_scores.detach(), move_scores.detach()
-    alpha, beta = _SIMPLE_BACKENDS[backend](stay, move, tl.to(stay.device), use_max)
+    tl = to_device(tl, stay.device)
+    alpha, beta = _SIMPLE_BACKENDS[backend](stay, move, tl, use_max)
     alpha, beta = alpha.to(stay.device, torch.float64), beta.to(stay.device, torch.float64)
     for x in (alpha, beta): x.masked_fill_(x < -1e30, -math.inf)     # S.zero of the reference and CUDA paths is -1e38
-    logz = alpha[-1].gather(1, (tl.to(stay.device) - 1)[:, None])[:, 0]
+    logz = alpha[-1].gather(1, (tl - 1)[:, None])[:, 0]
     if not want: return logz.to(stay.dtype), stay.new_empty(0), stay.new_empty(0)
     ws = (alpha[:-1] + stay).add_(beta[1:])                            # weight of each stay edge (T, N, L)
     wm = (alpha[:-1, :, :-1] + move).add_(beta[1:, :, 1:])             # and of each move edge (T, N, L-1)

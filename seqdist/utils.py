@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['LARGE_POOL', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS',
            'to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed', 'benchmark_fwd_bwd', 'report',
-           'release_large_buffers', 'empty_large', 'tensor_cached', 'to_device', 'cuda_dir', 'find_source', 'Param',
-           'kernel_params', 'KernelLaunchError', 'KernelCompileError', 'count_launches', 'Kernel', 'KernelModule',
-           'load_kernel', 'load_cupy_func', 'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared',
-           'emulator_source', 'emulator_library', 'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum',
-           'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc', 'gpu_compiler', 'package_kernels',
-           'check_gpu_compile', 'compile_check_cli', 'selfcheck_cli']
+           'release_large_buffers', 'empty_large', 'tensor_cached', 'on_host', 'require', 'to_device', 'cuda_dir',
+           'find_source', 'Param', 'kernel_params', 'KernelLaunchError', 'KernelCompileError', 'count_launches',
+           'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func', 'load_cupy_module', 'emulator_options',
+           'rewrite_dynamic_shared', 'emulator_source', 'emulator_library', 'GuardedCopy', 'asan_environment',
+           'run_under_asan', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc', 'gpu_compiler',
+           'package_kernels', 'check_gpu_compile', 'compile_check_cli', 'selfcheck_cli']
 
 # %% ../nbs/01_utils.ipynb #2e6efacb
 import ctypes, ctypes.util, collections, hashlib, math, mmap, os, re, shutil, subprocess, sys, tempfile, threading, time, weakref
@@ -143,6 +143,18 @@ def tensor_cached(t, key, make):
         entry = _TENSOR_CACHE[k] = (weakref.ref(t, lambda _, k=k: _TENSOR_CACHE.pop(k, None)), version, {})
     if key not in entry[2]: entry[2][key] = make()
     return entry[2][key]
+
+def on_host(*xs):
+    "Whether the host can read these tensors' values without waiting for a GPU."
+    return all(x.device.type == 'cpu' for x in xs)
+
+def require(ok, host, message):
+    """Raise ValueError(message()) unless the boolean tensor `ok` holds. With `host` (the values live on the CPU) the
+    host reads it; else the GPU checks it (`torch._assert_async`), so that the call does not wait for the GPU: a bad
+    value then fails at the next synchronisation as a device-side assertion carrying `message`'s docstring."""
+    if host:
+        if not bool(ok): raise ValueError(message())
+    else: torch._assert_async(ok, "seqdist: " + (message.__doc__ or "bad input"))
 
 def to_device(x, device):
     """`x` on `device`. A CPU tensor goes to a GPU through pinned memory without blocking: a plain `.to('cuda')` of

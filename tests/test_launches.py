@@ -38,9 +38,9 @@ def test_ctc_budget():
     assert ops.total <= 44, ops.ops          # lengths and labels on the CPU are checked there (host reads, no GPU wait)
 
 def test_ctc_with_lengths_on_the_gpu_reads_nothing_on_the_host(monkeypatch):
-    "Tensors that `_on_host` calls GPU-resident are checked by the device (torch._assert_async): no host read at all."
+    "Tensors that `on_host` calls GPU-resident are checked by the device (torch._assert_async): no host read at all."
     import seqdist.ctc as ctc
-    monkeypatch.setattr(ctc, '_on_host', lambda *xs: False)
+    monkeypatch.setattr(ctc, 'on_host', lambda *xs: False)
     torch.manual_seed(0)
     T, N, C = 20, 3, 6
     lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
