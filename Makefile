@@ -12,7 +12,7 @@ TORCHAUDIO_VERSION ?= 2.11.0
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: install demo test gpu-check docs readme clean
+.PHONY: install demo test gpu-check gpu-bench docs readme clean
 
 install: $(VENV)/.installed
 
@@ -48,6 +48,11 @@ gpu-check:
 	PYTHONPATH=. $(PYTHON) -m pytest -m gpu -rs tests
 	PYTHONPATH=. $(PYTHON) tools/run_notebook.py --flags cuda nbs/*.ipynb
 	PYTHONPATH=. $(PYTHON) -c "import sys; from seqdist.bench import bench_cli; sys.argv[1:] = ['--device', 'cuda', '--quick']; bench_cli()"
+
+# The full GPU benchmark (same machine assumptions). Its seqdist 0.0.3 anchor comes from .anchors/: run
+# tools/gpu_anchors.sh where pip works and take .anchors along.
+gpu-bench:
+	PYTHONPATH=. $(PYTHON) -c "import sys; from seqdist.bench import bench_cli; sys.argv[1:] = ['--device', 'cuda', '--json', 'bench-cuda.json']; bench_cli()"
 
 docs: install
 	@if command -v quarto >/dev/null; then $(BIN)/nbdev-docs; \
