@@ -128,7 +128,7 @@ def empty_large(shape, dtype=torch.float32):
     except (OSError, ValueError): return torch.empty(shape, dtype=dtype)
     return torch.from_numpy(np.asarray(_Lease(LARGE_POOL, entry, shape, np_dtype.str)))
 
-# %% ../nbs/01_utils.ipynb #9cbc2df3
+# %% ../nbs/01_utils.ipynb #f8cccad6
 _TENSOR_CACHE = {}   # id(tensor) -> (weak reference to it, its version, {key: derived value})
 
 def tensor_cached(t, key, make):
