@@ -209,6 +209,7 @@ def plot_speedups(rows, path=None, device='cpu', title=None):
     `path` if given; returns the matplotlib Figure."""
     from matplotlib.figure import Figure
     from matplotlib.colors import TABLEAU_COLORS
+    from matplotlib.ticker import FuncFormatter, NullFormatter
     rows = [dict(r, device=r.get('device', device)) for r in rows]
     devices = sorted({r['device'] for r in rows})
     family = lambda r: r.get('family') or r['op'].split()[0].split('.')[0]
@@ -224,17 +225,19 @@ def plot_speedups(rows, path=None, device='cpu', title=None):
     for ax, (key, xlabel) in zip(axes, panels):
         vals = [r.get(key, float('nan')) for r in rows]
         ok = [v == v and v > 0 for v in vals]                        # measured (not nan, not missing)
-        ax.barh([y for y, o in zip(ys, ok) if o], [v for v, o in zip(vals, ok) if o],
-                color=[colours[family(r)] for r, o in zip(rows, ok) if o],
-                edgecolor='none', height=0.6)
+        ax.barh([y for y, o in zip(ys, ok) if o], [v - 1 for v, o in zip(vals, ok) if o], left=1,   # from 1x to the ratio
+                color=[colours[family(r)] for r, o in zip(rows, ok) if o], edgecolor='none', height=0.6)
         ax.set_xscale('log')
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}x")); ax.xaxis.set_minor_formatter(NullFormatter())
         measured = [v for v, o in zip(vals, ok) if o] or [1.0]
-        ax.set_xlim(min(0.5, min(measured) / 1.5), max(2.0, max(measured) * 1.8))
+        ax.set_xlim(min(0.5, min(measured) / 3), max(2.0, max(measured) * 1.8))
         ax.axvline(1.0, color='black', lw=0.8)
         for y, v, o, r in zip(ys, vals, ok, rows):
             context = 'context' in str(r.get('check', ''))
             text = (f"{v:.2f}x" + (" (context)" if context and key == 'ratio' else '')) if o else 'not measured'
-            ax.text(v * 1.05 if o else 1.05, y, text, va='center', fontsize=9, color='black' if o else 'grey')
+            right = not o or v >= 1                                  # the label goes beyond the bar's free end
+            ax.text((v * 1.05 if v >= 1 else v / 1.05) if o else 1.05, y, text, va='center', ha='left' if right else 'right',
+                    fontsize=9, color='black' if o else 'grey')
         ax.set_xlabel(xlabel + " (log scale; > 1: seqdist better)")
         ax.grid(axis='x', which='both', alpha=0.3)
     axes[0].set_yticks(ys, [_bar_label(r, devices) for r in rows], fontsize=8.5)

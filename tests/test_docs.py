@@ -164,3 +164,43 @@ def test_readme_links_resolve_in_the_repository():
     targets = re.findall(r'\]\(([^)\s]+)\)', (ROOT / 'README.md').read_text())
     local = [t for t in targets if not re.match(r'[a-z]+:', t)]
     assert local and all((ROOT / t.split('#')[0]).exists() for t in local), [t for t in local if not (ROOT / t.split('#')[0]).exists()]
+
+# --- the benchmark chart (seqdist.bench.plot_speedups, seqdist-bench --plot) --------------------------------------
+
+ROWS = [dict(op='ctc_loss fwd+bwd', shape='T=500 N=128', anchor='torch', anchor_ms=290.0, ours_ms=42.0, ratio=290 / 42, check='ok'),
+        dict(op='forced_align', shape='32 x (T=200)', anchor='torchaudio (not installed)', anchor_ms=float('nan'), ours_ms=2.0,
+             ratio=float('nan'), check='-'),
+        dict(op='sparse.logZ fwd+bwd', shape='T=500 N=16 C=256', anchor='0.0.3', anchor_ms=900.0, ours_ms=80.0, ratio=11.25, check='ok')]
+
+def bars(fig):
+    from matplotlib.patches import Rectangle
+    "Where each panel's bars end (they start at 1x)."
+    return [[pytest.approx(p.get_x() + p.get_width()) for p in ax.patches if isinstance(p, Rectangle) if p.get_x() == 1] for ax in fig.axes]
+
+def test_chart_has_a_bar_per_measured_row_and_says_what_was_not_measured(tmp_path):
+    from seqdist.bench import plot_speedups
+    fig = plot_speedups(ROWS, tmp_path / 'b.png')
+    assert (tmp_path / 'b.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert bars(fig) == [[290 / 42, 11.25]]                          # one panel: speed-ups only
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts == ['6.90x', 'not measured', '11.25x']
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ['ctc_loss fwd+bwd\nT=500 N=128', 'forced_align\n32 x (T=200)', 'sparse.logZ fwd+bwd\nT=500 N=16 C=256']
+    assert 'on cpu' in fig._suptitle.get_text()
+
+def test_chart_memory_panel_and_devices():
+    from seqdist.bench import plot_speedups
+    rows = [dict(ROWS[0], anchor_mb=113.0, ours_mb=20.0), dict(ROWS[2], device='cuda', anchor_mb=50.0, ours_mb=100.0)]
+    fig = plot_speedups(rows)
+    assert bars(fig) == [[290 / 42, 11.25], [5.65, 0.5]]
+    assert [t.get_text() for t in fig.axes[1].texts] == ['5.65x', '0.50x']
+    assert '[cuda]' in fig.axes[0].get_yticklabels()[1].get_text() and 'cpu, cuda' in fig._suptitle.get_text()
+
+def test_bench_cli_plot_option(tmp_path, monkeypatch, capsys):
+    import seqdist.bench as bench
+    monkeypatch.setattr(bench, 'run_benchmarks', lambda quick, device: [dict(r) for r in ROWS])
+    monkeypatch.setattr(sys, 'argv', ['seqdist-bench', '--quick', '--plot', str(tmp_path / 'chart.png'), '--json', str(tmp_path / 'rows.json')])
+    bench.bench_cli()
+    out = capsys.readouterr().out
+    assert '| ctc_loss fwd+bwd |' in out and f"chart written to {tmp_path / 'chart.png'}" in out
+    assert (tmp_path / 'chart.png').stat().st_size > 10_000 and len(json.loads((tmp_path / 'rows.json').read_text())) == 3

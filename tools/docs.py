@@ -3,8 +3,8 @@
 `python tools/docs.py readme`: README.md from nbs/index.ipynb (nbdev-processed, code shown without outputs so that
 the file is reproducible; links into the docs site point at the notebooks instead, which GitHub renders).
 
-`python tools/docs.py html [NOTEBOOK ...]`: run the notebooks (all of them, or the ones named, e.g. `00_core`, for
-iterating on the layout), process them with nbdev's doc processors (hidden cells removed, `show_doc` for exported
+`python tools/docs.py html [--reuse] [NOTEBOOK ...]`: run the notebooks (all of them, or the ones named, e.g.
+`00_core`; with `--reuse`, those not already run into _proc_exec/: for iterating on the layout), process them with nbdev's doc processors (hidden cells removed, `show_doc` for exported
 names) and render them with nbconvert and tools/site/templates/seqdist into a static site in _docs/: one page per
 notebook, named as Quarto names them (`02_ctc.ipynb` -> `ctc.html`), with no execution prompts, API entries as
 boxes, long outputs folded, a sidebar listing the notebooks in reading order (index, then the numbered notebooks by
@@ -185,14 +185,31 @@ def render_page(nb, nb_name, pages):
     toc = ''.join(f'<li><a href="#{hid}">{htmllib.escape(t)}</a></li>' for lvl, hid, t in hs if lvl == 2)
     return body.replace('<!--SITE-TOC-->', f'<ul class="site-toc">{toc}</ul>' if toc else '', 1), hs
 
-def html(only=()):
+def resolve_anchors(out, hrefs):
+    """Links into a page for an anchor it does not have (nbdev links every backticked name, but only shows the
+    entries of exported functions and classes): `page.html#cls.method` -> the class's entry `page.html#cls`, else the
+    page itself. Only links into the pages `hrefs` (those rendered) are touched."""
+    ids = {h: set(re.findall(r'\bid="([^"]+)"', (out / h).read_text())) for h in hrefs}
+    def fix(m, here):
+        page, frag = m.group(2) or here, m.group(3)
+        if page not in ids or frag in ids[page]: return m.group(0)
+        while '.' in frag and frag not in ids[page]: frag = frag.rsplit('.', 1)[0]
+        target = (m.group(2) or '') + ('#' + frag if frag in ids[page] else '')
+        return f'{m.group(1)}{target or here}"'
+    for h in hrefs:
+        body = (out / h).read_text()
+        (out / h).write_text(re.sub(r'(<a\b[^>]*?\bhref=")([\w.-]+\.html)?#([^"]+)"', lambda m: fix(m, h), body))
+
+def html(only=(), reuse=False):
     import nbformat
     all_nbs = notebooks()
     chosen = [p for p in all_nbs if not only or p.stem in only or p.name in only]
     if only and len(chosen) != len(only): sys.exit(f"unknown notebook in {only}: have {[p.stem for p in all_nbs]}")
-    build = ROOT / '_proc_exec'
-    shutil.rmtree(build, ignore_errors=True); build.mkdir()
-    execute(chosen, build)
+    build = ROOT / '_proc_exec'                 # the executed notebooks, kept for `--reuse` (layout work)
+    todo = [p for p in chosen if not (reuse and (build / p.name).exists())]
+    if not reuse: shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(exist_ok=True)
+    execute(todo, build)
     proc = processed(build)
     shutil.rmtree(OUT, ignore_errors=True); OUT.mkdir()
     copy_assets(OUT)
@@ -203,8 +220,8 @@ def html(only=()):
         href = page_name(path.name)
         (OUT / href).write_text(body)
         search += [dict(text=t, href=f"{href}#{hid}", page=title_of(path)[0]) for lvl, hid, t in hs]
+    resolve_anchors(OUT, [page_name(p.name) for p in chosen])
     (OUT / 'search-index.js').write_text('window.SEQDIST_SEARCH = ' + json.dumps(search, indent=0) + ';\n')
-    shutil.rmtree(build, ignore_errors=True)
     missing = [q['href'] for q in pages if not (OUT / q['href']).exists()]
     print(f"docs written to {OUT}/ ({len(chosen)} pages{'; not rendered: ' + ', '.join(missing) if missing else ''}): "
           f"open {OUT / 'index.html'}")
@@ -215,5 +232,5 @@ def check(args=()):
 
 if __name__ == '__main__':
     cmd, rest = sys.argv[1], sys.argv[2:]
-    {'readme': readme, 'html': lambda: html(tuple(rest)), 'check': lambda: check(rest),
+    {'readme': readme, 'html': lambda: html(tuple(r for r in rest if r != '--reuse'), '--reuse' in rest), 'check': lambda: check(rest),
      'execute': lambda: execute_one(*rest)}[cmd]()
