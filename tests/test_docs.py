@@ -204,3 +204,12 @@ def test_bench_cli_plot_option(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert '| ctc_loss fwd+bwd |' in out and f"chart written to {tmp_path / 'chart.png'}" in out
     assert (tmp_path / 'chart.png').stat().st_size > 10_000 and len(json.loads((tmp_path / 'rows.json').read_text())) == 3
+
+def test_links_to_missing_anchors_fall_back_to_the_class_entry_or_the_page(tmp_path):
+    (tmp_path / 'crf.html').write_text('<h3 id="ctc_crf">CTC_CRF</h3><a href="crf.html#ctc_crf.ctc_loss">m</a>'
+                                       '<a href="#_private">p</a><a href="ctc.html#x.y">o</a><a href="crf.html#ctc_crf">ok</a>')
+    (tmp_path / 'ctc.html').write_text('<h3 id="x">x</h3><a href="crf.html#nothing.here">n</a>')
+    docs.resolve_anchors(tmp_path, ['crf.html', 'ctc.html'])
+    assert (tmp_path / 'crf.html').read_text() == ('<h3 id="ctc_crf">CTC_CRF</h3><a href="crf.html#ctc_crf">m</a>'
+                                                   '<a href="crf.html">p</a><a href="ctc.html#x">o</a><a href="crf.html#ctc_crf">ok</a>')
+    assert (tmp_path / 'ctc.html').read_text() == '<h3 id="x">x</h3><a href="crf.html">n</a>'

@@ -5,6 +5,8 @@
 //   - every local link resolves: the file exists and, for `page.html#anchor`, the page has that anchor,
 //   - every image loaded (naturalWidth > 0),
 //   - the maths is rendered: KaTeX produced no error box, and no `$` is left in the text outside code,
+//   - no execution prompt is shown and the sidebar is there,
+// then that the search box of index.html finds an entry of another page,
 // and saves a screenshot of its first screen to <site>/screenshots/<page>.png. Exits 1 listing every failure.
 import http from 'node:http';
 import fs from 'node:fs';
@@ -78,6 +80,21 @@ for (const name of pages) {
   await page.screenshot({ path: path.join(site, 'screenshots', name.replace(/\.html$/, '.png')) });
   console.log(`${name}: ${info.formulas} formulas, ${info.images.length} images, ${info.links.length} links`);
   await ctx.close();
+}
+// The search box finds API entries across pages (its index is search-index.js).
+if (pages.includes('index.html') && pages.length > 1) {
+  const page = await browser.newPage();
+  await page.goto(`${origin}/index.html`, { waitUntil: 'load' });
+  const heading = await page.evaluate(() => (window.SEQDIST_SEARCH || []).length);
+  if (!heading) fail('index.html', 'the search index is empty');
+  else {
+    const first = await page.evaluate(() => window.SEQDIST_SEARCH.find(e => !e.href.startsWith('index.html')));
+    await page.fill('#site-search', first.text);
+    const hits = await page.$$eval('#site-search-results a', as => as.map(a => a.getAttribute('href')));
+    if (!hits.includes(first.href)) fail('index.html', `searching "${first.text}" does not offer ${first.href} (got ${hits.slice(0, 5)})`);
+    else console.log(`search: "${first.text}" -> ${hits.length} results, including ${first.href}`);
+  }
+  await page.close();
 }
 let external = 0;
 for (const [from, href] of links) {
