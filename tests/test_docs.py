@@ -138,15 +138,18 @@ needs_browser = pytest.mark.skipif(not (shutil.which('chromium') and shutil.whic
 def test_check_passes_a_good_site_and_names_each_problem_of_a_bad_one(tmp_path):
     site = tmp_path / 'site'; site.mkdir()
     docs.copy_assets(site)
+    search = []
     for name in ['index.ipynb', '00_core.ipynb']:            # a two-page site whose links all resolve
         body, hs = docs.render_page(processed_nb(), name, PAGES[:2])
         body = body.replace('href="ctc.html#ctc_loss"', 'href="core.html#sums-over-paths"').replace('href="ctc.html"', 'href="core.html"')
         (site / docs.page_name(name)).write_text(body)
-    (site / 'search-index.js').write_text('window.SEQDIST_SEARCH = [];\n')
+        search += docs.search_entries(docs.page_name(name), name, hs)
+    docs.write_search_index(site, search)
     check = lambda: subprocess.run(['node', str(docs.SITE / 'check.mjs'), str(site)], capture_output=True, text=True, timeout=120)
     r = check()
     assert r.returncode == 0, r.stdout + r.stderr
-    assert 'core.html: 1 formulas, 1 images' in r.stdout and (site / 'screenshots' / 'core.png').stat().st_size > 10_000
+    assert 'core.html: 1 formulas, 1 images' in r.stdout and 'search: "core: semirings" -> 2 results, including core.html#core:-semirings' in r.stdout
+    assert (site / 'screenshots' / 'core.png').stat().st_size > 10_000
     bad = (body.replace('href="core.html#sums-over-paths"', 'href="core.html#nowhere"')
                .replace('href="core.html"', 'href="missing.html"')
                .replace('The loss is', 'Bad: $\\frac{1}$, costs $5 only. The loss is')

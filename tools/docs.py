@@ -200,6 +200,14 @@ def resolve_anchors(out, hrefs):
         body = (out / h).read_text()
         (out / h).write_text(re.sub(r'(<a\b[^>]*?\bhref=")([\w.-]+\.html)?#([^"]+)"', lambda m: fix(m, h), body))
 
+def search_entries(href, page_title, hs):
+    "What the search box offers for a page: each of its headings (sections and API entries)."
+    return [dict(text=t, href=f"{href}#{hid}", page=page_title) for lvl, hid, t in hs]
+
+def write_search_index(out, entries):
+    "search-index.js: a script, not JSON fetched by site.js, so that search works from file:// too."
+    (out / 'search-index.js').write_text('window.SEQDIST_SEARCH = ' + json.dumps(entries, indent=0) + ';\n')
+
 def html(only=(), reuse=False):
     import nbformat
     all_nbs = notebooks()
@@ -219,9 +227,9 @@ def html(only=(), reuse=False):
         body, hs = render_page(nbformat.read(proc / path.name, as_version=4), path.name, pages)
         href = page_name(path.name)
         (OUT / href).write_text(body)
-        search += [dict(text=t, href=f"{href}#{hid}", page=title_of(path)[0]) for lvl, hid, t in hs]
+        search += search_entries(href, title_of(path)[0], hs)
     resolve_anchors(OUT, [page_name(p.name) for p in chosen])
-    (OUT / 'search-index.js').write_text('window.SEQDIST_SEARCH = ' + json.dumps(search, indent=0) + ';\n')
+    write_search_index(OUT, search)
     missing = [q['href'] for q in pages if not (OUT / q['href']).exists()]
     print(f"docs written to {OUT}/ ({len(chosen)} pages{'; not rendered: ' + ', '.join(missing) if missing else ''}): "
           f"open {OUT / 'index.html'}")
