@@ -57,7 +57,7 @@ $(SITE)/node_modules/.installed: $(SITE)/package.json $(SITE)/package-lock.json
 	touch $@
 
 docs: install $(SITE)/node_modules/.installed
-	@if command -v quarto >/dev/null; then $(BIN)/nbdev-docs; \
+	@if command -v quarto >/dev/null; then rm -rf nbs/katex && cp -r $(SITE)/node_modules/katex/dist nbs/katex && $(BIN)/nbdev-docs; \
 	else echo "Quarto not found: rendering the notebooks with nbconvert into _docs/"; $(BIN)/python tools/docs.py html; fi
 
 # The fallback site, whether Quarto is installed or not (what docs-check checks).
