@@ -10,9 +10,10 @@ TORCH_PIP_ARGS ?=
 # installed without its dependencies and loads on a CPU-only torch through stub CUDA libraries (tools/torchaudio_cpu).
 TORCHAUDIO_VERSION ?= 2.11.0
 BIN := $(VENV)/bin
+SITE := tools/site
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: install demo test gpu-check gpu-bench docs readme clean
+.PHONY: install demo test gpu-check gpu-bench docs docs-html docs-check chromium readme colab-cells clean
 
 install: $(VENV)/.installed
 
@@ -28,7 +29,9 @@ demo: install
 	$(BIN)/seqdist-selfcheck
 	$(BIN)/seqdist-bench --quick
 
-test: install
+# chromium and the site's npm packages let tests/test_docs.py check a rendered site in a real browser (the full
+# site's check, `make docs-check`, executes every notebook: ~8 minutes, so it is a target of its own).
+test: install chromium $(SITE)/node_modules/.installed
 	@echo "== nbdev-export: seqdist/ must be exactly what the notebooks export"
 	tools/unchanged.sh seqdist -- $(BIN)/nbdev-export
 	@echo "== nbdev-clean: notebooks must be committed clean"
@@ -54,12 +57,36 @@ gpu-check:
 gpu-bench:
 	PYTHONPATH=. $(PYTHON) -c "import sys; from seqdist.bench import bench_cli; sys.argv[1:] = ['--device', 'cuda', '--json', 'bench-cuda.json']; bench_cli()"
 
-docs: install
-	@if command -v quarto >/dev/null; then $(BIN)/nbdev-docs; \
+# The docs site. Without Quarto, tools/docs.py renders the notebooks into _docs/ with the maths in KaTeX, which
+# comes from npm (tools/site/package.json, pinned by its package-lock.json) and is served with the site.
+$(SITE)/node_modules/.installed: $(SITE)/package.json $(SITE)/package-lock.json
+	cd $(SITE) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+docs: install $(SITE)/node_modules/.installed
+	@if command -v quarto >/dev/null; then rm -rf nbs/katex && cp -r $(SITE)/node_modules/katex/dist nbs/katex && $(BIN)/nbdev-docs; \
 	else echo "Quarto not found: rendering the notebooks with nbconvert into _docs/"; $(BIN)/python tools/docs.py html; fi
+
+# The fallback site, whether Quarto is installed or not (what docs-check checks).
+docs-html: install $(SITE)/node_modules/.installed
+	$(BIN)/python tools/docs.py html
+
+# Debian's chromium, installed when missing (as root: a fresh CI machine has none).
+chromium:
+	@command -v chromium >/dev/null || { echo "installing Debian's chromium"; apt-get update -qq && \
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+# Every page in headless Chromium: loads with no console error and no network request, local links and images
+# resolve, formulas rendered; screenshots in _docs/screenshots/.
+docs-check: docs-html chromium
+	$(BIN)/python tools/docs.py check
 
 readme: install
 	$(BIN)/python tools/docs.py readme
+
+# The Colab badge and install cell at the top of every notebook, from pyproject.toml (run after adding a notebook).
+colab-cells:
+	$(PYTHON) tools/colab_cells.py nbs/*.ipynb
 
 clean:
 	rm -rf _proc _docs build dist *.egg-info

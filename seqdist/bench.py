@@ -7,7 +7,7 @@ __all__ = ['CTC_SHAPES', 'GPU_CTC_SHAPES', 'GPU_SPARSE_SHAPES', 'GPU_SIMPLE_SHAP
            'paired_median_ms', 'load_torchaudio', 'ctc_inputs_for', 'bench_ctc', 'bench_forced_align', 'sweep_ctc',
            'bench_sparse', 'bench_ctc_crf', 'load_seqdist003', 'timed_pair', 'peak_extra_mb', 'compare_row',
            'value_and_grad', 'bench_ctc_gpu', 'BonitoCTC_CRF', 'bench_crf_gpu', 'bench_forced_align_gpu',
-           'markdown_table', 'run_benchmarks', 'run_gpu_benchmarks', 'bench_cli']
+           'markdown_table', 'run_benchmarks', 'run_gpu_benchmarks', 'bench_cli', 'plot_speedups']
 
 # %% ../nbs/10_bench.ipynb #2e89983f
 import argparse, json, os, sys, time
@@ -359,9 +359,62 @@ def bench_cli():
     p.add_argument('--quick', action='store_true', help="small shapes, few repetitions (a smoke test, not a measurement)")
     p.add_argument('--device', default='cpu', help="cpu or cuda")
     p.add_argument('--json', help="also write the rows to this file")
+    p.add_argument('--plot', help="also draw the speed-ups as a PNG bar chart in this file")
     a = p.parse_args()
     rows = run_benchmarks(a.quick, a.device)
     print(f"seqdist-bench on {a.device} ({'quick' if a.quick else 'full'}; torch {torch.__version__}, 2 threads; "
           f"median of {3 if a.quick else 7} after warm-up)\n")
     print(markdown_table(rows))
     if a.json: json.dump(rows, open(a.json, 'w'), indent=1)
+    if a.plot: plot_speedups(rows, a.plot, a.device); print(f"\nchart written to {a.plot}")
+
+# %% ../nbs/10_bench.ipynb #bench-chart
+def _bar_label(r, devices):
+    "The label of a row's bar: the op and its shape, and the device when the chart has several."
+    dev = f" [{r['device']}]" if len(devices) > 1 else ''
+    return f"{r['op']}{dev}\n{r['shape']}"
+
+def plot_speedups(rows, path=None, device='cpu', title=None):
+    """A horizontal bar chart of `rows` (as `run_benchmarks` returns them): for each row, the anchor's time over ours
+    (log scale, > 1: seqdist is faster), bars coloured by family and labelled with the ratio;
+    rows without a measured ratio are marked 'not measured'. Rows that carry `anchor_mb` and `ours_mb` (peak memory)
+    get a second panel with the memory ratio. Rows may carry a `device` (else `device` is used) and a `family` (else the
+    op's first word). Saved as PNG to
+    `path` if given; returns the matplotlib Figure."""
+    from matplotlib.figure import Figure
+    from matplotlib.colors import TABLEAU_COLORS
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+    rows = [dict(r, device=r.get('device', device)) for r in rows]
+    devices = sorted({r['device'] for r in rows})
+    family = lambda r: r.get('family') or r['op'].split()[0].split('.')[0]
+    families = list(dict.fromkeys(map(family, rows)))
+    colours = dict(zip(families, TABLEAU_COLORS.values()))
+    panels = [('ratio', "speed-up: anchor time / seqdist time")]
+    if any('anchor_mb' in r and 'ours_mb' in r for r in rows):
+        for r in rows: r['mem_ratio'] = r['anchor_mb'] / r['ours_mb'] if r.get('ours_mb') else float('nan')
+        panels.append(('mem_ratio', "memory: anchor peak / seqdist peak"))
+    fig = Figure(figsize=(6.5 * len(panels) + 3.5, 0.75 * len(rows) + 1.6), layout='constrained')
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    ys = list(range(len(rows)))[::-1]
+    for ax, (key, xlabel) in zip(axes, panels):
+        vals = [r.get(key, float('nan')) for r in rows]
+        ok = [v == v and v > 0 for v in vals]                        # measured (not nan, not missing)
+        ax.barh([y for y, o in zip(ys, ok) if o], [v - 1 for v, o in zip(vals, ok) if o], left=1,   # from 1x to the ratio
+                color=[colours[family(r)] for r, o in zip(rows, ok) if o], edgecolor='none', height=0.6)
+        ax.set_xscale('log')
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}x")); ax.xaxis.set_minor_formatter(NullFormatter())
+        measured = [v for v, o in zip(vals, ok) if o] or [1.0]
+        ax.set_xlim(min(0.5, min(measured) / 3), max(2.0, max(measured) * 1.8))
+        ax.axvline(1.0, color='black', lw=0.8)
+        for y, v, o, r in zip(ys, vals, ok, rows):
+            context = 'context' in str(r.get('check', ''))
+            text = (f"{v:.2f}x" + (" (context)" if context and key == 'ratio' else '')) if o else 'not measured'
+            right = not o or v >= 1                                  # the label goes beyond the bar's free end
+            ax.text((v * 1.05 if v >= 1 else v / 1.05) if o else 1.05, y, text, va='center', ha='left' if right else 'right',
+                    fontsize=9, color='black' if o else 'grey')
+        ax.set_xlabel(xlabel + " (log scale; > 1: seqdist better)")
+        ax.grid(axis='x', which='both', alpha=0.3)
+    axes[0].set_yticks(ys, [_bar_label(r, devices) for r in rows], fontsize=8.5)
+    fig.suptitle(title or f"seqdist-bench on {', '.join(devices)}: seqdist against what users would otherwise use")
+    if path: fig.savefig(path, dpi=110)
+    return fig
