@@ -6,7 +6,7 @@
 __all__ = ['RNNT_MAX_THREADS', 'RNNT_SHAPES', 'rnnt_inputs', 'clean_targets', 'edge_log_probs', 'logz_reference',
            'logz_brute_force', 'row_offsets', 'grad_from_edges', 'rnnt_forward', 'rnnt_backward', 'rnnt_edges',
            'rnnt_op', 'rnnt_grad_op', 'rnnt_apply', 'rnnt_loss', 'RNNTLoss', 'posteriors', 'viterbi_alignments',
-           'best_path', 'rnnt_inputs_for', 'bench_rnnt']
+           'best_path', 'rnnt_inputs_for', 'bench_rnnt', 'peak_extra_mb', 'sweep_rnnt']
 
 # %% ../nbs/06_rnnt.ipynb #f4504b18
 import math
@@ -20,7 +20,7 @@ from .core import semiring, Log, Max, semiring_sum2
 from .utils import load_kernel, empty_large
 from .sparse import fast_exp, fast_exp8
 
-# %% ../nbs/06_rnnt.ipynb #bc727afc
+# %% ../nbs/06_rnnt.ipynb #4423443e
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _compute_dtype(dtype): return torch.float64 if dtype == torch.float64 else torch.float32
@@ -72,7 +72,7 @@ def clean_targets(logits, targets, logit_lengths, target_lengths, blank):
         raise ValueError(f"targets contain the blank label {blank} within their target_lengths")
     return torch.where(keep, y, blank).contiguous(), il.to(logits.device), tl.to(logits.device)
 
-# %% ../nbs/06_rnnt.ipynb #86216bdb
+# %% ../nbs/06_rnnt.ipynb #141c687f
 def edge_log_probs(logits, y, blank, fused_log_softmax=True):
     "Log-probabilities (B, T, U+1) of the blank edge and of the label edge (label y[:, u]) leaving each node (t, u)."
     lp = logits.log_softmax(-1) if fused_log_softmax else logits
@@ -117,7 +117,7 @@ def logz_brute_force(log_probs, y, S:semiring=Log):
         scores.append(score)
     return S.sum(torch.stack(scores), dim=0)
 
-# %% ../nbs/06_rnnt.ipynb #45301daa
+# %% ../nbs/06_rnnt.ipynb #24a7a98f
 _CACHE = __name__ != "__main__"   # numba caches compiled kernels for the package, not for notebook cells
 
 @numba.njit(inline='always')
@@ -246,7 +246,7 @@ def _rnnt_edges_cpu(x, lse, y, Tl, Ul, blank, use_max, logz, edges):
                 pb, pe = _edge_posteriors(x, lse, y[b], b, t, u, Tb, Ub, blank, alpha, beta, z)
                 edges[b, t, u, 0] = pb; edges[b, t, u, 1] = pe
 
-# %% ../nbs/06_rnnt.ipynb #69bb1cd8
+# %% ../nbs/06_rnnt.ipynb #a5b14b27
 RNNT_MAX_THREADS = 1024    # threads per block (tests lower it to exercise the looping paths)
 _NAMES = {Log: ('rnnt_lse', 'rnnt_alpha_beta', 'rnnt_grad', 'rnnt_edges', 'rnnt_row_offsets'),
           Max: ('rnnt_alpha_beta', 'rnnt_backtrack')}
@@ -289,7 +289,7 @@ def row_offsets(b, t, u, T, U1, V):
     _rnnt_kernels[(torch.float32, Log, 'rnnt_row_offsets')]((math.ceil(b.numel() / 32),), (32,), (b, t, u, out, b.numel(), T, U1, V))
     return out
 
-# %% ../nbs/06_rnnt.ipynb #4132085a
+# %% ../nbs/06_rnnt.ipynb #09d0c8b7
 def _ref_forward(x, y, il, tl, blank, fused, use_max):
     bl, em = edge_log_probs(x, y, blank, fused)
     logz = logz_reference(bl, em, il, tl, Max if use_max else Log)
@@ -313,6 +313,9 @@ def grad_from_edges(x, y, blank, fused, edges, costs, g, clamp=-1, fastemit_lamb
     grad.scatter_add_(3, y[:, None, :, None].expand(*pe.shape, 1), -pe[..., None])
     if clamp > 0: grad.clamp_(-clamp, clamp)
     return grad * torch.where(torch.isfinite(costs), g, 0).to(x.dtype)[:, None, None, None]
+
+_POOLED = 32 << 20   # gradients this large come from seqdist's buffer pool (no page faults; in 2 MiB huge pages,
+                     # whose rounding costs under 6 % at this size); smaller ones from torch.empty
 
 def _prepare(logits, targets, logit_lengths, target_lengths, blank, backend):
     if backend == 'auto': backend = 'cuda' if logits.is_cuda else 'cpu'
@@ -349,7 +352,7 @@ def rnnt_backward(logits, targets, logit_lengths, target_lengths, blank, fused_l
         _, edges = _ref_edges(x, y, il, tl, blank, fused_log_softmax, False)
         grad = grad_from_edges(x, y, blank, fused_log_softmax, edges, costs, g, clamp, fastemit_lambda)
     else:
-        grad = empty_large(x.shape, x.dtype)
+        grad = (empty_large if x.numel() * x.element_size() >= _POOLED else torch.empty)(x.shape, dtype=x.dtype)
         _rnnt_grad_cpu(x.numpy(), lse.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax,
                        x.dtype == torch.float64, (-costs).numpy(), g.to(torch.float64).numpy(),
                        float(clamp), float(fastemit_lambda), grad.numpy())
@@ -368,7 +371,7 @@ def rnnt_edges(logits, targets, logit_lengths, target_lengths, blank, use_max=Fa
     _rnnt_edges_cpu(*args[:1], lse.numpy(), *args[1:], use_max, logz, edges.numpy())
     return torch.from_numpy(logz).to(x.dtype), edges
 
-# %% ../nbs/06_rnnt.ipynb #b871fa82
+# %% ../nbs/06_rnnt.ipynb #f1dc6b09
 @torch.library.custom_op('seqdist::rnnt', mutates_args=())
 def rnnt_op(logits: Tensor, targets: Tensor, logit_lengths: Tensor, target_lengths: Tensor, blank: int,
             fused_log_softmax: bool, clamp: float, fastemit_lambda: float, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
@@ -432,7 +435,7 @@ def rnnt_apply(logits, targets, logit_lengths, target_lengths, blank, fused_log_
     if backend == 'reference': return _RNNTReference.apply(*args, backend)[0]
     return rnnt_op(*args, backend)[0]
 
-# %% ../nbs/06_rnnt.ipynb #9bddae3a
+# %% ../nbs/06_rnnt.ipynb #b1533939
 def _number(x, name):
     if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number, got {x!r}")
@@ -464,7 +467,7 @@ class RNNTLoss(nn.Module):
         return rnnt_loss(logits, targets, logit_lengths, target_lengths, self.blank, self.clamp, self.reduction,
                          self.fused_log_softmax, self.fastemit_lambda)
 
-# %% ../nbs/06_rnnt.ipynb #c939bc1c
+# %% ../nbs/06_rnnt.ipynb #ecb351b4
 def posteriors(logits, targets, logit_lengths, target_lengths, blank=-1, S:semiring=Log, fused_log_softmax=True,
                backend='auto'):
     """Posteriors (B, T, U+1, 2) of the blank edge [..., 0] and the label edge [..., 1] leaving each node (t, u); with
@@ -486,7 +489,7 @@ def best_path(logits, targets, logit_lengths, target_lengths, blank=-1, fused_lo
     frames = torch.where(emit.sum(1) > 0, emit.argmax(1), -1)
     return frames, score
 
-# %% ../nbs/06_rnnt.ipynb #b38e86c3
+# %% ../nbs/06_rnnt.ipynb #929b1a8f
 RNNT_SHAPES = [(8, 200, 50, 128), (4, 300, 80, 1024), (16, 100, 30, 29)]   # B, T, U, V
 
 def rnnt_inputs_for(B, T, U, V, device='cpu', seed=0, dtype=torch.float32):
@@ -509,7 +512,9 @@ def bench_rnnt(quick=False, shapes=None, device='cpu'):
         logits, targets, ll, tl = rnnt_inputs_for(B, T, U, V, device)
         def run(f):
             loss = f(logits, targets, ll, tl, blank=0)
-            return loss.detach(), torch.autograd.grad(loss, logits)[0]
+            out = loss.detach(), torch.autograd.grad(loss, logits)[0]
+            if device != 'cpu': torch.cuda.synchronize()
+            return out
         anchor = lambda: run(torchaudio.functional.rnnt_loss)
         ours = lambda: run(rnnt_loss)
         (l_a, g_a), (l_o, g_o) = anchor(), ours()
@@ -518,3 +523,49 @@ def bench_rnnt(quick=False, shapes=None, device='cpu'):
                          anchor_ms=t_a, ours_ms=t_o, ratio=t_a / t_o,
                          check=f"loss diff {abs(l_o - l_a).item():.1e}, grad diff {(g_o - g_a).abs().max().item():.1e}"))
     return rows
+
+# %% ../nbs/06_rnnt.ipynb #f90c7740
+_MEM_SCRIPT = r'''
+import sys, torch
+torch.set_num_threads(2)
+B, T, U, V = map(int, sys.argv[1:5])
+from seqdist.rnnt import rnnt_loss, rnnt_inputs_for
+if sys.argv[5] == 'torchaudio':
+    from seqdist.bench import load_torchaudio
+    f = load_torchaudio().functional.rnnt_loss
+else: f = rnnt_loss
+x, y, il, tl = rnnt_inputs_for(2, 3, 2, 4)
+torch.autograd.grad(f(x, y, il, tl, blank=0), x)
+x, y, il, tl = rnnt_inputs_for(B, T, U, V)
+def status(key): return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(key))
+open('/proc/self/clear_refs', 'w').write('5')
+base = status('VmRSS:')
+g, = torch.autograd.grad(f(x, y, il, tl, blank=0), x)
+print((status('VmHWM:') - base) / 1024, x.numel() * x.element_size() / 2**20)
+'''
+
+def peak_extra_mb(B, T, U, V, impl='seqdist'):
+    "Peak extra resident memory (MB) of one fwd+bwd at (B, T, U, V) (float32, CPU) in a fresh process, and the logits' MB."
+    import subprocess, sys
+    out = subprocess.run([sys.executable, '-c', _MEM_SCRIPT, str(B), str(T), str(U), str(V), impl],
+                         capture_output=True, text=True, check=True)
+    extra, logits_mb = map(float, out.stdout.split()[-2:])
+    return extra, logits_mb
+
+def sweep_rnnt(shapes=((4, 50, 10, 64), (4, 100, 20, 128), (4, 200, 40, 256), (4, 300, 60, 512)), reps=3):
+    "Time (fwd+bwd, paired) and peak extra memory of ours and torchaudio over a sweep of sizes: one row per shape."
+    rows = []
+    for B, T, U, V in shapes:
+        r = bench_rnnt(shapes=[(B, T, U, V)])[0] if reps >= 7 else _quick_row(B, T, U, V, reps)
+        r.update(TUV=T * (U + 1) * V, ours_mb=peak_extra_mb(B, T, U, V)[0], anchor_mb=peak_extra_mb(B, T, U, V, 'torchaudio')[0],
+                 logits_mb=B * T * (U + 1) * V * 4 / 2**20)
+        rows.append(r)
+    return rows
+
+def _quick_row(B, T, U, V, reps):
+    from seqdist.bench import paired_median_ms, load_torchaudio
+    ta = load_torchaudio().functional.rnnt_loss
+    logits, targets, ll, tl = rnnt_inputs_for(B, T, U, V)
+    run = lambda f: torch.autograd.grad(f(logits, targets, ll, tl, blank=0), logits)
+    t_a, t_o = paired_median_ms(lambda: run(ta), lambda: run(rnnt_loss), 1, reps)
+    return dict(shape=f"B={B} T={T} U={U} V={V}", anchor_ms=t_a, ours_ms=t_o, ratio=t_a / t_o)
