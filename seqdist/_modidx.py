@@ -139,6 +139,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'seqdist.rnnt._cuda_grad': ('rnnt.html#_cuda_grad', 'seqdist/rnnt.py'),
                               'seqdist.rnnt._edge_posteriors': ('rnnt.html#_edge_posteriors', 'seqdist/rnnt.py'),
                               'seqdist.rnnt._int_tensor': ('rnnt.html#_int_tensor', 'seqdist/rnnt.py'),
+                              'seqdist.rnnt._numba_threads': ('rnnt.html#_numba_threads', 'seqdist/rnnt.py'),
                               'seqdist.rnnt._number': ('rnnt.html#_number', 'seqdist/rnnt.py'),
                               'seqdist.rnnt._prepare': ('rnnt.html#_prepare', 'seqdist/rnnt.py'),
                               'seqdist.rnnt._quick_row': ('rnnt.html#_quick_row', 'seqdist/rnnt.py'),

@@ -8,8 +8,9 @@ __all__ = ['RNNT_MAX_THREADS', 'RNNT_SHAPES', 'rnnt_inputs', 'clean_targets', 'e
            'rnnt_op', 'rnnt_grad_op', 'rnnt_apply', 'rnnt_loss', 'RNNTLoss', 'posteriors', 'viterbi_alignments',
            'best_path', 'rnnt_inputs_for', 'bench_rnnt', 'peak_extra_mb', 'sweep_rnnt']
 
-# %% ../nbs/06_rnnt.ipynb #f4504b18
+# %% ../nbs/06_rnnt.ipynb #f11e832e
 import math
+from contextlib import contextmanager
 from typing import Tuple
 import numpy as np
 import numba
@@ -173,14 +174,13 @@ def _edge_posteriors(x, lse, y, b, t, u, Tb, Ub, blank, alpha, beta, logz):
 
 @numba.njit(parallel=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
 def _rnnt_forward_cpu(x, y, Tl, Ul, blank, fused, precise, use_max, lse):
-    "log Z (B,) of each sequence, and lse[b, t, u] (log-sum-exp of each row, 0 if not fused) inside the lattice."
-    B = x.shape[0]
+    "log Z (B,) of each sequence, and lse[b, t, u]: the log-sum-exp of each row inside the lattice (else, or if not fused, 0)."
+    B, T, U1, V = x.shape
     logz = np.empty(B)
     for b in numba.prange(B):
         Tb, Ub = Tl[b], Ul[b]
-        if fused:
-            for t in range(Tb):
-                for u in range(Ub + 1): lse[b, t, u] = _row_lse(x[b, t, u], precise)
+        for t in range(T):
+            for u in range(U1): lse[b, t, u] = _row_lse(x[b, t, u], precise) if fused and t < Tb and u <= Ub else 0.0
         alpha = np.empty((Tb, Ub + 1))
         logz[b] = _alpha(x, lse, y[b], b, Tb, Ub, blank, use_max, alpha)
     return logz
@@ -314,6 +314,17 @@ def grad_from_edges(x, y, blank, fused, edges, costs, g, clamp=-1, fastemit_lamb
     if clamp > 0: grad.clamp_(-clamp, clamp)
     return grad * torch.where(torch.isfinite(costs), g, 0).to(x.dtype)[:, None, None, None]
 
+_PARALLEL_MIN = 1 << 20   # below this many logits the CPU kernels run on one thread: waking a second one costs more
+                          # than it saves (measured: 0.8 ms vs 32 ms at 3840 logits on this shared machine)
+
+@contextmanager
+def _numba_threads(x):
+    "One numba thread for small inputs (the setting is the calling thread's own), the current number otherwise."
+    old = numba.get_num_threads()
+    if x.numel() < _PARALLEL_MIN: numba.set_num_threads(1)
+    try: yield
+    finally: numba.set_num_threads(old)
+
 _POOLED = 32 << 20   # gradients this large come from seqdist's buffer pool (no page faults; in 2 MiB huge pages,
                      # whose rounding costs under 6 % at this size); smaller ones from torch.empty
 
@@ -321,8 +332,7 @@ def _prepare(logits, targets, logit_lengths, target_lengths, blank, backend):
     if backend == 'auto': backend = 'cuda' if logits.is_cuda else 'cpu'
     if backend not in ('cpu', 'cuda', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu', 'cuda' or 'reference', got {backend!r}")
     if backend == 'cpu' and logits.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; logits are on a GPU")
-    x = logits.detach().to(_compute_dtype(logits.dtype))
-    if backend == 'cuda': x = x.contiguous()      # numba reads strided arrays as they are
+    x = logits.detach().to(_compute_dtype(logits.dtype)).contiguous()   # (a copy only for strided views)
     y, il, tl = clean_targets(x, targets, logit_lengths, target_lengths, blank)
     return backend, x, y, il, tl
 
@@ -336,9 +346,10 @@ def rnnt_forward(logits, targets, logit_lengths, target_lengths, blank, fused_lo
     if backend == 'reference':
         lse = (torch.logsumexp(x, -1) if fused_log_softmax else torch.zeros_like(x[..., 0])).double()
         return -_ref_forward(x, y, il, tl, blank, fused_log_softmax, False).double(), lse, x.new_empty(0)
-    lse = torch.zeros(B, T, U1, dtype=torch.float64)
-    logz = _rnnt_forward_cpu(x.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax,
-                             x.dtype == torch.float64, False, lse.numpy())
+    lse = torch.empty(B, T, U1, dtype=torch.float64)      # (not zeros: a parallel fill, slow on a busy machine)
+    with _numba_threads(x):
+        logz = _rnnt_forward_cpu(x.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax,
+                                 x.dtype == torch.float64, False, lse.numpy())
     return -torch.from_numpy(logz), lse, x.new_empty(0)
 
 def rnnt_backward(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax, costs, lse, saved, g,
@@ -353,9 +364,10 @@ def rnnt_backward(logits, targets, logit_lengths, target_lengths, blank, fused_l
         grad = grad_from_edges(x, y, blank, fused_log_softmax, edges, costs, g, clamp, fastemit_lambda)
     else:
         grad = (empty_large if x.numel() * x.element_size() >= _POOLED else torch.empty)(x.shape, dtype=x.dtype)
-        _rnnt_grad_cpu(x.numpy(), lse.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax,
-                       x.dtype == torch.float64, (-costs).numpy(), g.to(torch.float64).numpy(),
-                       float(clamp), float(fastemit_lambda), grad.numpy())
+        with _numba_threads(x):
+            _rnnt_grad_cpu(x.numpy(), lse.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax,
+                           x.dtype == torch.float64, (-costs).numpy(), g.to(torch.float64).numpy(),
+                           float(clamp), float(fastemit_lambda), grad.numpy())
     return grad.to(logits.dtype)
 
 def rnnt_edges(logits, targets, logit_lengths, target_lengths, blank, use_max=False, fused_log_softmax=True, backend='auto'):
@@ -364,11 +376,12 @@ def rnnt_edges(logits, targets, logit_lengths, target_lengths, blank, use_max=Fa
     if backend == 'cuda': return _cuda_edges(x, y, il, tl, blank, fused_log_softmax, use_max)
     if backend == 'reference': return _ref_edges(x, y, il, tl, blank, fused_log_softmax, use_max)
     B, T, U1, V = x.shape
-    lse = torch.zeros(B, T, U1, dtype=torch.float64)
+    lse = torch.empty(B, T, U1, dtype=torch.float64)
     args = (x.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank)
-    logz = _rnnt_forward_cpu(*args, fused_log_softmax, x.dtype == torch.float64, use_max, lse.numpy())
     edges = torch.zeros(B, T, U1, 2, dtype=x.dtype)
-    _rnnt_edges_cpu(*args[:1], lse.numpy(), *args[1:], use_max, logz, edges.numpy())
+    with _numba_threads(x):
+        logz = _rnnt_forward_cpu(*args, fused_log_softmax, x.dtype == torch.float64, use_max, lse.numpy())
+        _rnnt_edges_cpu(*args[:1], lse.numpy(), *args[1:], use_max, logz, edges.numpy())
     return torch.from_numpy(logz).to(x.dtype), edges
 
 # %% ../nbs/06_rnnt.ipynb #f1dc6b09

@@ -48,7 +48,6 @@ def test_reference_equals_brute_force(S):
         for b in range(x.shape[0]):
             lp = x[b, :il[b], :tl[b] + 1].log_softmax(-1)[..., perm]
             labels = [perm.index(int(c)) for c in yc[b, :tl[b]]]
-            assert len(paths_of(int(il[b]), int(tl[b]))) >= 1
             torch.testing.assert_close(ref[b], logz_brute_force(lp, labels, S), rtol=1e-12, atol=1e-12)
 
 @pytest.mark.parametrize('backend', ['reference', 'cpu', 'cuda'])
@@ -125,9 +124,8 @@ def test_three_paths_agree_on_random_cases(dtype):
         with emulator_options(seed=case):
             three_paths(x, y, il, tl, blank, emulated=case % 2 == 0, **kw)
 
-@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
-@pytest.mark.parametrize('S', [Log, Max])
-@pytest.mark.parametrize('max_threads', [1024, 32])     # 32 threads for U+1 = 37 nodes and V = 40: the looping paths
+@pytest.mark.parametrize('dtype,max_threads', [(torch.float64, 1024), (torch.float32, 1024), (torch.float64, 32)])
+@pytest.mark.parametrize('S', [Log, Max])                # 32 threads for U+1 = 37 nodes and V = 40: the looping paths
 def test_posteriors_agree_on_every_path(dtype, S, max_threads, monkeypatch):
     monkeypatch.setattr(rnnt, 'RNNT_MAX_THREADS', max_threads)
     torch.manual_seed(5)
@@ -297,12 +295,11 @@ def test_row_offsets_are_64_bit():
     assert got == [((bb * T + tt) * U1 + uu) * V for bb, tt, uu in zip(b, t, u)]
     assert got[0] > 2 ** 33 and got[1] > 2 ** 32
 
+@pytest.mark.torchaudio
 def test_bench_quick_rows_have_the_shared_format():
-    pytest.importorskip('seqdist.bench')
-    from seqdist.bench import load_torchaudio
-    if load_torchaudio() is None: pytest.skip("torchaudio does not import here: bench_rnnt needs it")
     rows = rnnt.bench_rnnt(quick=True)
-    assert set(rows[0]) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'}
+    assert len(rows) == 1 and set(rows[0]) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'}
+    assert rows[0]['ours_ms'] > 0 and rows[0]['ratio'] == rows[0]['anchor_ms'] / rows[0]['ours_ms']
 
 x0 = torch.randn(2, 4, 3, 5)
 y0, il0, tl0 = torch.tensor([[1, 2], [3, 1]], dtype=torch.int32), torch.tensor([4, 3], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32)
@@ -340,3 +337,8 @@ def test_bad_input_is_a_clear_error(bad, error, message):
     args = dict(logits=x0, targets=y0, logit_lengths=il0, target_lengths=tl0)
     args.update(bad)
     with pytest.raises(error, match=message): rnnt_loss(**args)
+
+def test_peak_extra_memory_is_about_one_gradient():
+    "fwd+bwd in a fresh process (the anchors' method): the gradient is the only logits-sized allocation."
+    extra, logits_mb = rnnt.peak_extra_mb(8, 100, 30, 64)
+    assert extra <= 1.1 * logits_mb, f"peak extra {extra:.2f} MB for {logits_mb:.2f} MB of logits"
