@@ -152,6 +152,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                               'seqdist.rnnt._rnnt_setup_context': ('rnnt.html#_rnnt_setup_context', 'seqdist/rnnt.py'),
                               'seqdist.rnnt._row_lse': ('rnnt.html#_row_lse', 'seqdist/rnnt.py'),
                               'seqdist.rnnt._threads': ('rnnt.html#_threads', 'seqdist/rnnt.py'),
+                              'seqdist.rnnt._utterance_lse': ('rnnt.html#_utterance_lse', 'seqdist/rnnt.py'),
                               'seqdist.rnnt.bench_rnnt': ('rnnt.html#bench_rnnt', 'seqdist/rnnt.py'),
                               'seqdist.rnnt.best_path': ('rnnt.html#best_path', 'seqdist/rnnt.py'),
                               'seqdist.rnnt.clean_targets': ('rnnt.html#clean_targets', 'seqdist/rnnt.py'),

@@ -135,6 +135,15 @@ def _row_lse(row, precise):
         for v in range(row.shape[0]): s += fast_exp8(np.float64(row[v]) - mm)
     return mm + np.log(s)
 
+@numba.njit(cache=_CACHE, fastmath={'reassoc', 'contract'})
+def _utterance_lse(x, b, Tb, Ub, fused, precise):
+    "lse[t, u] (Tb, Ub+1): the log-sum-exp of each row of sequence b (0 if not fused)."
+    lse = np.zeros((Tb, Ub + 1))
+    if fused:
+        for t in range(Tb):
+            for u in range(Ub + 1): lse[t, u] = _row_lse(x[b, t, u], precise)
+    return lse
+
 @numba.njit(cache=_CACHE)
 def _alpha(x, lse, y, b, Tb, Ub, blank, use_max, alpha):
     "alpha[t, u] (log space, Log or Max semiring) of sequence b; returns log Z."
@@ -143,17 +152,17 @@ def _alpha(x, lse, y, b, Tb, Ub, blank, use_max, alpha):
             if t == 0 and u == 0: a = 0.0
             else:
                 a = -np.inf
-                if t > 0: a = alpha[t - 1, u] + (np.float64(x[b, t - 1, u, blank]) - lse[b, t - 1, u])
-                if u > 0: a = semiring_sum2(a, alpha[t, u - 1] + (np.float64(x[b, t, u - 1, y[u - 1]]) - lse[b, t, u - 1]), use_max)
+                if t > 0: a = alpha[t - 1, u] + (np.float64(x[b, t - 1, u, blank]) - lse[t - 1, u])
+                if u > 0: a = semiring_sum2(a, alpha[t, u - 1] + (np.float64(x[b, t, u - 1, y[u - 1]]) - lse[t, u - 1]), use_max)
             alpha[t, u] = a
-    return alpha[Tb - 1, Ub] + (np.float64(x[b, Tb - 1, Ub, blank]) - lse[b, Tb - 1, Ub])
+    return alpha[Tb - 1, Ub] + (np.float64(x[b, Tb - 1, Ub, blank]) - lse[Tb - 1, Ub])
 
 @numba.njit(cache=_CACHE)
 def _beta(x, lse, y, b, Tb, Ub, blank, beta):
     "beta[t, u]: log-sum of the paths from node (t, u) to the end, its own edge included (Log semiring)."
     for t in range(Tb - 1, -1, -1):
         for u in range(Ub, -1, -1):
-            l = np.float64(lse[b, t, u])
+            l = lse[t, u]
             if t == Tb - 1 and u == Ub: v = np.float64(x[b, t, u, blank]) - l
             else:
                 v = -np.inf
@@ -164,7 +173,7 @@ def _beta(x, lse, y, b, Tb, Ub, blank, beta):
 @numba.njit(inline='always')
 def _edge_posteriors(x, lse, y, b, t, u, Tb, Ub, blank, alpha, beta, logz):
     "Posteriors of the blank and the label edge leaving node (t, u)."
-    a, l = alpha[t, u], np.float64(lse[b, t, u])
+    a, l = alpha[t, u], lse[t, u]
     lpb = np.float64(x[b, t, u, blank]) - l
     if t < Tb - 1: pb = np.exp(a + lpb + beta[t + 1, u] - logz)
     elif u == Ub: pb = np.exp(a + lpb - logz)
@@ -172,27 +181,25 @@ def _edge_posteriors(x, lse, y, b, t, u, Tb, Ub, blank, alpha, beta, logz):
     pe = np.exp(a + (np.float64(x[b, t, u, y[u]]) - l) + beta[t, u + 1] - logz) if u < Ub else 0.0
     return pb, pe
 
-@numba.njit(parallel=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
-def _rnnt_forward_cpu(x, y, Tl, Ul, blank, fused, precise, use_max, lse):
-    "log Z (B,) of each sequence, and lse[b, t, u]: the log-sum-exp of each row inside the lattice (else, or if not fused, 0)."
-    B, T, U1, V = x.shape
+@numba.njit(parallel=True, cache=_CACHE)
+def _rnnt_forward_cpu(x, y, Tl, Ul, blank, fused, precise, use_max):
+    "log Z (B,) of each sequence in the Log (or Max) semiring."
+    B = x.shape[0]
     logz = np.empty(B)
     for b in numba.prange(B):
         Tb, Ub = Tl[b], Ul[b]
-        for t in range(T):
-            for u in range(U1): lse[b, t, u] = _row_lse(x[b, t, u], precise) if fused and t < Tb and u <= Ub else 0.0
-        alpha = np.empty((Tb, Ub + 1))
+        lse, alpha = _utterance_lse(x, b, Tb, Ub, fused, precise), np.empty((Tb, Ub + 1))
         logz[b] = _alpha(x, lse, y[b], b, Tb, Ub, blank, use_max, alpha)
     return logz
 
 @numba.njit(parallel=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
-def _rnnt_grad_cpu(x, lse, y, Tl, Ul, blank, fused, precise, logz, g, clamp, lam, grad):
+def _rnnt_grad_cpu(x, y, Tl, Ul, blank, fused, precise, logz, g, clamp, lam, grad):
     "grad[b] = g[b] * d(-log Z_b)/dx[b] (clamped to [-clamp, clamp] before the scaling if clamp > 0), FastEmit lam."
     B, T, U1, V = x.shape
     for b in numba.prange(B):
         Tb, Ub, z, gb = Tl[b], Ul[b], logz[b], g[b]
         ok = gb != 0.0 and z > -np.inf
-        alpha, beta = np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
+        lse, alpha, beta = _utterance_lse(x, b, Tb, Ub, fused and ok, precise), np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
         if ok:
             _alpha(x, lse, y[b], b, Tb, Ub, blank, False, alpha)
             _beta(x, lse, y[b], b, Tb, Ub, blank, beta)
@@ -204,7 +211,7 @@ def _rnnt_grad_cpu(x, lse, y, Tl, Ul, blank, fused, precise, logz, g, clamp, lam
                     continue
                 pb, pe = _edge_posteriors(x, lse, y[b], b, t, u, Tb, Ub, blank, alpha, beta, z)
                 pe *= 1.0 + lam
-                row, l, s = x[b, t, u], np.float64(lse[b, t, u]), gb
+                row, l, s = x[b, t, u], lse[t, u], gb
                 if clamp > 0.0: s = 1.0                      # clamp first, scale after
                 w = (pb + pe) * s if fused else 0.0
                 if fused and precise:
@@ -220,20 +227,20 @@ def _rnnt_grad_cpu(x, lse, y, Tl, Ul, blank, fused, precise, logz, g, clamp, lam
                     for v in range(V): out[v] = min(max(out[v], -clamp), clamp) * gb
 
 @numba.njit(parallel=True, cache=_CACHE)
-def _rnnt_edges_cpu(x, lse, y, Tl, Ul, blank, use_max, logz, edges):
+def _rnnt_edges_cpu(x, y, Tl, Ul, blank, fused, precise, use_max, logz, edges):
     "edges[b, t, u] = posteriors of the (blank, label) edges leaving (t, u) (Log), or the best path as 0/1 (Max)."
     B = x.shape[0]
     for b in numba.prange(B):
         Tb, Ub, z = Tl[b], Ul[b], logz[b]
         if z == -np.inf: continue
-        alpha = np.empty((Tb, Ub + 1))
+        lse, alpha = _utterance_lse(x, b, Tb, Ub, fused, precise), np.empty((Tb, Ub + 1))
         _alpha(x, lse, y[b], b, Tb, Ub, blank, use_max, alpha)
         if use_max:                                  # follow the predecessor that gave each alpha, from the end
             t, u = Tb - 1, Ub
             edges[b, t, u, 0] = 1.0
             while t > 0 or u > 0:
-                fb = alpha[t - 1, u] + (np.float64(x[b, t - 1, u, blank]) - lse[b, t - 1, u]) if t > 0 else -np.inf
-                fe = alpha[t, u - 1] + (np.float64(x[b, t, u - 1, y[b, u - 1]]) - lse[b, t, u - 1]) if u > 0 else -np.inf
+                fb = alpha[t - 1, u] + (np.float64(x[b, t - 1, u, blank]) - lse[t - 1, u]) if t > 0 else -np.inf
+                fe = alpha[t, u - 1] + (np.float64(x[b, t, u - 1, y[b, u - 1]]) - lse[t, u - 1]) if u > 0 else -np.inf
                 if t > 0 and (u == 0 or fb >= fe):
                     t -= 1; edges[b, t, u, 0] = 1.0
                 else:
@@ -346,11 +353,10 @@ def rnnt_forward(logits, targets, logit_lengths, target_lengths, blank, fused_lo
     if backend == 'reference':
         lse = (torch.logsumexp(x, -1) if fused_log_softmax else torch.zeros_like(x[..., 0])).double()
         return -_ref_forward(x, y, il, tl, blank, fused_log_softmax, False).double(), lse, x.new_empty(0)
-    lse = torch.empty(B, T, U1, dtype=torch.float64)      # (not zeros: a parallel fill, slow on a busy machine)
-    with _numba_threads(x):
+    with _numba_threads(x):       # (lse is recomputed in the backward pass: nothing (B, T, U+1)-sized is kept)
         logz = _rnnt_forward_cpu(x.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax,
-                                 x.dtype == torch.float64, False, lse.numpy())
-    return -torch.from_numpy(logz), lse, x.new_empty(0)
+                                 x.dtype == torch.float64, False)
+    return -torch.from_numpy(logz), x.new_empty(0, dtype=torch.float64), x.new_empty(0)
 
 def rnnt_backward(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax, costs, lse, saved, g,
                   clamp=-1.0, fastemit_lambda=0.0, backend='auto'):
@@ -365,7 +371,7 @@ def rnnt_backward(logits, targets, logit_lengths, target_lengths, blank, fused_l
     else:
         grad = (empty_large if x.numel() * x.element_size() >= _POOLED else torch.empty)(x.shape, dtype=x.dtype)
         with _numba_threads(x):
-            _rnnt_grad_cpu(x.numpy(), lse.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax,
+            _rnnt_grad_cpu(x.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax,
                            x.dtype == torch.float64, (-costs).numpy(), g.to(torch.float64).numpy(),
                            float(clamp), float(fastemit_lambda), grad.numpy())
     return grad.to(logits.dtype)
@@ -376,12 +382,11 @@ def rnnt_edges(logits, targets, logit_lengths, target_lengths, blank, use_max=Fa
     if backend == 'cuda': return _cuda_edges(x, y, il, tl, blank, fused_log_softmax, use_max)
     if backend == 'reference': return _ref_edges(x, y, il, tl, blank, fused_log_softmax, use_max)
     B, T, U1, V = x.shape
-    lse = torch.empty(B, T, U1, dtype=torch.float64)
-    args = (x.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank)
+    args = (x.numpy(), y.numpy(), il.numpy(), tl.numpy(), blank, fused_log_softmax, x.dtype == torch.float64, use_max)
     edges = torch.zeros(B, T, U1, 2, dtype=x.dtype)
     with _numba_threads(x):
-        logz = _rnnt_forward_cpu(*args, fused_log_softmax, x.dtype == torch.float64, use_max, lse.numpy())
-        _rnnt_edges_cpu(*args[:1], lse.numpy(), *args[1:], use_max, logz, edges.numpy())
+        logz = _rnnt_forward_cpu(*args)
+        _rnnt_edges_cpu(*args, logz, edges.numpy())
     return torch.from_numpy(logz).to(x.dtype), edges
 
 # %% ../nbs/06_rnnt.ipynb #f1dc6b09
@@ -397,8 +402,9 @@ def _(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax, 
     B, T, U1, V = logits.shape
     dtype = _compute_dtype(logits.dtype)
     cuda = backend == 'cuda' or (backend == 'auto' and logits.is_cuda)
+    if not cuda: return logits.new_empty(B, dtype=torch.float64), logits.new_empty(0, dtype=torch.float64), logits.new_empty(0, dtype=dtype)
     return (logits.new_empty(B, dtype=torch.float64), logits.new_empty(B, T, U1, dtype=torch.float64),
-            logits.new_empty(2, B, T, U1, dtype=torch.float64) if cuda else logits.new_empty(0, dtype=dtype))
+            logits.new_empty(2, B, T, U1, dtype=torch.float64))
 
 @torch.library.custom_op('seqdist::rnnt_grad', mutates_args=())
 def rnnt_grad_op(logits: Tensor, targets: Tensor, logit_lengths: Tensor, target_lengths: Tensor, blank: int,
@@ -547,8 +553,9 @@ if sys.argv[5] == 'torchaudio':
     from seqdist.bench import load_torchaudio
     f = load_torchaudio().functional.rnnt_loss
 else: f = rnnt_loss
-x, y, il, tl = rnnt_inputs_for(2, 3, 2, 4)
+x, y, il, tl = rnnt_inputs_for(2, 64, 63, 128)       # warm-up: libraries loaded, worker threads started
 torch.autograd.grad(f(x, y, il, tl, blank=0), x)
+del x, y, il, tl
 x, y, il, tl = rnnt_inputs_for(B, T, U, V)
 def status(key): return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(key))
 open('/proc/self/clear_refs', 'w').write('5')

@@ -283,7 +283,9 @@ def test_torch_compile_fullgraph():
     x = torch.randn(3, 6, 4, 7).requires_grad_()
     y, il, tl = torch.randint(1, 7, (3, 3), dtype=torch.int32), torch.tensor([6, 4, 1], dtype=torch.int32), torch.tensor([3, 1, 0], dtype=torch.int32)
     def f(x): return rnnt_loss(x * 2.0, y, il, tl, blank=0, clamp=0.5, fastemit_lambda=0.01) * 3.0
-    eager, comp = f(x), torch.compile(f, fullgraph=True)(x)
+    import torch._inductor.config as inductor_config     # (a graph cached on disk by an older seqdist would carry
+    with inductor_config.patch(fx_graph_cache=False):   # the older op's output shapes: the cache cannot see them)
+        eager, comp = f(x), torch.compile(f, fullgraph=True)(x)
     torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.autograd.grad(comp, x)[0], torch.autograd.grad(eager, x)[0], rtol=1e-5, atol=1e-7)
 
@@ -341,4 +343,4 @@ def test_bad_input_is_a_clear_error(bad, error, message):
 def test_peak_extra_memory_is_about_one_gradient():
     "fwd+bwd in a fresh process (the anchors' method): the gradient is the only logits-sized allocation."
     extra, logits_mb = rnnt.peak_extra_mb(8, 100, 30, 64)
-    assert extra <= 1.1 * logits_mb, f"peak extra {extra:.2f} MB for {logits_mb:.2f} MB of logits"
+    assert extra <= 1.05 * logits_mb, f"peak extra {extra:.2f} MB for {logits_mb:.2f} MB of logits"
