@@ -214,15 +214,18 @@ def _rnnt_grad_cpu(x, y, Tl, Ul, blank, fused, precise, logz, g, clamp, lam, gra
                 row, l, s = x[b, t, u], lse[t, u], gb
                 if clamp > 0.0: s = 1.0                      # clamp first, scale after
                 w = (pb + pe) * s if fused else 0.0
+                yu = y[b, u] if u < Ub else blank
                 if fused and precise:
                     for v in range(V): out[v] = w * fast_exp(np.float64(row[v]) - l)
+                    eb, ey = fast_exp(np.float64(row[blank]) - l), fast_exp(np.float64(row[yu]) - l)
                 elif fused:
                     for v in range(V): out[v] = w * fast_exp8(np.float64(row[v]) - l)
+                    eb, ey = fast_exp8(np.float64(row[blank]) - l), fast_exp8(np.float64(row[yu]) - l)
                 else:
                     for v in range(V): out[v] = 0.0
-                # the two cancelling entries in float64, rounded once
-                out[blank] = w * np.exp(np.float64(row[blank]) - l) - pb * s
-                if u < Ub: out[y[b, u]] = w * np.exp(np.float64(row[y[b, u]]) - l) - pe * s
+                    eb = ey = 0.0
+                out[blank] = w * eb - pb * s             # the two cancelling entries in float64, rounded once
+                if u < Ub: out[yu] = w * ey - pe * s
                 if clamp > 0.0:
                     for v in range(V): out[v] = min(max(out[v], -clamp), clamp) * gb
 
