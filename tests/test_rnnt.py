@@ -344,3 +344,16 @@ def test_peak_extra_memory_is_about_one_gradient():
     "fwd+bwd in a fresh process (the anchors' method): the gradient is the only logits-sized allocation."
     extra, logits_mb = rnnt.peak_extra_mb(8, 100, 30, 64)
     assert extra <= 1.05 * logits_mb, f"peak extra {extra:.2f} MB for {logits_mb:.2f} MB of logits"
+
+def test_cuda_path_launches_three_kernels_per_fwd_bwd(monkeypatch):
+    "The launch count stays seen: lse, alpha and beta (one launch), gradient; nothing else on the hot path."
+    from seqdist import utils
+    names, launch = [], utils.Kernel.__call__
+    def counted(self, *args, **kw):
+        names.append(self.name)
+        return launch(self, *args, **kw)
+    monkeypatch.setattr(utils.Kernel, '__call__', counted)
+    x = torch.randn(2, 3, 3, 4, requires_grad=True)
+    y, il, tl = torch.tensor([[1, 2], [2, 1]]), torch.tensor([3, 2]), torch.tensor([2, 1])
+    torch.autograd.grad(rnnt_loss(x, y, il, tl, 0, backend='cuda'), x)
+    assert names == ['rnnt_lse', 'rnnt_alpha_beta', 'rnnt_grad']
