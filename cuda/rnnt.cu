@@ -110,7 +110,7 @@ extern "C" __global__ void rnnt_grad(
     FLOAT* out = grad + n * V;
     const double cost = costs[b];
     const FLOAT gb = g[b];
-    if (t >= Tb || u > Ub || !(cost < INFINITY) || gb == 0) {
+    if (t >= Tb || u > Ub || cost == INFINITY || gb == 0) {   // (a NaN cost gives NaN gradients)
         for (int v = threadIdx.x; v < V; v += blockDim.x) out[v] = 0;
         return;
     }
@@ -142,7 +142,7 @@ extern "C" __global__ void rnnt_edges(
     const int u = (int)(n % U1), t = (int)((n / U1) % T), b = (int)(n / ((long long)U1 * T));
     const int Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
     double pb = 0, pe = 0;
-    if (t < Tb && u <= Ub && logz[b] > -1e30)
+    if (t < Tb && u <= Ub && !(logz[b] <= -1e30))          // (NaN passes: NaN posteriors)
         edge_posteriors(logits, lse, targets + (long long)b * U1, alpha, beta, logz[b], n, t, u, Tb, Ub, U1, V, blank, &pb, &pe);
     edges[2 * n] = (FLOAT)pb;
     edges[2 * n + 1] = (FLOAT)pe;

@@ -123,10 +123,12 @@ _CACHE = __name__ != "__main__"   # numba caches compiled kernels for the packag
 
 @numba.njit(inline='always')
 def _row_lse(row, precise):
-    "log sum exp of a row (float64): max, then sum of fast_exp (vectorised)."
+    "log sum exp of a row (float64): max, then sum of fast_exp (vectorised); NaN if the row holds a NaN."
     m = -np.inf
     for v in range(row.shape[0]):
-        if row[v] > m: m = row[v]
+        r = row[v]
+        if r > m: m = r
+        elif r != r: return np.nan                # (fast_exp would read a NaN as a tiny number)
     if m == -np.inf: return -np.inf
     s, mm = 0.0, np.float64(m)
     if precise:
@@ -198,7 +200,7 @@ def _rnnt_grad_cpu(x, y, Tl, Ul, blank, fused, precise, logz, g, clamp, lam, gra
     B, T, U1, V = x.shape
     for b in numba.prange(B):
         Tb, Ub, z, gb = Tl[b], Ul[b], logz[b], g[b]
-        ok = gb != 0.0 and z > -np.inf
+        ok = gb != 0.0 and z != -np.inf               # (a NaN log Z gives NaN gradients)
         lse, alpha, beta = _utterance_lse(x, b, Tb, Ub, fused and ok, precise), np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
         if ok:
             _alpha(x, lse, y[b], b, Tb, Ub, blank, False, alpha)
@@ -272,7 +274,7 @@ def _cuda_forward(x, y, il, tl, blank, fused, use_max):
     lse, ab, logz = x.new_empty(B, T, U1, dtype=torch.float64), x.new_empty(2, B, T, U1, dtype=torch.float64), x.new_empty(B, dtype=torch.float64)
     _rnnt_kernels[(x.dtype, Log, 'rnnt_lse')]((B * T * U1,), (min(256, _threads(V)),), (x, il, tl, lse, T, U1, V, int(fused)))
     _rnnt_kernels[(x.dtype, S, 'rnnt_alpha_beta')]((B, 2), (_threads(U1),), (x, lse, y, il, tl, ab[0], ab[1], logz, T, U1, V, blank))
-    return lse, ab, torch.where(logz > -1e30, logz, -math.inf)
+    return lse, ab, torch.where(logz <= -1e30, -math.inf, logz)     # S.zero is finite (-1e38): infeasible; NaN stays
 
 def _cuda_grad(x, y, il, tl, blank, fused, lse, ab, costs, g, clamp, lam):
     B, T, U1, V = x.shape
@@ -303,7 +305,7 @@ def row_offsets(b, t, u, T, U1, V):
 def _ref_forward(x, y, il, tl, blank, fused, use_max):
     bl, em = edge_log_probs(x, y, blank, fused)
     logz = logz_reference(bl, em, il, tl, Max if use_max else Log)
-    return torch.where(logz > -1e30, logz, -math.inf)
+    return torch.where(logz <= -1e30, -math.inf, logz)
 
 def _ref_edges(x, y, il, tl, blank, fused, use_max):
     "log Z and the edge posteriors (B, T, U+1, 2) by autograd through the reference wavefront."
@@ -311,7 +313,7 @@ def _ref_edges(x, y, il, tl, blank, fused, use_max):
         xg = x.detach().requires_grad_()
         bl, em = edge_log_probs(xg, y, blank, fused)
         logz = logz_reference(bl, em, il, tl, Max if use_max else Log)
-        feasible = logz > -1e30
+        feasible = ~(logz <= -1e30)
         pb, pe = torch.autograd.grad(torch.where(feasible, logz, 0).sum(), (bl, em))
     return torch.where(feasible, logz, -math.inf).detach(), torch.stack([pb, pe], -1)
 
@@ -322,7 +324,7 @@ def grad_from_edges(x, y, blank, fused, edges, costs, g, clamp=-1, fastemit_lamb
     grad[..., blank] -= pb
     grad.scatter_add_(3, y[:, None, :, None].expand(*pe.shape, 1), -pe[..., None])
     if clamp > 0: grad.clamp_(-clamp, clamp)
-    return grad * torch.where(torch.isfinite(costs), g, 0).to(x.dtype)[:, None, None, None]
+    return grad * torch.where(torch.isinf(costs), 0, g).to(x.dtype)[:, None, None, None]
 
 _PARALLEL_MIN = 1 << 20   # below this many logits the CPU kernels run on one thread: waking a second one costs more
                           # than it saves (measured: 0.8 ms vs 32 ms at 3840 logits on this shared machine)

@@ -246,6 +246,14 @@ def test_edge_cases(backend):
     assert loss[0].item() == math.inf and torch.isfinite(loss[1:]).all()
     g, = torch.autograd.grad(loss[1:].sum() + 0 * loss[0], xi)
     assert not torch.isnan(g).any() and (g[0] == 0).all()
+    # a NaN logit inside the lattice: a NaN cost and NaN gradients for that sequence only, never a silent number
+    xn = x.clone(); xn[1, 0, 0, 3] = math.nan
+    xn.requires_grad_()
+    loss = rnnt_loss(xn, torch.tensor([[1, 2], [1, 2], [1, 2]]), torch.tensor([4, 4, 4]), torch.tensor([2, 2, 2]), 4,
+                     reduction='none', backend=backend)
+    g, = torch.autograd.grad(loss.sum(), xn)
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2]]).all()
+    assert torch.isnan(g[1]).any() and torch.isfinite(g[[0, 2]]).all()
 
 def test_non_contiguous_inputs_left_unmodified():
     torch.manual_seed(11)
