@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CUDA_BLOCK', 'GRU_CPU_SHAPES', 'GRU_GPU_SHAPES', 'gru_layer_reference', 'gru_layer_forward', 'gru_layer_backward',
-           'gru_layer_op', 'gru_layer_backward_op', 'gru_layer', 'gru', 'GRU', 'bench_gru']
+           'gru_layer_op', 'gru_layer_backward_op', 'gru_layer', 'gru', 'GRU', 'bench_gru', 'sweep_gru']
 
 # %% ../nbs/07_gru.ipynb #da2b52a6
 import math
@@ -275,7 +275,7 @@ def gru_layer(x, h0, w_ih, w_hh, b_ih=None, b_hh=None, lengths=None, reverse=Fal
         y = torch.where((torch.arange(T, device=x.device)[:, None] < lengths.to(x.device)[None])[..., None], y, 0.0)
     return y, h_n
 
-# %% ../nbs/07_gru.ipynb #239c15b9
+# %% ../nbs/07_gru.ipynb #ddc1f70e
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _check_lengths(lengths, N, T):
@@ -338,7 +338,7 @@ def gru(input, hx, weights, has_biases=True, num_layers=1, dropout=0.0, train=Fa
     if low: output, h_n = output.to(input.dtype), h_n.to(input.dtype)
     return (output.transpose(0, 1) if batch_first else output), h_n
 
-# %% ../nbs/07_gru.ipynb #edf70e02
+# %% ../nbs/07_gru.ipynb #0a7b2cab
 class GRU(nn.Module):
     """Drop-in for `torch.nn.GRU`: the same constructor, parameter names and shapes (so state dicts load both ways),
     initialisation, inputs (batched, unbatched, PackedSequence, hx or none) and outputs (output, h_n); plus `lengths`
@@ -378,6 +378,9 @@ class GRU(nn.Module):
 
     @property
     def _flat_weights(self): return [getattr(self, n) for n in self._flat_weights_names]
+
+    def flatten_parameters(self):
+        "A no-op, for code written for nn.GRU (which packs its weights for cuDNN here): the kernels take the parameters as they are."
 
     @property
     def all_weights(self):
@@ -426,7 +429,7 @@ class GRU(nn.Module):
         if unbatched: output, h_n = output.squeeze(1), h_n.squeeze(1)
         return output, h_n
 
-# %% ../nbs/07_gru.ipynb #f26a53c0
+# %% ../nbs/07_gru.ipynb #37ca523d
 GRU_CPU_SHAPES = [(200, 32, 256, 256, 1), (500, 16, 384, 384, 2)]          # T, N, I, H, layers (the issue's)
 GRU_GPU_SHAPES = [(200, 32, 256, 256, 1, torch.float32), (1000, 64, 1024, 1024, 1, torch.float32),
                   (800, 64, 512, 768, 3, torch.bfloat16)]
@@ -459,4 +462,12 @@ def bench_gru(quick=False, device='cpu', shapes=None, warmup=2, reps=7):
                          anchor='torch.nn.GRU' + (' (cuDNN)' if device != 'cpu' else ''), anchor_ms=t0, ours_ms=t1,
                          ratio=t0 / t1, check=f"output rel diff {rel(y1, y0):.1e}, grads rel diff "
                                               f"{max(rel(a, b) for a, b in zip(g1, g0)):.1e}"))
+    return rows
+
+def sweep_gru(Hs=(64, 128, 256, 384, 512), T=100, N=16, layers=1, device='cpu', warmup=1, reps=5):
+    "fwd+bwd times (ms) of nn.GRU and ours over hidden sizes (I = H), timed alternately at each size."
+    rows = []
+    for H in Hs:
+        r = bench_gru(device=device, shapes=[(T, N, H, H, layers)], warmup=warmup, reps=reps)[0]
+        rows.append(dict(H=H, anchor_ms=r['anchor_ms'], ours_ms=r['ours_ms']))
     return rows

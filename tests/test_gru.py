@@ -317,3 +317,8 @@ def test_gru_kernels_compile_for_gpus():
     from seqdist.utils import gpu_compiler, check_gpu_compile
     if gpu_compiler()[1] is None: pytest.skip("no NVRTC or nvcc: the GPU compile check cannot run here")
     assert check_gpu_compile([k for d in sgru._GATE_KERNELS.values() for k in d.values()]) == []
+
+def test_flatten_parameters_is_accepted():
+    m = GRU(3, 4)
+    m.flatten_parameters()
+    assert [n for n, _ in m.named_parameters()] == [n for n, _ in nn.GRU(3, 4).named_parameters()]
