@@ -251,9 +251,12 @@ def _gru_setup_context(ctx, inputs, output):
     Hb, G, ghn = output
     ctx.save_for_backward(x, w_ih, w_hh, lengths, Hb, G, ghn)
     ctx.reverse, ctx.has_bias, ctx.backend = reverse, b_ih is not None, backend
+    ctx.mark_non_differentiable(G, ghn)      # saved for the backward, not results
+    ctx.set_materialize_grads(False)         # so autograd does not fill zero gradients of their size
 
 def _gru_backward(ctx, dHb, dG, dghn):
     x, w_ih, w_hh, lengths, Hb, G, ghn = ctx.saved_tensors
+    if dHb is None: dHb = torch.zeros_like(Hb)
     dx, dh0, dw_ih, dw_hh, db_ih, db_hh = gru_layer_backward_op(dHb, x, w_ih, w_hh, Hb, G, ghn, lengths, ctx.reverse,
                                                                 ctx.has_bias, ctx.needs_input_grad[0], ctx.backend)
     return (dx if ctx.needs_input_grad[0] else None, dh0, dw_ih, dw_hh, db_ih if ctx.has_bias else None,
