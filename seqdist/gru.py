@@ -75,7 +75,8 @@ def _exp_parts(y):
 def _sigmoid(x):
     "1 / (1 + exp(-x)) in float64."
     s, q = _exp_parts(-x)
-    return 1.0 / (1.0 + (s + s * q))
+    y = 1.0 / (1.0 + (s + s * q))
+    return y if x == x else x                # NaN stays NaN (the clamp in _exp_parts would hide it)
 
 @numba.njit(inline='always', fastmath={'contract'}, error_model='numpy')
 def _tanh(x):
@@ -84,7 +85,8 @@ def _tanh(x):
     s, q = _exp_parts(-2.0 * a)
     e = (s - 1.0) + s * q
     t = -e / (2.0 + e)
-    return t if x >= 0 else -t
+    t = t if x >= 0 else -t
+    return t if x == x else x
 
 # %% ../nbs/07_gru.ipynb #fa594c69
 @numba.njit(cache=_CACHE, fastmath={'contract'}, error_model='numpy')

@@ -339,3 +339,17 @@ def test_flatten_parameters_is_accepted():
     m = GRU(3, 4)
     m.flatten_parameters()
     assert [n for n, _ in m.named_parameters()] == [n for n, _ in nn.GRU(3, 4).named_parameters()]
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_nan_and_inf_propagate_as_in_nn_gru(backend):
+    "A NaN in one sequence's input gives NaN in that sequence only, as nn.GRU; huge inputs saturate the gates."
+    torch.manual_seed(17)
+    anchor, ours = pair(3, 4, backend=backend)
+    x = torch.randn(5, 3, 3, dtype=torch.float64)
+    x[2, 1, 0] = math.nan
+    x[1, 2] = 1e300
+    with torch.no_grad():
+        (y, h), (ya, ha) = ours(x), anchor(x)
+    assert torch.equal(torch.isnan(y), torch.isnan(ya)) and torch.isnan(y[2:, 1]).all() and not torch.isnan(y[:, [0, 2]]).any()
+    fin = ~torch.isnan(ya)
+    torch.testing.assert_close(y[fin], ya[fin], rtol=1e-12, atol=1e-14)
