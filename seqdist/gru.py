@@ -212,7 +212,7 @@ def gru_layer_backward(dHb, x, w_ih, w_hh, Hb, G, ghn, lengths, reverse, has_bia
     if need_dx: dx = torch.mm(dgh2[:, :2 * H], w_ih[:2 * H]).addmm_(dan2, w_ih[2 * H:]).view(T, N, I)
     return dx, dh0, dw_ih, dw_hh, db_ih, db_hh
 
-# %% ../nbs/07_gru.ipynb #6dd040d5
+# %% ../nbs/07_gru.ipynb #ad0669f3
 _BACKENDS = ('cpu', 'cuda')
 
 def _device_for(backend, x): return torch.device('cpu') if backend == 'cpu' else x.device
@@ -266,7 +266,7 @@ def _gru_backward(ctx, dHb, dG, dghn):
 
 torch.library.register_autograd('seqdist::gru_layer', _gru_backward, setup_context=_gru_setup_context)
 
-# %% ../nbs/07_gru.ipynb #d9870c59
+# %% ../nbs/07_gru.ipynb #18cea9b6
 def gru_layer(x, h0, w_ih, w_hh, b_ih=None, b_hh=None, lengths=None, reverse=False, backend='auto'):
     """One GRU layer in one direction, differentiable: outputs (T, N, H), zero past each length, and h_n (N, H).
     backend: 'auto' (by device), 'cpu' (numba), 'cuda' (the CUDA kernels; emulated for CPU tensors), 'reference'."""
@@ -280,7 +280,7 @@ def gru_layer(x, h0, w_ih, w_hh, b_ih=None, b_hh=None, lengths=None, reverse=Fal
         y = torch.where((torch.arange(T, device=x.device)[:, None] < lengths.to(x.device)[None])[..., None], y, 0.0)
     return y, h_n
 
-# %% ../nbs/07_gru.ipynb #ddc1f70e
+# %% ../nbs/07_gru.ipynb #f01e657b
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _check_lengths(lengths, N, T):
@@ -343,7 +343,7 @@ def gru(input, hx, weights, has_biases=True, num_layers=1, dropout=0.0, train=Fa
     if low: output, h_n = output.to(input.dtype), h_n.to(input.dtype)
     return (output.transpose(0, 1) if batch_first else output), h_n
 
-# %% ../nbs/07_gru.ipynb #0a7b2cab
+# %% ../nbs/07_gru.ipynb #36016c15
 class GRU(nn.Module):
     """Drop-in for `torch.nn.GRU`: the same constructor, parameter names and shapes (so state dicts load both ways),
     initialisation, inputs (batched, unbatched, PackedSequence, hx or none) and outputs (output, h_n); plus `lengths`
@@ -404,7 +404,9 @@ class GRU(nn.Module):
         return s
 
     def forward(self, input, hx=None, lengths=None):
-        D = 2 if self.bidirectional else 1
+        """nn.GRU's forward: input (T, N, I) ((N, T, I) if batch_first), (T, I) unbatched, or a PackedSequence; hx
+        (num_layers * D, N, H) ((num_layers * D, H) unbatched) or None. Returns (output, h_n) as nn.GRU does.
+        lengths (N,): the valid steps of each sequence of a padded batch (outputs past them are zero)."""
         args = dict(has_biases=self.bias, num_layers=self.num_layers, dropout=self.dropout, train=self.training,
                     bidirectional=self.bidirectional, backend=self.backend)
         if isinstance(input, PackedSequence):
@@ -434,7 +436,7 @@ class GRU(nn.Module):
         if unbatched: output, h_n = output.squeeze(1), h_n.squeeze(1)
         return output, h_n
 
-# %% ../nbs/07_gru.ipynb #37ca523d
+# %% ../nbs/07_gru.ipynb #704ce47e
 GRU_CPU_SHAPES = [(200, 32, 256, 256, 1), (500, 16, 384, 384, 2)]          # T, N, I, H, layers (the issue's)
 GRU_GPU_SHAPES = [(200, 32, 256, 256, 1, torch.float32), (1000, 64, 1024, 1024, 1, torch.float32),
                   (800, 64, 512, 768, 3, torch.bfloat16)]
