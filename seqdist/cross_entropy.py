@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['CUDA_BLOCK', 'CUDA_MAX_BLOCKS', 'softcap_logits', 'cross_entropy_reference', 'ce_op', 'ce_grad_op', 'cross_entropy',
-           'CrossEntropyLoss']
+           'CrossEntropyLoss', 'lce_op', 'lce_grad_op', 'linear_cross_entropy', 'LinearCrossEntropy']
 
 # %% ../nbs/08_cross_entropy.ipynb #a0510788
 import math, os
@@ -397,3 +397,179 @@ class CrossEntropyLoss(nn.Module):
     def forward(self, input, target):
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
                              z_loss=self.z_loss, softcap=self.softcap)
+
+# %% ../nbs/08_cross_entropy.ipynb #7962d5a9
+def _lce_rows(hidden, weight, bias, target, ce_weight, ignore_index, eps, cap, backend, chunk_size, g_ce=None, zc=None):
+    """lse, ce (N,) of the logits hidden @ weight.T + bias, chunk by chunk; with g_ce and zc (N,), also the gradients
+    (dh, dw, db) of sum_i g_ce[i] ce[i] + zc[i] lse[i]**2."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dt = _compute_dtype(hidden.dtype)
+    low = hidden.dtype != dt
+    chunk = chunk_size or max(1, min(N, (32 << 20) // (4 * V)))
+    lse, ce = hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt)
+    want = g_ce is not None
+    if want:
+        dh = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+        dw = weight.new_zeros(weight.shape, dtype=dt)
+        db = bias.new_zeros(V, dtype=dt) if bias is not None else None
+    buf = hidden.new_empty(min(chunk, N) * V, dtype=dt)
+    rows = _ROWS[backend]
+    for i in range(0, N, chunk):
+        j = min(N, i + chunk)
+        h = hidden[i:j]
+        lg = buf[:(j - i) * V].view(j - i, V)
+        if low: lg.copy_(F.linear(h, weight, bias))
+        elif bias is not None: torch.addmm(bias, h, weight.T, out=lg)
+        else: torch.mm(h, weight.T, out=lg)
+        t = target[i:j]
+        lse[i:j], ce[i:j] = rows(lg, t, ce_weight, ignore_index, eps, cap)
+        if not want: continue
+        gl = rows(lg, t, ce_weight, ignore_index, eps, cap, (lse[i:j], g_ce[i:j], torch.zeros_like(g_ce[i:j]), zc[i:j]), out=lg)
+        if gl is not lg: lg.copy_(gl)                                 # the reference returns a new tensor
+        if low:
+            torch.mm(lg.to(hidden.dtype), weight, out=dh[i:j])
+            dw.addmm_(lg.T, h.to(dt))
+        else:
+            torch.mm(lg, weight, out=dh[i:j])
+            dw.addmm_(lg.T, h)
+        if db is not None: db += lg.sum(0)
+    if not want: return lse, ce, None
+    return lse, ce, (dh, dw.to(weight.dtype), db.to(bias.dtype) if db is not None else None)
+
+def _row_coefficients(target, ce_weight, ignore_index, reduction, z_loss, dt):
+    "Per-row keep mask, the weight of the target, and the scales of ce and lse**2 in the reduced loss."
+    keep = target != ignore_index
+    wt = keep.to(dt) if ce_weight is None else torch.where(keep, ce_weight.to(dt)[torch.where(keep, target, 0)], 0)
+    if reduction == 'mean':
+        denom = wt.sum()
+        g_ce = (1 / torch.where(denom != 0, denom, 1)).expand(target.shape[0]).to(dt)
+        zc = z_loss * keep.to(dt) / keep.sum().clamp(min=1)
+    else:
+        g_ce, zc = torch.ones_like(wt), z_loss * keep.to(dt)
+    return keep, wt, g_ce.contiguous(), zc.contiguous()
+
+@torch.library.custom_op('seqdist::linear_cross_entropy', mutates_args=())
+def lce_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ce_weight: Optional[Tensor],
+           ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, reduction: str, chunk_size: int,
+           want_grad: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(loss, lse, dh, dw, db) of the cross-entropy of hidden @ weight.T + bias (never built whole). With want_grad
+    (reductions 'mean' and 'sum') the gradients for an upstream gradient of 1, else empty tensors."""
+    dt = _compute_dtype(hidden.dtype)
+    keep, wt, g_ce, zc = _row_coefficients(target, ce_weight, ignore_index, reduction, z_loss, dt)
+    lse, ce, grads = _lce_rows(hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, softcap, backend,
+                               chunk_size, g_ce if want_grad else None, zc if want_grad else None)
+    if reduction == 'none': loss = ce + zc * lse ** 2
+    else: loss = (g_ce * ce).sum() + (zc * lse ** 2).sum()
+    if grads is None: return loss, lse, hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0)
+    dh, dw, db = grads
+    return loss, lse, dh, dw, db if db is not None else hidden.new_empty(0)
+
+@lce_op.register_fake
+def _(hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size,
+      want_grad, backend):
+    dt = _compute_dtype(hidden.dtype)
+    N = hidden.shape[0]
+    loss = hidden.new_empty(N if reduction == 'none' else (), dtype=dt)
+    if not want_grad: return loss, hidden.new_empty(N, dtype=dt), hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0)
+    db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
+    return loss, hidden.new_empty(N, dtype=dt), torch.empty_like(hidden), torch.empty_like(weight), db
+
+@torch.library.custom_op('seqdist::linear_cross_entropy_grad', mutates_args=())
+def lce_grad_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ce_weight: Optional[Tensor],
+                grad_loss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
+                chunk_size: int, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    "Gradients (dh, dw, db) of sum_i grad_loss[i] loss[i] for reduction='none', recomputing the logits chunk by chunk."
+    dt = _compute_dtype(hidden.dtype)
+    keep = target != ignore_index
+    g = grad_loss.to(dt).contiguous()
+    _, _, grads = _lce_rows(hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, softcap, backend,
+                            chunk_size, g, (z_loss * keep.to(dt) * g).contiguous())
+    dh, dw, db = grads
+    return dh, dw, db if db is not None else hidden.new_empty(0)
+
+@lce_grad_op.register_fake
+def _(hidden, weight, bias, target, ce_weight, grad_loss, ignore_index, label_smoothing, z_loss, softcap, chunk_size, backend):
+    return torch.empty_like(hidden), torch.empty_like(weight), torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
+
+def _lce_setup_context(ctx, inputs, output):
+    (hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size,
+     want_grad, backend) = inputs
+    ctx.reduction, ctx.has_bias = reduction, bias is not None
+    if want_grad: ctx.save_for_backward(output[2], output[3], output[4])    # saved, so autograd may take them as .grad
+    else: ctx.save_for_backward(hidden, weight, bias, target, ce_weight)
+    ctx.opts = ignore_index, label_smoothing, z_loss, softcap, chunk_size, backend
+    ctx.want_grad = want_grad
+
+def _lce_backward(ctx, g_loss, g_lse, g_dh, g_dw, g_db):
+    if not ctx.want_grad:
+        if ctx.reduction != 'none':
+            raise RuntimeError("seqdist::linear_cross_entropy was called with want_grad=False: no gradient")
+        hidden, weight, bias, target, ce_weight = ctx.saved_tensors
+        ignore_index, eps, z, cap, chunk, backend = ctx.opts
+        dh, dw, db = lce_grad_op(hidden, weight, bias, target, ce_weight, g_loss, ignore_index, eps, z, cap, chunk, backend)
+    else:
+        dh, dw, db = ctx.saved_tensors
+        if not (g_loss.device.type == 'cpu' and not torch.compiler.is_compiling() and g_loss.item() == 1.0):
+            dh, dw, db = dh * g_loss.to(dh.dtype), dw * g_loss.to(dw.dtype), db * g_loss.to(db.dtype)
+    return dh, dw, (db if ctx.has_bias else None), None, None, None, None, None, None, None, None, None, None
+
+torch.library.register_autograd('seqdist::linear_cross_entropy', _lce_backward, setup_context=_lce_setup_context)
+
+# %% ../nbs/08_cross_entropy.ipynb #c0d9e1f0
+def _check_linear(hidden, weight, target, bias, ce_weight, chunk_size):
+    for name, v in (('hidden', hidden), ('weight', weight)):
+        if not isinstance(v, torch.Tensor): raise TypeError(f"{name} must be a tensor, got {type(v).__name__}")
+        if v.dtype not in _FLOATS: raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {v.dtype}")
+    if weight.dim() != 2: raise ValueError(f"weight must have shape (V, H), got {tuple(weight.shape)}")
+    V, H = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != H:
+        raise ValueError(f"hidden must have shape (..., H) with H = {H} (weight's second dim), got {tuple(hidden.shape)}")
+    if hidden.dtype != weight.dtype: raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != (V,): raise ValueError(f"bias must have shape ({V},), got {tuple(getattr(bias, 'shape', ()))}")
+        if bias.dtype != weight.dtype: raise TypeError(f"bias ({bias.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must be a tensor of class indices (an integer dtype), got {getattr(target, 'dtype', type(target).__name__)}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target must have shape {tuple(hidden.shape[:-1])} (hidden's without H), got {tuple(target.shape)}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int (rows per chunk), got {chunk_size!r}")
+
+def linear_cross_entropy(hidden, weight, target, bias=None, ce_weight=None, ignore_index=-100, reduction='mean',
+                         label_smoothing=0.0, *, z_loss=0.0, softcap=None, return_lse=False, chunk_size=None, backend='auto'):
+    """`F.cross_entropy(F.linear(hidden, weight, bias), target, ce_weight, ...)` without ever building the (N, V)
+    logits: hidden (..., H), weight (V, H), target (...). Options as `cross_entropy`; chunk_size = rows per chunk
+    (default: 32 MB of float32 logits). Returns loss, or (loss, lse) if return_lse (lse not differentiable)."""
+    _check_linear(hidden, weight, target, bias, ce_weight, chunk_size)
+    V = weight.shape[0]
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    dummy = h2.new_empty(1, V).expand(h2.shape[0], V)          # shape checks only (no memory)
+    _check_inputs(dummy, target.reshape(-1), ce_weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    t1 = target.reshape(-1).long()
+    backend = _backend(h2, backend)
+    if backend == 'reference':
+        out = cross_entropy_reference(F.linear(h2, weight, bias), t1, ce_weight, ignore_index, reduction,
+                                      label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+        loss, lse = out if return_lse else (out, None)
+    else:
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        loss, lse, *_ = lce_op(h2, weight, bias, t1, ce_weight, int(ignore_index), float(label_smoothing), float(z_loss),
+                               float(softcap or 0.0), reduction, int(chunk_size or 0), grad and reduction != 'none', backend)
+    if reduction == 'none': loss = loss.reshape(target.shape)
+    if hidden.dtype in (torch.float32, torch.float64): loss = loss.to(hidden.dtype)
+    return (loss, lse.detach().reshape(target.shape)) if return_lse else loss
+
+class LinearCrossEntropy(nn.Linear):
+    """`nn.Linear(in_features, out_features, bias)` followed by the cross-entropy, fused: `forward(hidden, target)`
+    gives the loss. Its state_dict is nn.Linear's, so it drops in for an LM head + loss."""
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, ce_weight=None,
+                 ignore_index=-100, reduction='mean', label_smoothing=0.0, z_loss=0.0, softcap=None, chunk_size=None):
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.register_buffer('ce_weight', ce_weight)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
+    def forward(self, hidden, target):
+        return linear_cross_entropy(hidden, self.weight, target, self.bias, self.ce_weight, self.ignore_index,
+                                    self.reduction, self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+                                    chunk_size=self.chunk_size)
