@@ -82,6 +82,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                 'seqdist/cross_entropy.py'),
                                        'seqdist.cross_entropy._check_linear': ( 'cross_entropy.html#_check_linear',
                                                                                 'seqdist/cross_entropy.py'),
+                                       'seqdist.cross_entropy._check_targets': ( 'cross_entropy.html#_check_targets',
+                                                                                 'seqdist/cross_entropy.py'),
                                        'seqdist.cross_entropy._compute_dtype': ( 'cross_entropy.html#_compute_dtype',
                                                                                  'seqdist/cross_entropy.py'),
                                        'seqdist.cross_entropy._eager_linear_ce': ( 'cross_entropy.html#_eager_linear_ce',

@@ -228,7 +228,8 @@ def _rows_cpu(x, target, weight, ignore_index, eps, cap, grads=None, out=None):
                 fwd(x[i:j].detach().to(dt).numpy(), tg[i:j], w, ignore_index, eps, cap, lse[i:j].numpy(), ce[i:j].numpy())
         return lse, ce
     lse, g_ce, g_lse, zc = (a.to(dt).contiguous().numpy() for a in grads)
-    grad = out if out is not None else (empty_large((M, C), x.dtype) if x.is_contiguous() else torch.empty((M, C), dtype=x.dtype))
+    # (empty_large takes numpy's dtypes only: fp16/bf16 gradients come from torch.empty)
+    grad = out if out is not None else (empty_large((M, C), x.dtype) if direct else torch.empty((M, C), dtype=x.dtype))
     if direct:
         bwd(x.detach().numpy(), tg, w, ignore_index, eps, cap, lse, g_ce, g_lse, zc, grad.numpy())
     else:
@@ -271,6 +272,7 @@ _ROWS = {'cpu': _rows_cpu, 'cuda': _rows_cuda, 'reference': _rows_reference}
 def ce_op(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int, label_smoothing: float,
           softcap: float, backend: str) -> Tuple[Tensor, Tensor]:
     "Per-row (ce, lse) of logits (M, C) and targets (M,); softcap 0 means none. Differentiable w.r.t. the logits."
+    _check_targets(target, logits.shape[1], ignore_index)
     lse, ce = _ROWS[backend](logits, target, weight, ignore_index, label_smoothing, softcap)
     return ce, lse
 
@@ -340,10 +342,14 @@ def _check_inputs(input, target, weight, ignore_index, reduction, label_smoothin
     x = input[None] if input.dim() == 1 else input
     x2 = x.movedim(1, -1).reshape(-1, C)                   # a view for (N, C) logits
     t1 = target.reshape(-1).long()
-    if not t1.is_cuda and t1.numel():                      # on a GPU that would be a host sync: out-of-range gives NaN there
-        bad = (t1 != ignore_index) & ((t1 < 0) | (t1 >= C))
-        if bad.any(): raise ValueError(f"target must hold class indices in [0, {C}) or ignore_index={ignore_index}, got {t1[bad][:5].tolist()}")
+    if not torch.compiler.is_compiling(): _check_targets(t1, C, ignore_index)   # (compiled: the kernels check)
     return x2, t1
+
+def _check_targets(t, C, ignore_index):
+    "Class indices in [0, C) or ignore_index (CPU tensors only: on a GPU it would be a host sync; there a bad target gives NaN)."
+    if t.is_cuda or not t.numel(): return
+    bad = (t != ignore_index) & ((t < 0) | (t >= C))
+    if bad.any(): raise ValueError(f"target must hold class indices in [0, {C}) or ignore_index={ignore_index}, got {t[bad][:5].tolist()}")
 
 def _reduce(ce, lse, keep, wt, reduction, z_loss, shape):
     "The reduction of the per-row losses, plus the z-loss; 'mean' of an all-ignored batch is 0."
@@ -462,6 +468,7 @@ def lce_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
            want_grad: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(loss, lse, dh, dw, db) of the cross-entropy of hidden @ weight.T + bias (never built whole). With want_grad
     (reductions 'mean' and 'sum') the gradients for an upstream gradient of 1, else empty tensors."""
+    _check_targets(target, weight.shape[0], ignore_index)
     dt = _compute_dtype(hidden.dtype)
     keep, wt, g_ce, zc = _row_coefficients(target, ce_weight, ignore_index, reduction, z_loss, dt)
     lse, ce, grads = _lce_rows(hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, softcap, backend,
