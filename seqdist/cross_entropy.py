@@ -362,10 +362,11 @@ def _reduce(ce, lse, keep, wt, reduction, z_loss, shape):
     return loss
 
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction='mean', label_smoothing=0.0, *,
-                  z_loss=0.0, softcap=None, return_lse=False, backend='auto'):
+                  z_loss=0.0, softcap=None, return_lse=False, inplace_backward=False, backend='auto'):
     """`torch.nn.functional.cross_entropy` (class-index or probability targets) with z-loss (`z_loss * lse**2`)
     and soft-capping (`softcap * tanh(x / softcap)`) fused in. Keeps only the log-normaliser of each row for the
-    backward, which writes the softmax straight into the gradient. Returns loss, or (loss, lse) if return_lse."""
+    backward, which writes the softmax straight into the gradient (with `inplace_backward=True`, over the logits
+    themselves: no extra memory; eager only). Returns loss, or (loss, lse) if return_lse."""
     checked = _check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if checked is None:                                 # probability targets
         return _prob_targets(input, target, weight, reduction, label_smoothing, z_loss, softcap, return_lse)
@@ -374,7 +375,11 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction='mean
     if backend == 'reference':
         return cross_entropy_reference(input, target, weight, ignore_index, reduction, label_smoothing,
                                        z_loss=z_loss, softcap=softcap, return_lse=return_lse)
-    ce, lse = ce_op(x2, t1, weight, int(ignore_index), float(label_smoothing), float(softcap or 0.0), backend)
+    args = (x2, t1, weight, int(ignore_index), float(label_smoothing), float(softcap or 0.0), backend)
+    if inplace_backward:
+        _check_inplace(input, x2)
+        ce, lse = _CEInplace.apply(*args)
+    else: ce, lse = ce_op(*args)
     keep = t1 != ignore_index
     wt = None
     if reduction == 'mean':
@@ -382,6 +387,39 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction='mean
     loss = _reduce(ce, lse, keep, wt, reduction, z_loss, target.shape)
     if input.dtype == torch.float64 or input.dtype == torch.float32: loss = loss.to(input.dtype)
     return (loss, lse.reshape(target.shape)) if return_lse else loss
+
+def _check_inplace(input, x2):
+    if input.is_leaf and input.requires_grad:
+        raise ValueError("inplace_backward=True writes the gradient over the logits: they must be computed (e.g. by a "
+                         "matmul), not a leaf tensor that requires grad")
+    if x2.data_ptr() != input.data_ptr() or not x2.is_contiguous():
+        raise ValueError(f"inplace_backward=True needs contiguous (N, C) logits, got shape {tuple(input.shape)} "
+                         f"with strides {input.stride()}")
+
+class _CEInplace(torch.autograd.Function):
+    """The op's forward; its backward writes the gradient over the saved logits and bumps their version counter, so
+    that autograd raises its 'modified by an inplace operation' error in any node that still needs the logits
+    (another loss that saved them, or this node's own second backward with retain_graph)."""
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, eps, cap, backend):
+        lse, ce = _ROWS[backend](logits, target, weight, ignore_index, eps, cap)
+        ctx.save_for_backward(logits, target, weight, lse)
+        ctx.opts = ignore_index, eps, cap, backend
+        return ce, lse
+
+    @staticmethod
+    def backward(ctx, g_ce, g_lse):
+        logits, target, weight, lse = ctx.saved_tensors
+        ignore_index, eps, cap, backend = ctx.opts
+        g_ce = torch.zeros_like(lse) if g_ce is None else g_ce
+        g_lse = torch.zeros_like(lse) if g_lse is None else g_lse
+        grads = (lse, g_ce, g_lse, torch.zeros_like(lse))
+        direct = logits.dtype in (torch.float32, torch.float64) or (logits.dtype == torch.bfloat16 and backend == 'cuda')
+        if backend != 'reference' and direct:       # the kernels write over the rows they read
+            _ROWS[backend](logits, target, weight, ignore_index, eps, cap, grads, out=logits)
+        else: logits.copy_(_ROWS[backend](logits, target, weight, ignore_index, eps, cap, grads))
+        torch.autograd.graph.increment_version(logits)
+        return logits, None, None, None, None, None, None
 
 def _prob_targets(input, target, weight, reduction, label_smoothing, z_loss, softcap, return_lse):
     "Probability targets, in PyTorch (as F.cross_entropy, plus z-loss and soft-capping); 'mean' divides by the batch."
@@ -409,7 +447,7 @@ class CrossEntropyLoss(nn.Module):
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
                              z_loss=self.z_loss, softcap=self.softcap)
 
-# %% ../nbs/08_cross_entropy.ipynb #089eb365
+# %% ../nbs/08_cross_entropy.ipynb #cf714057
 LCE_CHUNK_BYTES = 64 << 20   # the default float32 logits chunk (half of it for fp16/bf16, which need two more copies)
 
 def _lce_rows(hidden, weight, bias, target, ce_weight, ignore_index, eps, cap, backend, chunk_size, g_ce=None, zc=None):
@@ -530,7 +568,7 @@ def _lce_backward(ctx, g_loss, g_lse, g_dh, g_dw, g_db):
 
 torch.library.register_autograd('seqdist::linear_cross_entropy', _lce_backward, setup_context=_lce_setup_context)
 
-# %% ../nbs/08_cross_entropy.ipynb #c0d9e1f0
+# %% ../nbs/08_cross_entropy.ipynb #79d6397b
 def _check_linear(hidden, weight, target, bias, ce_weight, chunk_size):
     for name, v in (('hidden', hidden), ('weight', weight)):
         if not isinstance(v, torch.Tensor): raise TypeError(f"{name} must be a tensor, got {type(v).__name__}")
@@ -588,7 +626,7 @@ class LinearCrossEntropy(nn.Linear):
                                     self.reduction, self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
                                     chunk_size=self.chunk_size)
 
-# %% ../nbs/08_cross_entropy.ipynb #1f21d26c
+# %% ../nbs/08_cross_entropy.ipynb #2c40beb2
 class _VocabParallelCE(torch.autograd.Function):
     "Per-row (ce, lse) of logits sharded over the vocabulary of a process group; both differentiable."
     @staticmethod
@@ -645,7 +683,7 @@ def vocab_parallel_cross_entropy(logits, target, group=None, ignore_index=-100, 
     loss = _reduce(ce, lse, keep, keep.to(ce.dtype), reduction, z_loss, target.shape)
     return (loss, lse.reshape(target.shape)) if return_lse else loss
 
-# %% ../nbs/08_cross_entropy.ipynb #ef8ac541
+# %% ../nbs/08_cross_entropy.ipynb #5a382261
 CE_SHAPES = [(4096, 32768), (2048, 131072)]          # N, V
 LCE_SHAPES = [(4096, 1024, 32768)]                   # N, H, V
 
@@ -697,7 +735,7 @@ which, N, V, H = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4
 fn = {'F.cross_entropy': F.cross_entropy, 'cross_entropy': cross_entropy,
       'eager linear': _eager_linear_ce, 'linear_cross_entropy': linear_cross_entropy}[which]
 args = _ce_case(N, V, H or None)
-fn(*[a[:2].detach() if a.dim() > 1 else a[:2] for a in args])       # compile and warm up on two rows
+fn(*[a if i == 1 and H else a[:2].detach() for i, a in enumerate(args)])   # compile and warm up on two rows
 def status(key): return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) / 1024
 open('/proc/self/clear_refs', 'w').write('5')
 base = status('VmRSS:')

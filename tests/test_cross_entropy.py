@@ -318,3 +318,34 @@ def test_bench_quick_rows():
     rows = ce.bench_cross_entropy(quick=True)
     assert [r['op'] for r in rows] == ['cross_entropy fwd+bwd', 'linear_cross_entropy fwd+bwd']
     assert all(set(r) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'} and r['ours_ms'] > 0 for r in rows)
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_inplace_backward(backend):
+    "The opt-in in-place mode: the same gradient; a clear error when autograd still needs the logits; no leaf logits."
+    torch.manual_seed(13)
+    h, W = torch.randn(6, 8, dtype=torch.float64), torch.randn(20, 8, dtype=torch.float64)
+    t = torch.tensor([1, 19, -100, 0, 7, 3])
+    grads = []
+    for inplace in (False, True):
+        hg = h.clone().requires_grad_()
+        loss = cross_entropy(hg @ W.T, t, label_smoothing=0.1, z_loss=1e-2, softcap=3.0, inplace_backward=inplace, backend=backend)
+        loss.backward()
+        grads.append(hg.grad)
+    _close(grads[1], grads[0], 1e-12)
+    two_uses = []
+    for inplace in (False, True):      # the pow node is newer: its backward runs first and has used the logits
+        hg = h.clone().requires_grad_()
+        logits = hg @ W.T
+        (cross_entropy(logits, t, inplace_backward=inplace, backend=backend) + (logits ** 2).sum()).backward()
+        two_uses.append(hg.grad)
+    _close(two_uses[1], two_uses[0], 1e-12)
+    hg = h.clone().requires_grad_()
+    logits = hg @ W.T                  # here the loss's backward runs first, while pow still needs the logits
+    total = (logits ** 2).sum() + cross_entropy(logits, t, inplace_backward=True, backend=backend)
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'): total.backward()
+    logits = hg @ W.T
+    loss = cross_entropy(logits, t, inplace_backward=True, backend=backend)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'): loss.backward()
+    with pytest.raises(ValueError, match='not a leaf tensor'):
+        cross_entropy(torch.randn(3, 4, requires_grad=True), torch.tensor([0, 1, 2]), inplace_backward=True)
