@@ -74,6 +74,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                    'seqdist/cross_entropy.py'),
                                        'seqdist.cross_entropy._backend': ('cross_entropy.html#_backend', 'seqdist/cross_entropy.py'),
                                        'seqdist.cross_entropy._capped': ('cross_entropy.html#_capped', 'seqdist/cross_entropy.py'),
+                                       'seqdist.cross_entropy._capped_overload': ( 'cross_entropy.html#_capped_overload',
+                                                                                   'seqdist/cross_entropy.py'),
                                        'seqdist.cross_entropy._ce_backward': ( 'cross_entropy.html#_ce_backward',
                                                                                'seqdist/cross_entropy.py'),
                                        'seqdist.cross_entropy._ce_backward_cpu': ( 'cross_entropy.html#_ce_backward_cpu',

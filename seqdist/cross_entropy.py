@@ -81,12 +81,22 @@ def _exp_overload(x):
     if x == numba.types.float32: return lambda x: _exp32(x)
     return lambda x: np.exp(x)
 
-@numba.njit(inline='always', fastmath=_FASTMATH)
 def _capped(v, cap):
-    "cap * tanh(v / cap) through exp of a non-positive argument (cap > 0)."
-    e = _exp(-2.0 * abs(v) / cap)
-    th = (1 - e) / (1 + e)
-    return cap * (th if v >= 0 else -th)
+    "cap * tanh(v / cap) (cap > 0), in v's precision, through exp of a non-positive argument."
+    return cap * np.tanh(v / cap)
+
+@numba.extending.overload(_capped, inline='always', fastmath=_FASTMATH)
+def _capped_overload(v, cap):
+    if v == numba.types.float32:                 # float32 constants throughout: no silent promotion to float64
+        def capped32(v, cap):
+            c = np.float32(cap)
+            e = _exp32(np.float32(-2.0) * abs(v) / c)
+            return np.copysign(c * (np.float32(1.0) - e) / (np.float32(1.0) + e), v)
+        return capped32
+    def capped64(v, cap):
+        e = np.exp(-2.0 * abs(v) / cap)
+        return np.copysign(cap * (1.0 - e) / (1.0 + e), v)
+    return capped64
 
 @numba.njit(parallel=True, fastmath=_FASTMATH, cache=_CACHE)
 def _ce_forward_cpu(x, target, weight, ignore_index, eps, cap, lse, ce):
