@@ -349,3 +349,20 @@ def test_inplace_backward(backend):
     with pytest.raises(RuntimeError, match='modified by an inplace operation'): loss.backward()
     with pytest.raises(ValueError, match='not a leaf tensor'):
         cross_entropy(torch.randn(3, 4, requires_grad=True), torch.tensor([0, 1, 2]), inplace_backward=True)
+
+def test_edge_shapes():
+    "No rows, one class, one row, unbatched (C,), a 1-element batch on every backend; the emulated kernel at C < block."
+    for backend in ('cpu', 'cuda', 'reference'):
+        x = torch.randn(0, 5, dtype=torch.float64, requires_grad=True)
+        for red in ('mean', 'sum'):
+            loss = cross_entropy(x, torch.zeros(0, dtype=torch.long), reduction=red, backend=backend)
+            loss.backward()
+            assert loss.item() == 0.0 and x.grad.shape == (0, 5)
+        assert cross_entropy(x, torch.zeros(0, dtype=torch.long), reduction='none', backend=backend).shape == (0,)
+        x1 = torch.randn(3, 1, dtype=torch.float64, requires_grad=True)
+        loss = cross_entropy(x1, torch.zeros(3, dtype=torch.long), label_smoothing=0.3, backend=backend)
+        loss.backward()
+        assert abs(loss.item()) < 1e-12 and x1.grad.abs().max() < 1e-12
+        for x, t in [(torch.randn(1, 7, dtype=torch.float64), torch.tensor([6])), (torch.randn(7, dtype=torch.float64), torch.tensor(2))]:
+            for red in ('mean', 'none'):
+                _close(cross_entropy(x, t, reduction=red, backend=backend), F.cross_entropy(x, t, reduction=red), 1e-12)
