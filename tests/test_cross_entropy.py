@@ -169,7 +169,7 @@ def test_module_and_compile():
     m = CrossEntropyLoss(weight=torch.rand(13), label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
     eager = m(x, t)
     ge, = torch.autograd.grad(eager, x)
-    compiled = torch.compile(lambda x, t: m(x, t), fullgraph=True, backend='aot_eager')
+    compiled = torch.compile(lambda x, t: m(x, t), fullgraph=True)
     loss = compiled(x, t)
     gc, = torch.autograd.grad(loss, x)
     _close(loss.detach(), eager.detach(), 1e-6)
@@ -256,7 +256,7 @@ def test_linear_module_state_dict_twice_used_hidden_and_compile():
         (loss_fn(h) + (h ** 2).sum() + l1).backward()
         grads.append(x.grad.clone()); x.grad = None
     _close(grads[1], grads[0], 1e-5)
-    compiled = torch.compile(lambda h, t: head(h, t), fullgraph=True, backend='aot_eager')
+    compiled = torch.compile(lambda h, t: head(h, t), fullgraph=True)
     l_e, l_c = head(x, t), compiled(x, t)
     _close(l_c.detach(), l_e.detach(), 1e-6)
     _close(torch.autograd.grad(l_c, x)[0], torch.autograd.grad(l_e, x)[0], 1e-6)
@@ -366,3 +366,20 @@ def test_edge_shapes():
         for x, t in [(torch.randn(1, 7, dtype=torch.float64), torch.tensor([6])), (torch.randn(7, dtype=torch.float64), torch.tensor(2))]:
             for red in ('mean', 'none'):
                 _close(cross_entropy(x, t, reduction=red, backend=backend), F.cross_entropy(x, t, reduction=red), 1e-12)
+
+def test_one_launch_forward_one_backward(monkeypatch):
+    "The CUDA path (emulated) launches one kernel for the forward and one for the backward, whatever the options."
+    calls = []
+    kernels = {name: k for name, k in ce._ce_kernels[torch.float64].items()}
+    def counting(name):
+        def launch(*args, **kwargs):
+            calls.append(name)
+            return kernels[name](*args, **kwargs)
+        return launch
+    monkeypatch.setitem(ce._ce_kernels, torch.float64, {name: counting(name) for name in kernels})
+    x = torch.randn(5, 40, dtype=torch.float64, requires_grad=True)
+    loss = cross_entropy(x, torch.tensor([0, 1, -100, 3, 39]), torch.rand(40, dtype=torch.float64), label_smoothing=0.1,
+                         z_loss=0.1, softcap=3.0, backend='cuda')
+    assert calls == ['ce_forward']
+    loss.backward()
+    assert calls == ['ce_forward', 'ce_backward']
