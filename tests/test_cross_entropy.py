@@ -1,0 +1,385 @@
+"""cross_entropy, linear_cross_entropy and vocab_parallel_cross_entropy: against F.cross_entropy and the unfused
+composition in float64 on randomised cases, the three backends (the CUDA kernels through the emulator) against each
+other, gradcheck, autograd safety, torch.compile, bad inputs."""
+import math, os, tempfile
+import pytest, torch
+import torch.nn as nn
+import torch.nn.functional as F
+import seqdist.cross_entropy as ce
+from seqdist.cross_entropy import (cross_entropy, cross_entropy_reference, CrossEntropyLoss, linear_cross_entropy,
+                                   LinearCrossEntropy, vocab_parallel_cross_entropy, softcap_logits)
+from seqdist.utils import emulator_options
+
+def _close(a, b, rtol, atol=0.0):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= atol + rtol * max(1.0, b.abs().max().item() if b.numel() else 0.0), err
+
+def _unfused(x, t, weight=None, ignore_index=-100, reduction='mean', label_smoothing=0.0, z_loss=0.0, softcap=None):
+    "F.cross_entropy of the soft-capped logits plus the z-loss, written out (the definition being tested)."
+    xc = softcap_logits(x, softcap)
+    loss = F.cross_entropy(xc, t, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    if z_loss:
+        keep = t != ignore_index
+        z = z_loss * torch.where(keep, xc.logsumexp(1 if x.dim() > 1 else 0), 0) ** 2
+        loss = loss + (z if reduction == 'none' else z.sum() if reduction == 'sum' else z.sum() / keep.sum().clamp(min=1))
+    return loss
+
+def _random_case(g, i):
+    "Case i of the randomised sweep: shape (with extra dims or unbatched), options and targets."
+    kind = i % 4
+    C = int(torch.randint(1, 40, (), generator=g))
+    N = int(torch.randint(1, 9, (), generator=g))
+    shape = {0: (N, C), 1: (N, C, int(torch.randint(1, 4, (), generator=g))), 2: (C,), 3: (N, C, 2, 3)}[kind]
+    x = (3 * torch.randn(shape, generator=g, dtype=torch.float64))
+    tshape = shape[:1] + shape[2:] if len(shape) > 1 else ()
+    t = torch.randint(0, C, tshape, generator=g)
+    ii = 7 if i % 5 == 0 and C > 7 else -100              # a non-default ignore_index (one that is a class) now and then
+    if i % 3 and t.numel():                               # ignored targets present in two cases out of three
+        t = torch.where(torch.rand(tshape, generator=g) < 0.3, ii, t)
+    opts = dict(reduction=('mean', 'sum', 'none')[i % 3], ignore_index=ii)
+    if i % 2: opts['weight'] = torch.rand(C, generator=g, dtype=torch.float64) + 0.1
+    if i % 5 in (1, 3): opts['label_smoothing'] = float(torch.rand((), generator=g))
+    if i % 7 in (2, 5): opts['z_loss'] = 1e-2
+    if i % 6 in (1, 4): opts['softcap'] = 2.0 + 3 * float(torch.rand((), generator=g))
+    return x, t, opts
+
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_240_random_cases_against_pytorch_fp64(backend):
+    "Values and gradients against F.cross_entropy (plus the written-out z-loss and soft-cap) on 240 random cases."
+    g = torch.Generator().manual_seed(1)
+    for i in range(240):
+        x, t, opts = _random_case(g, i)
+        if (t == opts['ignore_index']).all() and opts['reduction'] == 'mean':
+            continue   # all ignored: PyTorch gives NaN, we give 0 (tested separately)
+        grads = []
+        for f in (_unfused, lambda *a, **k: cross_entropy(*a, backend=backend, **k)):
+            xg = x.clone().requires_grad_()
+            loss = f(xg, t, **opts)
+            (loss * torch.linspace(0.5, 1.5, loss.numel(), dtype=loss.dtype).reshape(loss.shape)).sum().backward()
+            grads.append((loss.detach(), xg.grad))
+        _close(grads[1][0], grads[0][0], 1e-12)
+        _close(grads[1][1], grads[0][1], 1e-12)
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+def test_three_backends_agree(dtype, tol, monkeypatch):
+    """reference, cpu and cuda (the CUDA source in the emulator; 64 threads per row so a row takes several loops
+    and two warps; 3 blocks for 7 rows so the grid-stride loop runs) on irregular shapes with every option."""
+    monkeypatch.setattr(ce, 'CUDA_BLOCK', 64)
+    monkeypatch.setattr(ce, 'CUDA_MAX_BLOCKS', 3)
+    g = torch.Generator().manual_seed(2)
+    x = (4 * torch.randn(7, 181, generator=g)).to(dtype)
+    t = torch.randint(0, 181, (7,), generator=g)
+    t[2] = -100
+    w = (torch.rand(181, generator=g) + 0.5).to(dtype)
+    for opts in [dict(), dict(weight=w, label_smoothing=0.15), dict(z_loss=1e-3, softcap=6.0, reduction='none'),
+                 dict(weight=w, label_smoothing=0.3, softcap=3.0, z_loss=0.01, reduction='sum')]:
+        out = {}
+        for backend in ('reference', 'cpu', 'cuda'):
+            with emulator_options(seed=5):
+                xg = x.clone().requires_grad_()
+                loss, lse = cross_entropy(xg, t, backend=backend, return_lse=True, **opts)
+                (loss.sum() + 0.3 * lse.sum()).backward()
+            out[backend] = loss.detach().double(), lse.detach().double(), xg.grad.double()
+        for backend in ('cpu', 'cuda'):
+            for a, b in zip(out[backend], out['reference']): _close(a, b, tol)
+
+def test_gradcheck():
+    torch.manual_seed(3)
+    x = torch.randn(4, 9, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([1, -100, 8, 0])
+    w = torch.rand(9, dtype=torch.float64) + 0.2
+    for backend in ('cpu', 'cuda'):
+        f = lambda x: cross_entropy(x, t, w, label_smoothing=0.2, z_loss=0.1, softcap=2.5, return_lse=True, backend=backend)
+        assert torch.autograd.gradcheck(f, (x,))
+        assert torch.autograd.gradcheck(lambda x: cross_entropy(x, t, reduction='none', backend=backend), (x,))
+
+def test_bf16_and_fp16_accumulate_in_fp32(monkeypatch):
+    "bf16/fp16 logits: the loss (float32) within 1e-3 relative of the float64 loss of the same values; bf16 in the emulated CUDA kernel too."
+    monkeypatch.setattr(ce, 'CUDA_BLOCK', 64)
+    g = torch.Generator().manual_seed(4)
+    x = (2 * torch.randn(6, 300, generator=g))
+    t = torch.randint(0, 300, (6,), generator=g)
+    for dtype in (torch.bfloat16, torch.float16):
+        xl = x.to(dtype)
+        ref = F.cross_entropy(xl.double(), t)
+        for backend in ('cpu', 'cuda'):
+            xg = xl.clone().requires_grad_()
+            loss = cross_entropy(xg, t, backend=backend, label_smoothing=0.1)
+            loss.backward()
+            assert loss.dtype == torch.float32 and xg.grad.dtype == dtype
+            assert abs(loss.double() - F.cross_entropy(xl.double(), t, label_smoothing=0.1)) <= 1e-3 * abs(ref)
+            xd = xl.double().requires_grad_()
+            F.cross_entropy(xd, t, label_smoothing=0.1).backward()
+            _close(xg.grad.double(), xd.grad, 1e-2)
+
+def test_logits_used_twice_and_inputs_unmodified():
+    "The logits feed two losses (retain_graph, two backward passes): gradients as eager PyTorch's; inputs untouched."
+    torch.manual_seed(5)
+    base = torch.randn(5, 11, dtype=torch.float64)
+    t = torch.tensor([0, 3, -100, 10, 4])
+    grads = []
+    for f in (F.cross_entropy, cross_entropy):
+        x = base.clone().requires_grad_()
+        logits = x * 2
+        l1 = f(logits, t)
+        l2 = (logits.softmax(1) ** 2).sum() + f(logits, t, label_smoothing=0.1)
+        l1.backward(retain_graph=True)
+        (l1 + l2).backward()
+        grads.append(x.grad.clone())
+        assert torch.equal(x.detach(), base)
+    _close(grads[1], grads[0], 1e-12)
+
+def test_all_ignored_gives_zero_without_nan():
+    for backend in ('cpu', 'cuda', 'reference'):
+        x = torch.randn(3, 5, requires_grad=True)
+        t = torch.full((3,), -100)
+        loss = cross_entropy(x, t, weight=torch.rand(5), label_smoothing=0.1, z_loss=0.1, backend=backend)
+        loss.backward()
+        assert loss.item() == 0.0 and torch.equal(x.grad, torch.zeros(3, 5))
+
+def test_non_contiguous_inputs_and_determinism():
+    torch.manual_seed(6)
+    xt = torch.randn(40, 6, dtype=torch.float64).T                  # (6, 40), not contiguous
+    t = torch.randint(0, 40, (6,))
+    grads = []
+    for x in (xt, xt.contiguous()):
+        for _ in range(2):
+            xg = x.clone() if x.is_contiguous() else x.detach().T.clone().T
+            xg.requires_grad_()
+            loss = cross_entropy(xg, t, label_smoothing=0.1)
+            loss.backward()
+            grads.append((loss.detach(), xg.grad))
+    for a, b in ((0, 1), (2, 3)):                                   # the same call twice: bit-identical
+        assert torch.equal(grads[a][0], grads[b][0]) and torch.equal(grads[a][1], grads[b][1])
+    _close(grads[0][0], grads[2][0], 1e-12)                        # strided vs contiguous rows: the same to rounding
+    _close(grads[0][1], grads[2][1], 1e-12)
+
+def test_probability_targets():
+    torch.manual_seed(7)
+    x = torch.randn(4, 6, 3, dtype=torch.float64, requires_grad=True)
+    p = torch.randn(4, 6, 3, dtype=torch.float64).softmax(1)
+    for kw in (dict(), dict(label_smoothing=0.2, reduction='sum'), dict(weight=torch.rand(6, dtype=torch.float64))):
+        _close(cross_entropy(x, p, **kw), F.cross_entropy(x, p, **kw), 1e-12)
+
+def test_module_and_compile():
+    torch.manual_seed(8)
+    x = torch.randn(6, 13, requires_grad=True)
+    t = torch.tensor([1, 2, -100, 12, 0, 5])
+    m = CrossEntropyLoss(weight=torch.rand(13), label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
+    eager = m(x, t)
+    ge, = torch.autograd.grad(eager, x)
+    compiled = torch.compile(lambda x, t: m(x, t), fullgraph=True)
+    loss = compiled(x, t)
+    gc, = torch.autograd.grad(loss, x)
+    _close(loss.detach(), eager.detach(), 1e-6)
+    _close(gc, ge, 1e-6)
+    nn_loss = nn.CrossEntropyLoss(weight=m.weight, label_smoothing=0.1)(x, t)
+    _close(CrossEntropyLoss(weight=m.weight, label_smoothing=0.1)(x, t).detach(), nn_loss.detach(), 1e-6)
+
+BAD = [  # (args, kwargs, exception, part of the message)
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 5, 1])), {}, ValueError, 'target must hold class indices in [0, 5)'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, -1, 1])), {}, ValueError, 'got [-1]'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1])), {}, ValueError, 'target must have shape (3,)'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0., 1, 1])), {}, ValueError, 'probability targets must have the input'),
+    (lambda: (torch.randn(3, 5), torch.tensor([True, False, True])), {}, TypeError, 'target must hold class indices'),
+    (lambda: (torch.randint(0, 3, (3, 5)), torch.tensor([0, 1, 1])), {}, TypeError, 'input must be float16, bfloat16'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(weight=torch.rand(4)), ValueError, 'weight must have shape (5,)'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(weight=torch.ones(5, dtype=torch.long)), TypeError, 'weight must be a float tensor'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(reduction='avg'), ValueError, "reduction must be 'none', 'sum' or 'mean'"),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(label_smoothing=1.5), ValueError, 'label_smoothing must be a float in [0, 1]'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(z_loss=-1.0), ValueError, 'z_loss must be a float >= 0'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(softcap=0.0), ValueError, 'softcap must be None or a float > 0'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(backend='gpu'), ValueError, "backend must be 'auto'"),
+    (lambda: (torch.randn(3, 0), torch.tensor([0, 1, 1])), {}, ValueError, 'at least one class'),
+    (lambda: (torch.tensor(1.0), torch.tensor(0)), {}, ValueError, 'got a scalar'),
+    (lambda: ([[1.0, 2.0]], torch.tensor([0])), {}, TypeError, 'input must be a tensor'),
+]
+
+@pytest.mark.parametrize('make,kwargs,exc,msg', BAD)
+def test_bad_inputs(make, kwargs, exc, msg):
+    with pytest.raises(exc) as e: cross_entropy(*make(), **kwargs)
+    assert msg in str(e.value), str(e.value)
+
+LINEAR_BAD = [
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 7), target=torch.zeros(4, dtype=torch.long)), ValueError, 'hidden must have shape (..., H) with H = 7'),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(3, dtype=torch.long)), ValueError, 'target must have shape (4,)'),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8).double(), target=torch.zeros(4, dtype=torch.long)), TypeError, 'must have the same dtype'),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long), bias=torch.randn(9)), ValueError, 'bias must have shape (10,)'),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.full((4,), 10)), ValueError, 'class indices in [0, 10)'),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long), chunk_size=0), ValueError, 'chunk_size must be None or a positive int'),
+    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long), ce_weight=torch.rand(3)), ValueError, 'weight must have shape (10,)'),
+]
+
+@pytest.mark.parametrize('kwargs,exc,msg', LINEAR_BAD)
+def test_linear_bad_inputs(kwargs, exc, msg):
+    with pytest.raises(exc) as e: linear_cross_entropy(**kwargs)
+    assert msg in str(e.value), str(e.value)
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_linear_cross_entropy_equals_the_unfused_composition(backend, monkeypatch):
+    "Every option and reduction, with and without bias, extra dims, chunks that do not divide N: loss and the three gradients."
+    monkeypatch.setattr(ce, 'CUDA_BLOCK', 32)
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
+    W = torch.randn(45, 16, generator=g, dtype=torch.float64) / 3
+    b = torch.randn(45, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 45, (3, 7), generator=g)
+    t[1, 2] = -100
+    cw = torch.rand(45, generator=g, dtype=torch.float64) + 0.1
+    cases = [(dict(), True, None), (dict(label_smoothing=0.2, z_loss=1e-2, softcap=3.0), True, 5),
+             (dict(reduction='none', ce_weight=cw, z_loss=0.1), False, 4), (dict(reduction='sum', ce_weight=cw, label_smoothing=0.1), True, 21)]
+    for opts, bias, chunk in cases:
+        ref_opts = {('weight' if k == 'ce_weight' else k): v for k, v in opts.items()}
+        out = []
+        for f in (lambda h, W, b: cross_entropy_reference(F.linear(h, W, b).movedim(-1, 1), t, **ref_opts),
+                  lambda h, W, b: linear_cross_entropy(h, W, t, b, chunk_size=chunk, backend=backend, **opts)):
+            args = [a.clone().requires_grad_() for a in (h, W, b if bias else None) if a is not None]
+            loss = f(*args) if bias else f(*args, None)
+            grads = torch.autograd.grad((loss * 1.5).sum(), args)
+            out.append((loss.detach(),) + grads)
+        for a, r in zip(out[1], out[0]): _close(a, r, 1e-12)
+
+def test_linear_module_state_dict_twice_used_hidden_and_compile():
+    torch.manual_seed(10)
+    head = LinearCrossEntropy(16, 30, label_smoothing=0.1)
+    lin = nn.Linear(16, 30)
+    lin.load_state_dict(head.state_dict())
+    assert set(head.state_dict()) == {'weight', 'bias'}
+    x = torch.randn(9, 16, requires_grad=True)
+    t = torch.randint(0, 30, (9,))
+    grads = []
+    for loss_fn in (lambda h: F.cross_entropy(lin(h), t, label_smoothing=0.1), lambda h: head(h, t)):
+        h = x * 1.0
+        l1 = loss_fn(h)
+        l1.backward(retain_graph=True)                     # the hidden states feed a second loss, two backward passes
+        (loss_fn(h) + (h ** 2).sum() + l1).backward()
+        grads.append(x.grad.clone()); x.grad = None
+    _close(grads[1], grads[0], 1e-5)
+    compiled = torch.compile(lambda h, t: head(h, t), fullgraph=True)
+    l_e, l_c = head(x, t), compiled(x, t)
+    _close(l_c.detach(), l_e.detach(), 1e-6)
+    _close(torch.autograd.grad(l_c, x)[0], torch.autograd.grad(l_e, x)[0], 1e-6)
+    _close(torch.autograd.grad(compiled(x, t) * 3, head.weight)[0], torch.autograd.grad(head(x, t) * 3, head.weight)[0], 1e-6)
+
+def test_linear_bf16_close_to_fp64():
+    g = torch.Generator().manual_seed(11)
+    h, W = torch.randn(20, 32, generator=g), torch.randn(100, 32, generator=g) / 6
+    t = torch.randint(0, 100, (20,), generator=g)
+    hb, Wb = h.bfloat16().requires_grad_(), W.bfloat16().requires_grad_()
+    loss = linear_cross_entropy(hb, Wb, t, chunk_size=7)
+    loss.backward()
+    ref = F.cross_entropy(hb.double() @ Wb.double().T, t)
+    assert loss.dtype == torch.float32 and hb.grad.dtype == torch.bfloat16 and Wb.grad.dtype == torch.bfloat16
+    assert abs(loss.double() - ref).item() <= 1e-3 * ref.item()
+
+def _vocab_parallel_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    dist.init_process_group('gloo', init_method=f'file://{init_file}', rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(12)
+    x = 3 * torch.randn(6, 2, 20, generator=g, dtype=torch.float64)      # (N, d, V): V = 20 split in 2 x 10
+    t = torch.randint(0, 20, (6, 2), generator=g)
+    t[0, 1] = -100
+    res = {}
+    for name, opts in [('plain', dict()), ('all', dict(label_smoothing=0.2, z_loss=0.05, softcap=4.0)),
+                       ('none', dict(reduction='none', z_loss=0.1)), ('sum', dict(reduction='sum', label_smoothing=0.1))]:
+        xl = x[..., rank * 10:(rank + 1) * 10].clone().requires_grad_()
+        loss, lse = vocab_parallel_cross_entropy(xl, t, return_lse=True, **opts)
+        (loss * 1.5).sum().backward()
+        res[name] = (loss.detach(), lse.detach(), xl.grad)
+    torch.save(res, os.path.join(out_dir, f'rank{rank}.pt'))
+    dist.destroy_process_group()
+
+def test_vocab_parallel_two_gloo_processes():
+    "Two CPU processes (gloo) each holding half of the vocabulary give the single-process loss, lse and gradient."
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_vocab_parallel_worker, args=(2, os.path.join(d, 'init'), d), nprocs=2, join=True)
+        res = [torch.load(os.path.join(d, f'rank{r}.pt')) for r in range(2)]
+    g = torch.Generator().manual_seed(12)
+    x = 3 * torch.randn(6, 2, 20, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 20, (6, 2), generator=g)
+    t[0, 1] = -100
+    for name, opts in [('plain', dict()), ('all', dict(label_smoothing=0.2, z_loss=0.05, softcap=4.0)),
+                       ('none', dict(reduction='none', z_loss=0.1)), ('sum', dict(reduction='sum', label_smoothing=0.1))]:
+        xg = x.clone().requires_grad_()
+        loss, lse = cross_entropy_reference(xg.movedim(-1, 1), t, return_lse=True, **opts)
+        (loss * 1.5).sum().backward()
+        for r in range(2):
+            _close(res[r][name][0], loss.detach(), 1e-12)
+            _close(res[r][name][1], lse.detach(), 1e-12)
+            _close(res[r][name][2], xg.grad[..., r * 10:(r + 1) * 10], 1e-12)
+
+def test_vocab_parallel_needs_a_process_group():
+    with pytest.raises(RuntimeError, match='process group'):
+        vocab_parallel_cross_entropy(torch.randn(2, 3), torch.tensor([0, 1]))
+
+def test_bench_quick_rows():
+    rows = ce.bench_cross_entropy(quick=True)
+    assert [r['op'] for r in rows] == ['cross_entropy fwd+bwd', 'linear_cross_entropy fwd+bwd']
+    assert all(set(r) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'} and r['ours_ms'] > 0 for r in rows)
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_inplace_backward(backend):
+    "The opt-in in-place mode: the same gradient; a clear error when autograd still needs the logits; no leaf logits."
+    torch.manual_seed(13)
+    h, W = torch.randn(6, 8, dtype=torch.float64), torch.randn(20, 8, dtype=torch.float64)
+    t = torch.tensor([1, 19, -100, 0, 7, 3])
+    grads = []
+    for inplace in (False, True):
+        hg = h.clone().requires_grad_()
+        loss = cross_entropy(hg @ W.T, t, label_smoothing=0.1, z_loss=1e-2, softcap=3.0, inplace_backward=inplace, backend=backend)
+        loss.backward()
+        grads.append(hg.grad)
+    _close(grads[1], grads[0], 1e-12)
+    two_uses = []
+    for inplace in (False, True):      # the pow node is newer: its backward runs first and has used the logits
+        hg = h.clone().requires_grad_()
+        logits = hg @ W.T
+        (cross_entropy(logits, t, inplace_backward=inplace, backend=backend) + (logits ** 2).sum()).backward()
+        two_uses.append(hg.grad)
+    _close(two_uses[1], two_uses[0], 1e-12)
+    hg = h.clone().requires_grad_()
+    logits = hg @ W.T                  # here the loss's backward runs first, while pow still needs the logits
+    total = (logits ** 2).sum() + cross_entropy(logits, t, inplace_backward=True, backend=backend)
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'): total.backward()
+    logits = hg @ W.T
+    loss = cross_entropy(logits, t, inplace_backward=True, backend=backend)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'): loss.backward()
+    with pytest.raises(ValueError, match='not a leaf tensor'):
+        cross_entropy(torch.randn(3, 4, requires_grad=True), torch.tensor([0, 1, 2]), inplace_backward=True)
+
+def test_edge_shapes():
+    "No rows, one class, one row, unbatched (C,), a 1-element batch on every backend; the emulated kernel at C < block."
+    for backend in ('cpu', 'cuda', 'reference'):
+        x = torch.randn(0, 5, dtype=torch.float64, requires_grad=True)
+        for red in ('mean', 'sum'):
+            loss = cross_entropy(x, torch.zeros(0, dtype=torch.long), reduction=red, backend=backend)
+            loss.backward()
+            assert loss.item() == 0.0 and x.grad.shape == (0, 5)
+        assert cross_entropy(x, torch.zeros(0, dtype=torch.long), reduction='none', backend=backend).shape == (0,)
+        x1 = torch.randn(3, 1, dtype=torch.float64, requires_grad=True)
+        loss = cross_entropy(x1, torch.zeros(3, dtype=torch.long), label_smoothing=0.3, backend=backend)
+        loss.backward()
+        assert abs(loss.item()) < 1e-12 and x1.grad.abs().max() < 1e-12
+        for x, t in [(torch.randn(1, 7, dtype=torch.float64), torch.tensor([6])), (torch.randn(7, dtype=torch.float64), torch.tensor(2))]:
+            for red in ('mean', 'none'):
+                _close(cross_entropy(x, t, reduction=red, backend=backend), F.cross_entropy(x, t, reduction=red), 1e-12)
+
+def test_one_launch_forward_one_backward(monkeypatch):
+    "The CUDA path (emulated) launches one kernel for the forward and one for the backward, whatever the options."
+    calls = []
+    kernels = {name: k for name, k in ce._ce_kernels[torch.float64].items()}
+    def counting(name):
+        def launch(*args, **kwargs):
+            calls.append(name)
+            return kernels[name](*args, **kwargs)
+        return launch
+    monkeypatch.setitem(ce._ce_kernels, torch.float64, {name: counting(name) for name in kernels})
+    x = torch.randn(5, 40, dtype=torch.float64, requires_grad=True)
+    loss = cross_entropy(x, torch.tensor([0, 1, -100, 3, 39]), torch.rand(40, dtype=torch.float64), label_smoothing=0.1,
+                         z_loss=0.1, softcap=3.0, backend='cuda')
+    assert calls == ['ce_forward']
+    loss.backward()
+    assert calls == ['ce_forward', 'ce_backward']
