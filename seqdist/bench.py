@@ -32,11 +32,15 @@ def median_ms(fn, warmup=2, reps=7, cuda=False):
 def paired_median_ms(fn_a, fn_b, warmup=2, reps=7):
     """Median times in ms of `fn_a()` and `fn_b()`, called alternately (after `warmup` calls of each), so that both
     see the same state of a shared, noisy machine."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()     # a family benchmarked on a GPU: time whole calls
     for _ in range(warmup): fn_a(); fn_b()
     times = [], []
     for _ in range(reps):
         for fn, ts in zip((fn_a, fn_b), times):
-            start = time.perf_counter(); fn(); ts.append((time.perf_counter() - start) * 1e3)
+            if cuda: torch.cuda.synchronize()
+            start = time.perf_counter(); fn()
+            if cuda: torch.cuda.synchronize()
+            ts.append((time.perf_counter() - start) * 1e3)
     return float(np.median(times[0])), float(np.median(times[1]))
 
 def _preload_cuda_stubs(folder):
@@ -335,23 +339,53 @@ def markdown_table(rows):
                      f"{r['ratio']:.2f}x |{extra} {r['check']} |")
     return '\n'.join(lines)
 
-def run_benchmarks(quick=False, device='cpu'):
-    "Every family's benchmark against its anchor; `quick` uses small shapes and few repetitions."
-    torch.set_num_threads(2)
-    import numba; numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-    if device != 'cpu': return run_gpu_benchmarks(quick, device)
-    if quick:
-        return bench_ctc([(200, 16, 20, 30, 40)], device, warmup=1, reps=3) + bench_forced_align(100, 8, 100, 10, 20, warmup=1, reps=3) + \
-               bench_sparse([(100, 4, 3)], 1, 3) + bench_ctc_crf(200, 4, 3, 1, 3)
-    return bench_ctc() + bench_forced_align() + bench_sparse() + bench_ctc_crf()
-
-def run_gpu_benchmarks(quick=False, device='cuda'):
-    "Every family against its GPU anchors (`quick`: small shapes, a smoke test; on a CPU device too)."
+def _families(quick, device, gpu=None):
+    "(name, () -> rows) for every family's benchmark on `device` (against GPU anchors if `gpu`), in reading order."
+    from seqdist.rnnt import bench_rnnt
+    from seqdist.gru import bench_gru
+    from seqdist.cross_entropy import bench_cross_entropy
+    if gpu is None: gpu = torch.device(device).type != 'cpu'
+    if not gpu and quick:
+        q = dict(warmup=1, reps=3)
+        return [('ctc', lambda: bench_ctc([(200, 16, 20, 30, 40)], device, **q)),
+                ('forced_align', lambda: bench_forced_align(100, 8, 100, 10, 20, **q)),
+                ('sparse', lambda: bench_sparse([(100, 4, 3)], **q)), ('ctc_crf', lambda: bench_ctc_crf(200, 4, 3, **q)),
+                ('rnnt', lambda: bench_rnnt(quick=True)), ('gru', lambda: bench_gru(quick=True)),
+                ('cross_entropy', lambda: bench_cross_entropy(quick=True))]
+    if not gpu:
+        return [('ctc', bench_ctc), ('forced_align', bench_forced_align), ('sparse', bench_sparse), ('ctc_crf', bench_ctc_crf),
+                ('rnnt', bench_rnnt), ('gru', bench_gru), ('cross_entropy', bench_cross_entropy)]
     if quick:
         q = dict(warmup=1, reps=3)
-        return bench_ctc_gpu([(200, 16, 20, 30, 40)], device, **q) + \
-               bench_crf_gpu(device, [(100, 4, 3)], [(100, 4, 20)], [(100, 4, 12)], **q) + bench_forced_align_gpu(100, 50, 10, device, **q)
-    return bench_ctc_gpu(device=device) + bench_crf_gpu(device) + bench_forced_align_gpu(device=device)
+        return [('ctc', lambda: bench_ctc_gpu([(200, 16, 20, 30, 40)], device, **q)),
+                ('ctc_crf', lambda: bench_crf_gpu(device, [(100, 4, 3)], [(100, 4, 20)], [(100, 4, 12)], **q)),
+                ('forced_align', lambda: bench_forced_align_gpu(100, 50, 10, device, **q)),
+                ('rnnt', lambda: bench_rnnt(shapes=[(2, 50, 10, 64)], device=device)), ('gru', lambda: bench_gru(quick=True, device=device))]
+    return [('ctc', lambda: bench_ctc_gpu(device=device)), ('ctc_crf', lambda: bench_crf_gpu(device)),
+            ('forced_align', lambda: bench_forced_align_gpu(device=device)),
+            ('rnnt', lambda: bench_rnnt(shapes=[(4, 300, 80, 1024), (32, 500, 100, 1024)], device=device)),
+            ('gru', lambda: bench_gru(device=device))]
+
+def run_benchmarks(quick=False, device='cpu', progress=True):
+    """Every family's benchmark against its anchor on `device` (cross-entropy: CPU only so far); `quick` uses small
+    shapes and few repetitions. Progress goes to stderr; a family whose anchor is missing gives a row that says so."""
+    torch.set_num_threads(2)
+    import numba; numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    families, rows = _families(quick, device), []
+    for i, (name, bench) in enumerate(families):
+        if progress: print(f"[{i + 1}/{len(families)}] {name} ...", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try: rows += bench()
+        except RuntimeError as e:                 # e.g. torchaudio not installed
+            if 'torchaudio' not in str(e): raise
+            rows.append(dict(op=name, shape='-', anchor='torchaudio (not installed)', anchor_ms=float('nan'),
+                             ours_ms=float('nan'), ratio=float('nan'), check=str(e)))
+        if progress: print(f"      {name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return rows
+
+def run_gpu_benchmarks(quick=False, device='cuda'):
+    "The CTC and CRF families against their GPU anchors (`quick`: small shapes, a smoke test; on a CPU device too)."
+    return [r for name, bench in _families(quick, device, gpu=True)[:3] for r in bench()]
 
 def bench_cli():
     "`seqdist-bench`: time every family against the implementation a user would otherwise pick, in one run."
