@@ -121,12 +121,12 @@ def empty_large(shape, dtype=torch.float32):
     fault per 4 KiB at first touch, which here takes longer than the kernel that fills it (measured in 04_sparse).
     New buffers ask for transparent huge pages. Below 2 MiB, or without mmap, it is `torch.empty`."""
     shape = tuple(int(s) for s in shape)
-    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-    nbytes = math.prod(shape) * np_dtype.itemsize
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     if nbytes < _LARGE or not hasattr(mmap, 'MAP_PRIVATE'): return torch.empty(shape, dtype=dtype)
     try: entry = LARGE_POOL.take(nbytes)
     except (OSError, ValueError): return torch.empty(shape, dtype=dtype)
-    return torch.from_numpy(np.asarray(_Lease(LARGE_POOL, entry, shape, np_dtype.str)))
+    raw = torch.from_numpy(np.asarray(_Lease(LARGE_POOL, entry, (nbytes,), '|u1')))   # bytes: any dtype, bfloat16 too
+    return raw.view(dtype).view(shape)
 
 # %% ../nbs/01_utils.ipynb #f8cccad6
 _TENSOR_CACHE = {}   # id(tensor) -> (weak reference to it, its version, {key: derived value})

@@ -55,3 +55,11 @@ def test_buffers_freed_in_other_threads():
     for t in threads: t.start()
     for t in threads: t.join()
     assert out == [1.0] * 80 and len(utils.LARGE_POOL.free) <= utils.LARGE_POOL.max_free
+
+def test_half_precision_dtypes():
+    "bfloat16 and float16 outputs too (numpy has no bfloat16: the buffer is bytes viewed as the dtype)."
+    release_large_buffers()
+    for dtype in (torch.bfloat16, torch.float16):
+        t = empty_large((1 << 12, 1 << 9), dtype)
+        t.fill_(1.5)
+        assert t.dtype == dtype and t.shape == (1 << 12, 1 << 9) and t.is_contiguous() and bool((t == 1.5).all())
