@@ -140,7 +140,7 @@ def tensor_cached(t, key, make):
     k = id(t)
     entry = _TENSOR_CACHE.get(k)
     if entry is None or entry[0]() is not t or entry[1] != version:
-        entry = _TENSOR_CACHE[k] = (weakref.ref(t, lambda _, k=k: _TENSOR_CACHE.pop(k, None)), version, {})
+        entry = _TENSOR_CACHE[k] = (weakref.ref(t, lambda _, k=k, cache=_TENSOR_CACHE: cache.pop(k, None)), version, {})   # the dict bound: module globals are gone at interpreter exit
     if key not in entry[2]: entry[2][key] = make()
     return entry[2][key]
 
