@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .utils import load_kernel, empty_large
+from .utils import load_kernel, empty_large, on_host, require, to_device
 
 _CACHE = __name__ != "__main__"  # numba caches compiled kernels for the package, not for notebook cells
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -356,10 +356,13 @@ def _check_inputs(input, target, weight, ignore_index, reduction, label_smoothin
     return x2, t1
 
 def _check_targets(t, C, ignore_index):
-    "Class indices in [0, C) or ignore_index (CPU tensors only: on a GPU it would be a host sync; there a bad target gives NaN)."
-    if t.is_cuda or not t.numel(): return
+    "Class indices in [0, C) or ignore_index: read on the host for CPU targets, checked by the GPU for GPU ones (no sync)."
+    if not t.numel(): return
     bad = (t != ignore_index) & ((t < 0) | (t >= C))
-    if bad.any(): raise ValueError(f"target must hold class indices in [0, {C}) or ignore_index={ignore_index}, got {t[bad][:5].tolist()}")
+    def message():
+        "target class index out of range"
+        return f"target must hold class indices in [0, {C}) or ignore_index={ignore_index}, got {t[bad][:5].tolist()}"
+    require(~bad.any(), on_host(t), message)
 
 def _reduce(ce, lse, keep, wt, reduction, z_loss, shape):
     "The reduction of the per-row losses, plus the z-loss; 'mean' of an all-ignored batch is 0."

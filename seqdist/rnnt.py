@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2
-from .utils import load_kernel, empty_large
+from .utils import load_kernel, empty_large, on_host, require, to_device
 from .sparse import fast_exp, fast_exp8
 
 # %% ../nbs/06_rnnt.ipynb #4423443e
@@ -56,22 +56,29 @@ def clean_targets(logits, targets, logit_lengths, target_lengths, blank):
     """Check the lengths and labels; return targets (B, U+1) int64 with the padding (and one extra column) set to blank,
     and the lengths as int64, all on logits' device."""
     B, T, U1, V = logits.shape
-    il, tl = logit_lengths.long().cpu(), target_lengths.long().cpu()
-    if (il < 1).any() or (il > T).any():
-        raise ValueError(f"logit_lengths must be in [1, T] = [1, {T}], got {il[(il < 1) | (il > T)][:5].tolist()}")
+    il, tl = logit_lengths.long(), target_lengths.long()
+    def bad_il():                   # values on the CPU are read by the host; on a GPU, checked there (`require`)
+        "logit_lengths out of [1, T]"
+        return f"logit_lengths must be in [1, T] = [1, {T}], got {il[(il < 1) | (il > T)][:5].tolist()}"
+    require(((il >= 1) & (il <= T)).all(), on_host(il), bad_il)
     U_max = min(U1 - 1, targets.shape[1])
-    if (tl < 0).any() or (tl > U_max).any():
-        raise ValueError(f"target_lengths must be in [0, min(U, targets.shape[1])] = [0, {U_max}] (logits have U+1 = "
-                         f"{U1}), got {tl[(tl < 0) | (tl > U_max)][:5].tolist()}")
-    y = targets.long().to(logits.device)[:, :U1 - 1]
+    def bad_tl():
+        "target_lengths out of [0, min(U, targets.shape[1])]"
+        return (f"target_lengths must be in [0, min(U, targets.shape[1])] = [0, {U_max}] (logits have U+1 = "
+                f"{U1}), got {tl[(tl < 0) | (tl > U_max)][:5].tolist()}")
+    require(((tl >= 0) & (tl <= U_max)).all(), on_host(tl), bad_tl)
+    y = targets.long()[:, :U1 - 1]
     y = torch.nn.functional.pad(y, (0, U1 - y.shape[1]), value=blank)
-    keep = torch.arange(U1, device=y.device)[None] < tl.to(y.device)[:, None]
-    labels = y[keep]
-    if labels.numel() and ((labels < 0) | (labels >= V)).any():
-        raise ValueError(f"targets must hold labels in [0, V) = [0, {V}), got {labels[(labels < 0) | (labels >= V)][:5].tolist()}")
-    if labels.numel() and (labels == blank).any():
-        raise ValueError(f"targets contain the blank label {blank} within their target_lengths")
-    return torch.where(keep, y, blank).contiguous(), il.to(logits.device), tl.to(logits.device)
+    keep = torch.arange(U1, device=y.device)[None] < to_device(tl, y.device)[:, None]
+    def bad_label():
+        "target labels out of [0, V) or equal to blank"
+        labels = y[keep]
+        out = labels[(labels < 0) | (labels >= V)]
+        if out.numel(): return f"targets must hold labels in [0, V) = [0, {V}), got {out[:5].tolist()}"
+        return f"targets contain the blank label {blank} within their target_lengths"
+    require((~keep | ((y >= 0) & (y < V) & (y != blank))).all(), on_host(y), bad_label)
+    dev = logits.device
+    return to_device(torch.where(keep, y, blank).contiguous(), dev), to_device(il, dev), to_device(tl, dev)
 
 # %% ../nbs/06_rnnt.ipynb #141c687f
 def edge_log_probs(logits, y, blank, fused_log_softmax=True):

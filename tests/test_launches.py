@@ -69,3 +69,21 @@ def test_ctc_simple_budget():
     launches, ops = budget(lambda: ctc_simple.simple_compute(stay, move, lengths, False, True, 'cuda'))
     assert launches == {'simple_alpha': 1, 'simple_beta': 1}
     assert ops.host_reads <= 1 and ops.total <= 49, ops.ops     # 1 read: the range check of CPU target_lengths
+
+def test_rnnt_and_cross_entropy_check_gpu_values_on_the_device(monkeypatch):
+    "Lengths, labels and class targets that live on a GPU are checked there: no host read, a bad value still raises."
+    import seqdist.rnnt as rnnt, seqdist.cross_entropy as ce
+    monkeypatch.setattr(rnnt, 'on_host', lambda *xs: False)
+    monkeypatch.setattr(ce, 'on_host', lambda *xs: False)
+    logits = torch.randn(2, 5, 4, 6)
+    targets, ll, tl = torch.tensor([[1, 2, 3], [4, 5, 1]]), torch.tensor([5, 4]), torch.tensor([3, 2])
+    with CountOps() as ops: rnnt.clean_targets(logits, targets, ll, tl, 0)
+    assert ops.host_reads == 0, ops.ops
+    for bad, message in ((dict(ll=ll + 1), "logit_lengths out of"), (dict(tl=tl + 1), "target_lengths out of"),
+                         (dict(targets=targets * 0), "equal to blank")):
+        a = dict(targets=targets, ll=ll, tl=tl) | bad
+        with pytest.raises(RuntimeError, match=message): rnnt.clean_targets(logits, a['targets'], a['ll'], a['tl'], 0)
+    x, t = torch.randn(4, 7), torch.tensor([1, -100, 6, 0])
+    with CountOps() as ops: ce._check_targets(t, 7, -100)
+    assert ops.host_reads == 0, ops.ops
+    with pytest.raises(RuntimeError, match="target class index out of range"): ce._check_targets(t + 1, 7, -100)
