@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, grad, max_grad, SequenceDist, semiring_sum2
-from .utils import load_kernel, to_device, on_host, require
+from .utils import load_kernel, to_device, on_host, require, check_labels
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 
@@ -124,13 +124,7 @@ def padded_targets(log_probs, targets, input_lengths, target_lengths, blank):
         where = (starts[:, None] + torch.arange(L, device=tl.device)[None]).clamp(max=max(targets.shape[0] - 1, 0))
         padded = targets[to_device(where, targets.device)] if targets.numel() else targets.new_full((N, L), blank)
     keep = torch.arange(L, device=padded.device)[None] < to_device(tl, padded.device)[:, None]
-    def bad_label():
-        "target labels out of [0, C) or equal to blank"
-        labels = padded[keep]
-        out = labels[(labels < 0) | (labels >= C)]
-        if out.numel(): return f"targets must hold labels in [0, C) = [0, {C}), got {out[:5].tolist()}"
-        return f"targets contain the blank label {blank} within their target_lengths"
-    require((~keep | ((padded >= 0) & (padded < C) & (padded != blank))).all(), on_host(padded), bad_label)
+    check_labels(padded, keep, C, blank, on_host(padded), 'C')
     return to_device(torch.where(keep, padded, blank), log_probs.device)    # the padding may hold garbage: replace it
 
 # %% ../nbs/02_ctc.ipynb #3ae4dce2

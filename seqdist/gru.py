@@ -11,13 +11,12 @@ import math
 from typing import List, Optional, Tuple
 import numpy as np
 import numba
-from numba.core import types
-from numba.extending import intrinsic
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from .core import bits_as_float64, LOG2E, LN2_HI, LN2_LO
 from .utils import load_kernel
 
 # %% ../nbs/07_gru.ipynb #e4bbda4c
@@ -45,15 +44,7 @@ def gru_layer_reference(x, h0, w_ih, w_hh, b_ih=None, b_hh=None, lengths=None, r
     return torch.stack(outputs), h
 
 # %% ../nbs/07_gru.ipynb #51065e45
-@intrinsic
-def _bits_as_float64(typingctx, bits):
-    "Reinterpret an int64's bits as a float64 (a bitcast LLVM can vectorise)."
-    if bits != types.int64: return None
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float64))
-    return types.float64(types.int64), codegen
-
-_LOG2E, _LN2_HI, _LN2_LO = 1.4426950408889634, 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_bits_as_float64, _LOG2E, _LN2_HI, _LN2_LO = bits_as_float64, LOG2E, LN2_HI, LN2_LO    # from seqdist.core
 _C = tuple(1.0 / math.factorial(i) for i in range(15))
 _CACHE = __name__ != "__main__"
 

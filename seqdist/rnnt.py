@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2
-from .utils import load_kernel, empty_large, on_host, require, to_device
+from .utils import load_kernel, empty_large, on_host, require, to_device, check_labels
 from .sparse import fast_exp, fast_exp8
 
 # %% ../nbs/06_rnnt.ipynb #4423443e
@@ -70,13 +70,7 @@ def clean_targets(logits, targets, logit_lengths, target_lengths, blank):
     y = targets.long()[:, :U1 - 1]
     y = torch.nn.functional.pad(y, (0, U1 - y.shape[1]), value=blank)
     keep = torch.arange(U1, device=y.device)[None] < to_device(tl, y.device)[:, None]
-    def bad_label():
-        "target labels out of [0, V) or equal to blank"
-        labels = y[keep]
-        out = labels[(labels < 0) | (labels >= V)]
-        if out.numel(): return f"targets must hold labels in [0, V) = [0, {V}), got {out[:5].tolist()}"
-        return f"targets contain the blank label {blank} within their target_lengths"
-    require((~keep | ((y >= 0) & (y < V) & (y != blank))).all(), on_host(y), bad_label)
+    check_labels(y, keep, V, blank, on_host(y), 'V')
     dev = logits.device
     return to_device(torch.where(keep, y, blank).contiguous(), dev), to_device(il, dev), to_device(tl, dev)
 

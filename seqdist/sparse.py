@@ -14,11 +14,9 @@ from functools import partial, lru_cache
 from typing import Tuple
 import numpy as np
 import numba
-from numba import types
-from numba.extending import intrinsic
 import torch
 from torch import Tensor
-from .core import semiring, Log, Max, semiring_sum2
+from .core import semiring, Log, Max, semiring_sum2, bits_as_float64, LOG2E, LN2_HI, LN2_LO
 from .utils import load_kernel, empty_large, tensor_cached
 from .ctc import interleave_blanks
 
@@ -76,15 +74,7 @@ def bwd_scores_py(Ms, idx, vT, S:semiring=Log):
     return beta
 
 # %% ../nbs/04_sparse.ipynb #11f2034c
-@intrinsic
-def _as_float64(typingctx, bits):
-    "Reinterpret an int64's bits as a float64: a no-op that LLVM can vectorise, unlike `math.ldexp`."
-    if bits != types.int64: return None
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float64))
-    return types.float64(types.int64), codegen
-
-_LOG2E, _LN2_HI, _LN2_LO = 1.4426950408889634, 6.93147180369123816490e-01, 1.90821492927058770002e-10
+_as_float64, _LOG2E, _LN2_HI, _LN2_LO = bits_as_float64, LOG2E, LN2_HI, LN2_LO    # from seqdist.core
 _EXP_TAYLOR = tuple(1.0 / math.factorial(i) for i in range(14))
 _W_RANGE = 300.0   # a frame whose scores span more than this goes to log space; so every weight is >= e^-300
 

@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['LARGE_POOL', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS',
            'to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed', 'benchmark_fwd_bwd', 'report',
-           'release_large_buffers', 'empty_large', 'tensor_cached', 'on_host', 'require', 'to_device', 'cuda_dir',
-           'find_source', 'Param', 'kernel_params', 'KernelLaunchError', 'KernelCompileError', 'count_launches',
-           'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func', 'load_cupy_module', 'emulator_options',
-           'rewrite_dynamic_shared', 'emulator_source', 'emulator_library', 'GuardedCopy', 'asan_environment',
-           'run_under_asan', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc', 'gpu_compiler',
-           'package_kernels', 'check_gpu_compile', 'compile_check_cli', 'selfcheck_cli']
+           'release_large_buffers', 'empty_large', 'tensor_cached', 'on_host', 'require', 'check_labels', 'to_device',
+           'cuda_dir', 'find_source', 'Param', 'kernel_params', 'KernelLaunchError', 'KernelCompileError',
+           'count_launches', 'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func', 'load_cupy_module',
+           'emulator_options', 'rewrite_dynamic_shared', 'emulator_source', 'emulator_library', 'GuardedCopy',
+           'asan_environment', 'run_under_asan', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc',
+           'compile_with_nvcc', 'gpu_compiler', 'package_kernels', 'check_gpu_compile', 'compile_check_cli',
+           'selfcheck_cli']
 
 # %% ../nbs/01_utils.ipynb #2e6efacb
 import ctypes, ctypes.util, collections, hashlib, math, mmap, os, re, shutil, subprocess, sys, tempfile, threading, time, weakref
@@ -155,6 +156,17 @@ def require(ok, host, message):
     if host:
         if not bool(ok): raise ValueError(message())
     else: torch._assert_async(ok, "seqdist: " + (message.__doc__ or "bad input"))
+
+def check_labels(y, keep, n, blank, host, n_name='C'):
+    """`require` that the labels y where `keep` holds are in [0, n) and not `blank` (the targets of a lattice loss);
+    `host` as for `require`."""
+    def message():
+        "target labels out of range or equal to blank"
+        labels = y[keep]
+        out = labels[(labels < 0) | (labels >= n)]
+        if out.numel(): return f"targets must hold labels in [0, {n_name}) = [0, {n}), got {out[:5].tolist()}"
+        return f"targets contain the blank label {blank} within their target_lengths"
+    require((~keep | ((y >= 0) & (y < n) & (y != blank))).all(), host, message)
 
 def to_device(x, device):
     """`x` on `device`. A CPU tensor goes to a GPU through pinned memory without blocking: a plain `.to('cuda')` of
