@@ -1,87 +1,100 @@
 // CTC forward-backward over the 2L+1-state lattice, in log space, in any semiring (written by nbs/02_ctc.ipynb).
 #include "semiring.cuh"
+#ifndef SPT
+#define SPT 4      // states per thread at most: the prefetched emissions live in SPT registers
+#endif
 
 __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank) {
     return s >= 2 && ext[s] != blank && ext[s] != ext[s - 2];
 }
 
-// alpha[t, n, s]: the semiring sum of the scores of the paths that are in state s after emitting frame t.
-// One block per sequence; thread i owns states i, i + blockDim.x, ... (the loop is the path for lattices larger
-// than the block). The previous frame lives in shared memory, double-buffered: one barrier per frame suffices.
-extern "C" __global__ void ctc_alpha(
+// The forward and the backward recursion at once, one block per sequence: the first half of the block computes
+// alpha_t(s) (paths in state s after emitting frame t) for t = 0, 1, ..., the second half beta_t(s) (paths from
+// state s after frame t to the end, frame t's emission excluded) for t = T-1, T-2, ..., one frame each per step, one
+// barrier per step for both. They meet in the middle of w[t, n, s]: the first to reach frame t stores its value
+// there, the second multiplies it in, so w ends as alpha_t(s) * beta_t(s), the (unnormalised) weight of state s at
+// frame t, in T steps and no more memory than alpha alone. For odd T the backward half starts one step late, so that
+// the two never reach the same frame in the same step. Each half keeps its last frame in shared memory (double-
+// buffered; the backward half keeps beta * emission, so a state reads one emission per step, its own), and loads
+// the emissions of its next frame before the barrier: the load's latency is off the critical path. Thread j of a
+// half owns states j, j + B, ..., at most SPT of them. With_beta = 0: the forward half alone (logZ only).
+extern "C" __global__ void ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
-    const long long* __restrict__ target_lengths, FLOAT* __restrict__ alpha, FLOAT* __restrict__ logz,
-    int N, int C, int S_max, int blank)
+    const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
+    int N, int C, int S_max, int blank, int with_beta)
 {
     extern __shared__ unsigned char smem[];
-    FLOAT* buf = (FLOAT*)smem;                        // 2 * S_max values
+    const int B = with_beta ? blockDim.x / 2 : blockDim.x;
+    const bool backward = threadIdx.x >= B;
+    const int j = threadIdx.x - (backward ? B : 0);
+    FLOAT* buf = (FLOAT*)smem + (backward ? 2 * S_max : 0);     // this half's two frames
     const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
     const long long* e = ext + (long long)n * S_max;
-    for (int t = 0; t < T; t++) {
-        const FLOAT* prev = buf + ((t + 1) % 2) * S_max;
-        FLOAT* cur = buf + (t % 2) * S_max;
-        for (int s = threadIdx.x; s < S; s += blockDim.x) {
-            FLOAT v;
-            if (t == 0) v = s < 2 ? ONE : ZERO;
-            else {
-                v = prev[s];
-                if (s >= 1) v = SUM(v, prev[s - 1]);
-                if (may_skip(e, s, blank)) v = SUM(v, prev[s - 2]);
+    const int h = with_beta ? (T + 1) / 2 : T, late = with_beta ? T % 2 : 0;   // frames t < h: alpha arrives first
+    FLOAT em[SPT];
+    const int t_first = backward ? T - 1 : 0;
+    #pragma unroll
+    for (int k = 0; k < SPT; k++) {
+        const int s = j + k * B;
+        if (s < S && T > 0) em[k] = lp[((long long)t_first * N + n) * C + e[s]];
+    }
+    for (int i = 0; i < T + late; i++) {
+        const int t = backward ? T - 1 - i + late : i;
+        if (t >= 0 && t < T) {                  // a half idles for one step when T is odd
+            const FLOAT* prev = buf + ((i + 1) % 2) * S_max;
+            FLOAT* cur = buf + (i % 2) * S_max;
+            FLOAT* wt = w + ((long long)t * N + n) * S_max;
+            const bool first = backward ? t >= h : t < h;
+            const int t_next = backward ? t - 1 : t + 1;
+            #pragma unroll
+            for (int k = 0; k < SPT; k++) {
+                const int s = j + k * B;
+                if (s >= S) break;
+                FLOAT v;
+                if (!backward) {
+                    if (t == 0) v = s < 2 ? ONE : ZERO;
+                    else {
+                        v = prev[s];
+                        if (s >= 1) v = SUM(v, prev[s - 1]);
+                        if (may_skip(e, s, blank)) v = SUM(v, prev[s - 2]);
+                    }
+                    v = MUL(v, em[k]);                      // alpha_t(s)
+                    cur[s] = v;
+                } else {
+                    if (t == T - 1) v = s >= S - 2 ? ONE : ZERO;
+                    else {
+                        v = prev[s];
+                        if (s + 1 < S) v = SUM(v, prev[s + 1]);
+                        if (s + 2 < S && may_skip(e, s + 2, blank)) v = SUM(v, prev[s + 2]);
+                    }
+                    cur[s] = MUL(v, em[k]);                 // beta_t(s) * emission: what frame t - 1 reads
+                }
+                wt[s] = first ? v : MUL(wt[s], v);
+                if (t_next >= 0 && t_next < T) em[k] = lp[((long long)t_next * N + n) * C + e[s]];
             }
-            v = MUL(v, lp[((long long)t * N + n) * C + e[s]]);
-            cur[s] = v;
-            alpha[((long long)t * N + n) * S_max + s] = v;
         }
         __syncthreads();
     }
     if (threadIdx.x == 0) {
-        const FLOAT* last = buf + ((T + 1) % 2) * S_max;
-        logz[n] = T == 0 ? (S == 1 ? ONE : ZERO) : (S > 1 ? SUM(last[S - 1], last[S - 2]) : last[0]);
+        const FLOAT* last = buf + ((T + 1) % 2) * S_max;    // the forward half's frame T - 1
+        const FLOAT z = T == 0 ? (S == 1 ? ONE : ZERO) : (S > 1 ? SUM(last[S - 1], last[S - 2]) : last[0]);
+        logz[n] = z > (FLOAT)-1e30 ? z : -INFINITY;         // ZERO is finite (-1e38): infeasible
     }
 }
 
-// beta_t(s) (the paths from state s after frame t to the end, excluding frame t's emission), combined in place:
-// alpha[t, n, s] becomes alpha_t(s) * beta_t(s), the (unnormalised) weight of state s at frame t.
-extern "C" __global__ void ctc_beta(
-    const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
-    const long long* __restrict__ target_lengths, FLOAT* __restrict__ alpha, int N, int C, int S_max, int blank)
-{
-    extern __shared__ unsigned char smem[];
-    FLOAT* buf = (FLOAT*)smem;
-    const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
-    const long long* e = ext + (long long)n * S_max;
-    for (int t = T - 1; t >= 0; t--) {
-        const FLOAT* next = buf + ((t + 1) % 2) * S_max;
-        FLOAT* cur = buf + (t % 2) * S_max;
-        const FLOAT* lp_next = lp + ((long long)(t + 1) * N + n) * C;
-        for (int s = threadIdx.x; s < S; s += blockDim.x) {
-            FLOAT b;
-            if (t == T - 1) b = s >= S - 2 ? ONE : ZERO;
-            else {
-                b = MUL(next[s], lp_next[e[s]]);
-                if (s + 1 < S) b = SUM(b, MUL(next[s + 1], lp_next[e[s + 1]]));
-                if (s + 2 < S && may_skip(e, s + 2, blank)) b = SUM(b, MUL(next[s + 2], lp_next[e[s + 2]]));
-            }
-            cur[s] = b;
-            FLOAT* a = alpha + ((long long)t * N + n) * S_max + s;
-            *a = MUL(*a, b);
-        }
-        __syncthreads();
-    }
-}
-
-// Posteriors from the state weights: out[t, n, k] -= weight * posterior, where k is the state (by_state) or its
-// label. Log: posterior = exp(w - logz); Max: 1 at the first best state of each frame. One thread per (t, n),
-// which visits its states in order: no two threads write the same element, and no atomics (deterministic).
+// Posteriors from the state weights: out[t, n, k] -= posterior, where k is the state (by_state) or its label.
+// Log: posterior = exp(w - logz); Max: 1 at the first best state of each frame; nothing for an infeasible sequence
+// (logz = -inf). One thread per (t, n), which visits its states in order: no two threads write the same element,
+// and no atomics (deterministic).
 extern "C" __global__ void ctc_posteriors(
     const FLOAT* __restrict__ w, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
-    const long long* __restrict__ target_lengths, const FLOAT* __restrict__ logz, const FLOAT* __restrict__ weight,
-    FLOAT* __restrict__ out, int T_max, int N, int K, int S_max, int by_state, int use_max)
+    const long long* __restrict__ target_lengths, const FLOAT* __restrict__ logz, FLOAT* __restrict__ out,
+    int T_max, int N, int K, int S_max, int by_state, int use_max)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_max * N) return;   // no barrier in this kernel, so an early exit is safe
     const int t = (int)(i / N), n = (int)(i % N);
-    if (t >= input_lengths[n] || weight[n] == 0) return;
+    if (t >= input_lengths[n] || logz[n] == -INFINITY) return;
     const int S = 2 * (int)target_lengths[n] + 1;
     const FLOAT* wt = w + ((long long)t * N + n) * S_max;
     const long long* e = ext + (long long)n * S_max;
@@ -89,8 +102,8 @@ extern "C" __global__ void ctc_posteriors(
     if (use_max) {
         int best = 0;
         for (int s = 1; s < S; s++) if (wt[s] > wt[best]) best = s;
-        o[by_state ? best : e[best]] -= weight[n];
+        o[by_state ? best : e[best]] -= 1;
     } else {
-        for (int s = 0; s < S; s++) o[by_state ? s : e[s]] -= weight[n] * exp(wt[s] - logz[n]);
+        for (int s = 0; s < S; s++) o[by_state ? s : e[s]] -= exp(wt[s] - logz[n]);
     }
 }

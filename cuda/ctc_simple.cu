@@ -1,13 +1,12 @@
 // Forward and backward scores of the stay/move lattice, in log space, in any semiring (written by
-// nbs/03_ctc_simple.ipynb). One block per sequence; thread i owns states i, i + blockDim.x, ... (the loop is the
-// path for targets longer than the block); the previous frame is double-buffered in shared memory.
+// nbs/03_ctc_simple.ipynb). Grid (N, 2): block (n, 0) runs the forward recursion of sequence n, block (n, 1) the
+// backward one, at the same time (as seqdist 0.0.3 did): T steps in all, where two launches in turn took 2T.
+// Thread i owns states i, i + blockDim.x, ... (the loop is the path for targets longer than the block); the
+// previous frame is double-buffered in shared memory, so one barrier per frame suffices.
 #include "semiring.cuh"
 
-extern "C" __global__ void simple_alpha(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
-                                        const long long* __restrict__ lengths, FLOAT* __restrict__ alpha, int T, int N, int L) {
-    extern __shared__ unsigned char smem[];
-    FLOAT* buf = (FLOAT*)smem;                        // 2 * L values
-    const int n = blockIdx.x, Ln = (int)lengths[n];
+__device__ void simple_alpha(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move, int Ln,
+                             FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int L, int n) {
     for (int s = threadIdx.x; s < L; s += blockDim.x) buf[s] = alpha[(long long)n * L + s] = s == 0 ? ONE : ZERO;
     __syncthreads();
     for (int t = 0; t < T; t++) {
@@ -24,11 +23,8 @@ extern "C" __global__ void simple_alpha(const FLOAT* __restrict__ stay, const FL
     }
 }
 
-extern "C" __global__ void simple_beta(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
-                                       const long long* __restrict__ lengths, FLOAT* __restrict__ beta, int T, int N, int L) {
-    extern __shared__ unsigned char smem[];
-    FLOAT* buf = (FLOAT*)smem;
-    const int n = blockIdx.x, Ln = (int)lengths[n];
+__device__ void simple_beta(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move, int Ln,
+                            FLOAT* __restrict__ beta, FLOAT* buf, int T, int N, int L, int n) {
     for (int s = threadIdx.x; s < L; s += blockDim.x)
         buf[(T % 2) * L + s] = beta[((long long)T * N + n) * L + s] = s == Ln - 1 ? ONE : ZERO;
     __syncthreads();
@@ -44,4 +40,14 @@ extern "C" __global__ void simple_beta(const FLOAT* __restrict__ stay, const FLO
         }
         __syncthreads();
     }
+}
+
+extern "C" __global__ void simple_alpha_beta(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
+                                             const long long* __restrict__ lengths, FLOAT* __restrict__ alpha,
+                                             FLOAT* __restrict__ beta, int T, int N, int L) {
+    extern __shared__ unsigned char smem[];
+    FLOAT* buf = (FLOAT*)smem;                        // 2 * L values
+    const int n = blockIdx.x, Ln = (int)lengths[n];
+    if (blockIdx.y == 0) simple_alpha(stay, move, Ln, alpha, buf, T, N, L, n);
+    else simple_beta(stay, move, Ln, beta, buf, T, N, L, n);
 }

@@ -3,12 +3,9 @@
 #include "semiring.cuh"
 
 // One block per sequence; thread i owns states i, i + blockDim.x, ... (K = C / blockDim.x of them: a tuning knob).
-// The previous frame's scores are in shared memory, double-buffered: one barrier per frame.
-extern "C" __global__ void sparse_fwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
-                                      const FLOAT* __restrict__ v0, FLOAT* __restrict__ alpha, int T, int N, int C, int NZ) {
-    extern __shared__ unsigned char smem[];
-    FLOAT* buf = (FLOAT*)smem;                       // 2 * C values
-    const int n = blockIdx.x;
+// The previous frame's scores are in shared memory (buf), double-buffered: one barrier per frame.
+__device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restrict__ idx, const FLOAT* __restrict__ v0,
+                               FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int C, int NZ, int n) {
     for (int c = threadIdx.x; c < C; c += blockDim.x) buf[c] = alpha[(long long)n * C + c] = v0[(long long)n * C + c];
     __syncthreads();
     for (int t = 0; t < T; t++) {
@@ -28,11 +25,8 @@ extern "C" __global__ void sparse_fwd(const FLOAT* __restrict__ Ms, const int* _
 // beta[t, s] = sum over the edges e leaving s (e = c * NZ + j with idx[c, j] = s) of Ms[t, e] * beta[t + 1, c].
 // out_edges lists, for each state, its NZ edges (every state has NZ of them: checked by the caller), so each thread
 // reads rather than scatters, and no atomics are needed.
-extern "C" __global__ void sparse_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ out_edges,
-                                      const FLOAT* __restrict__ vT, FLOAT* __restrict__ beta, int T, int N, int C, int NZ) {
-    extern __shared__ unsigned char smem[];
-    FLOAT* buf = (FLOAT*)smem;
-    const int n = blockIdx.x;
+__device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restrict__ out_edges, const FLOAT* __restrict__ vT,
+                                FLOAT* __restrict__ beta, FLOAT* buf, int T, int N, int C, int NZ, int n) {
     for (int c = threadIdx.x; c < C; c += blockDim.x) buf[(T % 2) * C + c] = beta[((long long)T * N + n) * C + c] = vT[(long long)n * C + c];
     __syncthreads();
     for (int t = T - 1; t >= 0; t--) {
@@ -50,6 +44,28 @@ extern "C" __global__ void sparse_bwd(const FLOAT* __restrict__ Ms, const int* _
         }
         __syncthreads();
     }
+}
+
+extern "C" __global__ void sparse_fwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
+                                      const FLOAT* __restrict__ v0, FLOAT* __restrict__ alpha, int T, int N, int C, int NZ) {
+    extern __shared__ unsigned char smem[];           // 2 * C values
+    forward_scores(Ms, idx, v0, alpha, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
+}
+
+extern "C" __global__ void sparse_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ out_edges,
+                                      const FLOAT* __restrict__ vT, FLOAT* __restrict__ beta, int T, int N, int C, int NZ) {
+    extern __shared__ unsigned char smem[];
+    backward_scores(Ms, out_edges, vT, beta, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
+}
+
+// Both recursions in one launch, at the same time: grid (N, 2), block (n, 0) writes alpha = scores[0], block (n, 1)
+// beta = scores[1] (scores is (2, T + 1, N, C)). T steps where the two kernels in turn take 2T.
+extern "C" __global__ void sparse_fwd_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
+                                          const int* __restrict__ out_edges, const FLOAT* __restrict__ v0,
+                                          const FLOAT* __restrict__ vT, FLOAT* __restrict__ scores, int T, int N, int C, int NZ) {
+    extern __shared__ unsigned char smem[];
+    if (blockIdx.y == 0) forward_scores(Ms, idx, v0, scores, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
+    else backward_scores(Ms, out_edges, vT, scores + (long long)(T + 1) * N * C, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
 }
 
 // grad[t, n, e] = g[n] * posterior of edge e at frame t. Log: exp(alpha + Ms + beta - logZ). Max: 1 on the frame's

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, grad, max_grad, SequenceDist, semiring_sum2
-from .utils import load_kernel, to_device, on_host, require, check_labels
+from .utils import load_kernel, to_device, on_host, require, check_labels, EMULATOR_MAX_SHARED_MEM
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 
@@ -419,8 +419,9 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
     return best
 
 # %% ../nbs/02_ctc.ipynb #d112fcf8
-_ctc_kernels = {(dtype, S): {name: load_kernel('ctc.cu', name, **S.cuda_macros(dtype))
-                             for name in ('ctc_alpha', 'ctc_beta', 'ctc_posteriors')}
+_ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, **S.cuda_macros(dtype))
+                                                for spt in (4, 32)},
+                             'ctc_posteriors': load_kernel('ctc.cu', 'ctc_posteriors', **S.cuda_macros(dtype))}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 cupy_funcs = _ctc_kernels   # seqdist 0.0.3's name: the kernels by (dtype, semiring)
 CUDA_MAX_THREADS = 1024     # threads per block of the lattice kernels (tests lower it to exercise the looping path)
@@ -430,17 +431,21 @@ def _ctc_cuda(lp, ext, il, tl, blank, use_max, want):
     T, N, C = lp.shape
     S_max = ext.shape[1]
     k = _ctc_kernels[(lp.dtype, Max if use_max else Log)]
-    block = min(CUDA_MAX_THREADS, 32 * math.ceil(S_max / 32))
-    shared = 2 * S_max * lp.element_size()
+    halves = 2 if want else 1                           # the backward recursion only when the weights are wanted
+    half = min(CUDA_MAX_THREADS // 2, 32 * math.ceil(S_max / 32))
+    spt = next((m for m in k['ctc_alpha_beta'] if m * half >= S_max), None)
+    shared = halves * 2 * S_max * lp.element_size()
+    if spt is None or shared > EMULATOR_MAX_SHARED_MEM:
+        most = min(EMULATOR_MAX_SHARED_MEM // (halves * 2 * lp.element_size()), max(k['ctc_alpha_beta']) * half)
+        raise ValueError(f"targets of {(S_max - 1) // 2} labels are longer than the CUDA kernel holds in shared memory "
+                         f"({(most - 1) // 2} labels in {lp.dtype}{' with gradients' if want else ''})")
     ext, il, tl = (to_device(x, lp.device) for x in (ext, il, tl))
-    alpha, logz = lp.new_empty(T, N, S_max), lp.new_empty(N)
-    k['ctc_alpha']((N,), (block,), (lp, ext, il, tl, alpha, logz, N, C, S_max, blank), shared_mem=shared)
-    logz = torch.where(logz > -1e30, logz, -math.inf)     # S.zero is finite (-1e38): infeasible
+    w, logz = lp.new_empty(T, N, S_max), lp.new_empty(N)
+    k['ctc_alpha_beta'][spt]((N,), (halves * half,), (lp, ext, il, tl, w, logz, N, C, S_max, blank, int(halves == 2)),
+                             shared_mem=shared)
     if not want: return logz, lp.new_empty(0)
-    k['ctc_beta']((N,), (block,), (lp, ext, il, tl, alpha, N, C, S_max, blank), shared_mem=shared)
-    K = C if want == 1 else S_max
-    P, weight = lp.new_zeros(T, N, K), torch.isfinite(logz).to(lp.dtype)
-    k['ctc_posteriors']((math.ceil(T * N / 256),), (256,), (alpha, ext, il, tl, logz, weight, P, T, N, K, S_max,
+    P = lp.new_zeros(T, N, C if want == 1 else S_max)
+    k['ctc_posteriors']((math.ceil(T * N / 256),), (256,), (w, ext, il, tl, logz, P, T, N, P.shape[2], S_max,
                                                             int(want == 2), int(use_max)))
     return logz, P
 

@@ -109,9 +109,9 @@ def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta):
                 beta[t, n, s] = b
 
 # %% ../nbs/03_ctc_simple.ipynb #61191d71
-_simple_kernels = {(dtype, S): {name: load_kernel('ctc_simple.cu', name, **S.cuda_macros(dtype)) for name in ('simple_alpha', 'simple_beta')}
+_simple_kernels = {(dtype, S): load_kernel('ctc_simple.cu', 'simple_alpha_beta', **S.cuda_macros(dtype))
                    for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
-cupy_funcs = {key: k['simple_alpha'] for key, k in _simple_kernels.items()}   # seqdist 0.0.3's names: the kernels
+cupy_funcs = _simple_kernels    # seqdist 0.0.3's names: its kernels too ran both recursions, on grid (N, 2)
 cupy_funcs_loop = cupy_funcs                                                     # (one kernel now loops over any L)
 CUDA_MAX_THREADS = 1024
 
@@ -149,8 +149,7 @@ def _scores_cuda(stay, move, lengths, use_max):
     alpha, beta = stay.new_empty(T + 1, N, L), stay.new_empty(T + 1, N, L)
     block, shared = min(CUDA_MAX_THREADS, 32 * math.ceil(L / 32)), 2 * L * stay.element_size()
     mv, lengths = move.contiguous() if L > 1 else stay.new_empty(T, N, 1), to_device(lengths, stay.device)
-    for name, out in (('simple_alpha', alpha), ('simple_beta', beta)):
-        k[name]((N,), (block,), (stay.contiguous(), mv, lengths, out, T, N, L), shared_mem=shared)
+    k((N, 2), (block,), (stay.contiguous(), mv, lengths, alpha, beta, T, N, L), shared_mem=shared)
     return alpha, beta
 
 def _scores_reference(stay, move, lengths, use_max):

@@ -380,7 +380,7 @@ def _checked_graph(idx, device):
 
 # %% ../nbs/04_sparse.ipynb #ab17dde0
 _sparse_kernels = {(dtype, S): {name: load_kernel('sparse.cu', name, **S.cuda_macros(dtype))
-                                for name in ('sparse_fwd', 'sparse_bwd', 'sparse_posteriors')}
+                                for name in ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd', 'sparse_posteriors')}
                    for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 cupy_funcs = {key: k['sparse_fwd'] for key, k in _sparse_kernels.items()}   # seqdist 0.0.3: the scan kernels
 
@@ -420,21 +420,30 @@ def _scores_cuda(Ms, idx, v, S, K, forward):
     return out
 
 def _sparse_forward_cuda(Ms, idx, v0, vT, use_max, want, K=1):
-    "logZ by the forward kernel and, if want, alpha (log space) for the backward pass."
+    """logZ by the forward kernel and, if want, the scores the backward pass needs: alpha and beta (2, T+1, N, C) in
+    log space, from one launch that runs the two recursions at the same time (so a training step waits for T
+    frames, not 2T; beta is held from the forward to the backward pass, where the loss's backward comes next)."""
     S = Max if use_max else Log
-    if want: _out_edges(idx, Ms.shape[3])          # the backward kernel's graph requirement, checked up front
-    alpha = _scores_cuda(Ms, idx, v0, S, K, True)
+    if not want:
+        alpha = _scores_cuda(Ms, idx, v0, S, K, True)
+        scores = Ms.new_empty(0)
+    else:
+        T, N, C, NZ = Ms.shape
+        scores = Ms.new_empty(2, T + 1, N, C)
+        _sparse_kernels[(Ms.dtype, S)]['sparse_fwd_bwd']((N, 2), (_threads(C, K),), (Ms.contiguous(), _idx32(idx), _out_edges(idx, NZ),
+                                                          v0.contiguous(), vT.contiguous(), scores, T, N, C, NZ), shared_mem=2 * C * Ms.element_size())
+        alpha = scores[0]
     logz = S.sum(S.mul(alpha[-1], vT), dim=1)
     logz = torch.where(logz > -1e30, logz, -math.inf)
     empty = Ms.new_empty(0, dtype=torch.float64)
-    return logz, (alpha if want else Ms.new_empty(0)), empty, torch.ones_like(logz, dtype=torch.bool)
+    return logz, scores, empty, torch.ones_like(logz, dtype=torch.bool)
 
-def _sparse_backward_cuda(g, Ms, idx, v0, vT, logz, alpha, frames, ok, use_max, K=1):
-    "g times the edge posteriors (or best path): the backward kernel's beta, then one block per (frame, sequence)."
+def _sparse_backward_cuda(g, Ms, idx, v0, vT, logz, scores, frames, ok, use_max, K=1):
+    "g times the edge posteriors (or best path), from the forward pass's alpha and beta: one block per (frame, sequence)."
     S = Max if use_max else Log
     T, N, C, NZ = Ms.shape
     if T == 0: return Ms.new_empty(Ms.shape)
-    beta = _scores_cuda(Ms, idx, vT, S, K, False)
+    alpha, beta = scores[0], scores[1]
     grad = Ms.new_empty(Ms.shape)
     feasible = torch.isfinite(logz)               # a sequence with no path: zero gradient (and no -inf - -inf in the kernel)
     g, logz = torch.where(feasible, g, 0).to(Ms.dtype).contiguous(), torch.where(feasible, logz, 0).contiguous()
@@ -547,7 +556,7 @@ def sparse_logz_op(Ms: Tensor, idx: Tensor, v0: Tensor, vT: Tensor, use_max: boo
 def _(Ms, idx, v0, vT, use_max, want, backend, K):
     T, N, C, NZ = Ms.shape
     on_cpu = backend == 'cpu' or (backend == 'auto' and Ms.device.type == 'cpu')
-    alpha = Ms.new_empty((T + 1, N, C) if want else (0,))
+    alpha = Ms.new_empty(((T + 1, N, C) if on_cpu else (2, T + 1, N, C)) if want else (0,))    # on CUDA: alpha and beta
     frames = Ms.new_empty((2, T + 1, N) if want and on_cpu else (0,), dtype=torch.float64)
     return Ms.new_empty(N), alpha, frames, Ms.new_empty(N, dtype=torch.bool)
 

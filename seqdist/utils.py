@@ -265,13 +265,14 @@ EMULATOR_MAX_SHARED_MEM = 163 * 1024
 
 def _dims(v, what, kernel):
     "A grid or block as 3 positive ints."
+    if type(v) is tuple and 1 <= len(v) <= 3 and all(type(d) is int and d >= 1 for d in v): return v + (1,) * (3 - len(v))
     t = (v,) if isinstance(v, (int, np.integer)) else tuple(v) if isinstance(v, (tuple, list)) else (v,)
     if not 1 <= len(t) <= 3 or not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 1 for d in t):
         raise ValueError(f"kernel {kernel}: {what} must be 1 to 3 positive ints, got {v!r}")
     return tuple(int(d) for d in t) + (1,) * (3 - len(t))
 
 def _check_launch(kernel, grid, block, shared_mem, max_shared):
-    if any(b > m for b, m in zip(block, MAX_BLOCK_DIMS)) or int(np.prod(block)) > MAX_THREADS_PER_BLOCK:
+    if any(b > m for b, m in zip(block, MAX_BLOCK_DIMS)) or block[0] * block[1] * block[2] > MAX_THREADS_PER_BLOCK:
         raise ValueError(f"kernel {kernel}: block={block} is too large: at most {MAX_THREADS_PER_BLOCK} threads "
                          f"and dimensions up to {MAX_BLOCK_DIMS}")
     if any(g > m for g, m in zip(grid, MAX_GRID_DIMS)):
@@ -282,7 +283,35 @@ def _check_launch(kernel, grid, block, shared_mem, max_shared):
         raise ValueError(f"kernel {kernel}: shared_mem={shared_mem} bytes exceeds the {max_shared} bytes a block may use")
 
 # %% ../nbs/01_utils.ipynb #288de8e1
+def _param_specs(params):
+    "Per parameter, what a well-formed argument is: (pointer, accepted dtypes, numpy type, int bounds or None for reals)."
+    specs = []
+    for p in params:
+        nptype = _C_TYPES[p.ctype][1]
+        bounds = None if p.pointer or np.issubdtype(nptype, np.floating) else (
+            (0, 1) if nptype is np.bool_ else (int(np.iinfo(nptype).min), int(np.iinfo(nptype).max)))
+        specs.append((p.pointer, _C_TYPES[p.ctype][2], nptype, bounds))
+    return specs
+
 def _marshal(kernel, args, device):
+    """`_marshal_checked` without its cost (it runs before every launch, so it is host time on a GPU): a loop over
+    precomputed parameter specs for well-formed arguments; anything else goes to the checked version, which names
+    the problem."""
+    specs = kernel.specs
+    if len(args) != len(specs): return _marshal_checked(kernel, args, device)
+    values = []
+    for (pointer, dtypes, nptype, bounds), a in zip(specs, args):
+        if pointer:
+            if a is None or (isinstance(a, torch.Tensor) and a.device == device
+                             and (dtypes is None or a.dtype in dtypes) and a.is_contiguous()):
+                values.append(a); continue
+        elif bounds is None:
+            if type(a) in (int, float): values.append(nptype(a)); continue
+        elif type(a) is int and bounds[0] <= a <= bounds[1]: values.append(nptype(a)); continue
+        return _marshal_checked(kernel, args, device)
+    return values
+
+def _marshal_checked(kernel, args, device):
     "Check `args` against the kernel's parameters; tensors stay tensors, scalars become numpy scalars of the C type."
     params = kernel.params
     if len(args) != len(params):
@@ -332,7 +361,7 @@ class Kernel:
     def __init__(self, fname, name, macros=None, **more_macros):
         self.path, self.name = find_source(fname), name
         self.macros = {k: str(v) for k, v in {**(macros or {}), **more_macros}.items()}
-        self._params, self._source, self._compiled = None, None, {}  # read and built once, at first use
+        self._params, self._specs, self._source, self._compiled = None, None, None, {}  # read and built once, at first use
         KERNELS[(str(self.path), name, tuple(self.macros.items()))] = self
 
     def __repr__(self):
@@ -352,6 +381,11 @@ class Kernel:
     def params(self):
         if self._params is None: self._params = kernel_params(self.source, self.name, self.macros)
         return self._params
+
+    @property
+    def specs(self):
+        if self._specs is None: self._specs = _param_specs(self.params)
+        return self._specs
 
     def __call__(self, grid, block, args, *, shared_mem=0):
         grid, block, args = _dims(grid, 'grid', self.name), _dims(block, 'block', self.name), tuple(args)
@@ -402,7 +436,7 @@ def _launch_cupy(kernel, device, grid, block, values, shared_mem):
             fn = kernel._compiled[idx] = _cupy_modules[key]
         if idx not in _device_props: _device_props[idx] = cupy.cuda.runtime.getDeviceProperties(idx)
         props = _device_props[idx]
-        if int(np.prod(block)) > fn.max_threads_per_block:
+        if block[0] * block[1] * block[2] > fn.max_threads_per_block:
             raise ValueError(f"kernel {kernel.name}: block={block} has more threads than the {fn.max_threads_per_block} "
                              f"this kernel can run per block on device {idx}")
         _check_launch(kernel.name, grid, block, shared_mem, props['sharedMemPerBlockOptin'] - fn.shared_size_bytes)

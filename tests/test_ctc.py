@@ -301,3 +301,28 @@ def test_forced_align_equals_torchaudio(seed):
         ref_labels, ref_scores = fa(lp[n:n+1, :il[n]], targets[n:n+1, :tl[n]].int(), blank=0)
         assert torch.equal(labels[n, :il[n]], ref_labels[0].long())
         assert torch.allclose(scores[n, :il[n]], ref_scores[0], atol=1e-6)
+
+@pytest.mark.parametrize('max_threads', [1024, 32])     # 32: 16 threads per recursion, up to 32 states each
+def test_cuda_recursions_meet_at_every_length(max_threads, monkeypatch):
+    """The CUDA kernel runs the forward and backward recursions at once and they meet in the middle of the frames:
+    odd and even lengths (the backward half starts a step late for odd T), T = 1, lengths shorter than the batch's,
+    and targets with more states than 4 per thread (the wider register variant)."""
+    monkeypatch.setattr(ctc, 'CUDA_MAX_THREADS', max_threads)
+    torch.manual_seed(3)
+    T, N, C = 90, 8, 5
+    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2)
+    targets = torch.randint(1, C, (N, 40))
+    il, tl = torch.tensor([1, 2, 3, 4, 7, 8, 89, 90]), torch.tensor([0, 1, 1, 2, 3, 4, 40, 33])
+    for S in (Log, Max):
+        ref = ctc_compute(lp, targets, il, tl, 0, S is Max, 1, 'reference')
+        out = ctc_compute(lp, targets, il, tl, 0, S is Max, 1, 'cuda')
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out[1], ref[1], rtol=1e-12, atol=1e-12)
+        logz_only = ctc_compute(lp, targets, il, tl, 0, S is Max, 0, 'cuda')[0]      # the forward half alone
+        torch.testing.assert_close(logz_only, ref[0], rtol=1e-12, atol=1e-12)
+
+def test_cuda_targets_too_long_for_shared_memory():
+    lp = torch.randn(12000, 1, 3).log_softmax(2)
+    targets, il, tl = torch.ones(1, 5500, dtype=torch.long), torch.tensor([12000]), torch.tensor([5500])
+    with pytest.raises(ValueError, match=r"targets of 5500 labels are longer than the CUDA kernel holds .*5215 labels in torch.float32 with gradients"):
+        ctc_compute(lp, targets, il, tl, 0, False, 1, 'cuda')

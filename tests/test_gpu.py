@@ -57,3 +57,55 @@ def test_ctc_loss_agrees_with_pytorch_and_is_deterministic():
     lt, gt = _grad(lambda x: F.ctc_loss(x, targets.cpu(), il.cpu(), tl.cpu()), lp.cpu().double())
     torch.testing.assert_close(l1.cpu().double(), lt, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g1.cpu().double(), gt, rtol=1e-4, atol=1e-5)
+
+def _ctc_inputs_on_gpu(T=120, N=8, C=20, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.randn(T, N, C, generator=g).log_softmax(2).cuda()
+    targets = torch.randint(1, C, (N, 30), generator=g).cuda()
+    il = torch.randint(T - 20, T + 1, (N,), generator=g).cuda()
+    tl = torch.randint(10, 31, (N,), generator=g).cuda()
+    return lp, targets, il, tl
+
+def _no_sync(f):
+    "Run f with every host-device synchronisation made an error (after a warm-up run outside)."
+    f()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try: f()
+    finally: torch.cuda.set_sync_debug_mode(0)
+
+def test_hot_paths_do_not_synchronise_with_gpu_resident_inputs():
+    lp, targets, il, tl = _ctc_inputs_on_gpu()
+    x = lp.detach().requires_grad_()
+    _no_sync(lambda: ctc_loss(x, targets, il, tl).backward())
+    crf, scores, _, _ = crf_inputs(T=50, N=4, state_len=3)
+    Ms = scores.reshape(50, 4, -1, crf.n_base + 1).detach().requires_grad_()
+    idx, v = crf.idx.cuda(), Ms.new_zeros(4, crf.n_states)
+    _no_sync(lambda: sparse.logZ(Ms, idx, v, v, Log).sum().backward())
+    from seqdist import ctc_simple
+    stay, move = torch.randn(40, 4, 10).cuda().requires_grad_(), torch.randn(40, 4, 9).cuda().requires_grad_()
+    lengths = torch.tensor([10, 7, 9, 3]).cuda()
+    _no_sync(lambda: ctc_simple.logZ(stay, move, lengths).sum().backward())
+
+def test_ctc_loss_forward_and_backward_replay_in_a_cuda_graph():
+    "The issue asks that the ops be capturable in a CUDA graph: capture fwd+bwd once, replay on new values."
+    lp, targets, il, tl = _ctc_inputs_on_gpu()
+    static = lp.clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                                    # warm-up (kernels compiled, caches filled)
+        for _ in range(3):
+            static.grad = None
+            ctc_loss(static, targets, il, tl).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    static.grad = None
+    with torch.cuda.graph(graph):
+        static_loss = ctc_loss(static, targets, il, tl)
+        static_loss.backward()
+    new = _ctc_inputs_on_gpu(seed=2)[0]
+    with torch.no_grad(): static.copy_(new)
+    graph.replay()
+    loss, grad = _grad(lambda x: ctc_loss(x, targets, il, tl), new)
+    torch.testing.assert_close(static_loss.detach(), loss)
+    torch.testing.assert_close(static.grad, grad)
