@@ -107,3 +107,44 @@ extern "C" __global__ void ctc_posteriors(
         for (int s = 0; s < S; s++) o[by_state ? s : e[s]] -= exp(wt[s] - logz[n]);
     }
 }
+
+// The best path's state at each frame (forced alignment): the max recursion, keeping for each (frame, state) which
+// predecessor won in back (0 stay, 1 move, 2 skip: the first of equals, as the CPU kernel), then one thread walks
+// back from the best final state. Scores add in double, in the CPU kernel's order, so both find the same path even
+// among equal ones. states[n, t] is left as is for an infeasible sequence and past its input length.
+extern "C" __global__ void ctc_viterbi(
+    const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, unsigned char* __restrict__ back, long long* __restrict__ states,
+    int T_max, int N, int C, int S_max, int blank)
+{
+    extern __shared__ unsigned char smem[];
+    double* buf = (double*)smem;                      // 2 * S_max values
+    const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
+    const long long* e = ext + (long long)n * S_max;
+    for (int t = 0; t < T; t++) {
+        const double* prev = buf + ((t + 1) % 2) * S_max;
+        double* cur = buf + (t % 2) * S_max;
+        for (int s = threadIdx.x; s < S; s += blockDim.x) {
+            double v;
+            int b = 0;
+            if (t == 0) v = s < 2 ? 0.0 : -INFINITY;
+            else {
+                v = prev[s];
+                if (s >= 1 && prev[s - 1] > v) { v = prev[s - 1]; b = 1; }
+                if (may_skip(e, s, blank) && prev[s - 2] > v) { v = prev[s - 2]; b = 2; }
+            }
+            cur[s] = v + (double)lp[((long long)t * N + n) * C + e[s]];
+            back[((long long)t * N + n) * S_max + s] = (unsigned char)b;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x != 0 || T == 0) return;
+    const double* last = buf + ((T + 1) % 2) * S_max;
+    int s = S - 1;
+    if (S > 1 && last[S - 2] > last[S - 1]) s = S - 2;
+    if (last[s] == -INFINITY) return;                 // no path
+    for (int t = T - 1; t >= 0; t--) {
+        states[(long long)n * T_max + t] = s;
+        if (t > 0) s -= back[((long long)t * N + n) * S_max + s];
+    }
+}

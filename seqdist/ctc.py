@@ -421,7 +421,8 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
 # %% ../nbs/02_ctc.ipynb #d112fcf8
 _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, **S.cuda_macros(dtype))
                                                 for spt in (4, 32)},
-                             'ctc_posteriors': load_kernel('ctc.cu', 'ctc_posteriors', **S.cuda_macros(dtype))}
+                             'ctc_posteriors': load_kernel('ctc.cu', 'ctc_posteriors', **S.cuda_macros(dtype)),
+                             'ctc_viterbi': load_kernel('ctc.cu', 'ctc_viterbi', **S.cuda_macros(dtype))}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 cupy_funcs = _ctc_kernels   # seqdist 0.0.3's name: the kernels by (dtype, semiring)
 CUDA_MAX_THREADS = 1024     # threads per block of the lattice kernels (tests lower it to exercise the looping path)
@@ -448,6 +449,18 @@ def _ctc_cuda(lp, ext, il, tl, blank, use_max, want):
     k['ctc_posteriors']((math.ceil(T * N / 256),), (256,), (w, ext, il, tl, logz, P, T, N, P.shape[2], S_max,
                                                             int(want == 2), int(use_max)))
     return logz, P
+
+def _viterbi_states_cuda(lp, ext, il, tl, blank):
+    "The best path's state at each frame (N, T) by the CUDA Viterbi kernel (0 where there is none)."
+    T, N, C = lp.shape
+    S_max = ext.shape[1]
+    states = torch.zeros(N, T, dtype=torch.long, device=lp.device)
+    back = torch.empty(T, N, S_max, dtype=torch.uint8, device=lp.device)
+    ext, il, tl = (to_device(x, lp.device).contiguous() for x in (ext, il, tl))
+    block = min(CUDA_MAX_THREADS, 32 * math.ceil(S_max / 32))
+    _ctc_kernels[(lp.dtype, Max)]['ctc_viterbi']((N,), (block,), (lp, ext, il, tl, back, states, T, N, C, S_max, blank),
+                                                 shared_mem=2 * S_max * 8)
+    return states
 
 # %% ../nbs/02_ctc.ipynb #f5d24b42
 def _ctc_reference(lp, ext, il, tl, blank, use_max, want):
@@ -600,10 +613,11 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
     return posteriors((logits.detach() * beta).log_softmax(2), targets, input_lengths, target_lengths, 0, Log, by_state=True)
 
 # %% ../nbs/02_ctc.ipynb #24619e13
-def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0):
+def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0, *, backend='auto'):
     """`torchaudio.functional.forced_align`, batched and on every device: log_probs (N, T, C) batch first, targets
     (N, L). Returns the label of each frame on the best path (N, T) (targets' dtype) and its log-probability (N, T).
-    Frames past a sequence's input length get the blank label and a score of 0."""
+    Frames past a sequence's input length get the blank label and a score of 0. `backend`: 'auto' (by device), 'cpu'
+    (numba) or 'cuda' (the CUDA kernel; emulated on CPU tensors)."""
     if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 3:
         raise ValueError(f"log_probs must be a (N, T, C) tensor, got {getattr(log_probs, 'shape', log_probs)!r}")
     if not isinstance(targets, torch.Tensor) or targets.dim() != 2:
@@ -613,15 +627,17 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     if target_lengths is None: target_lengths = torch.full((N,), targets.shape[1], dtype=torch.long)
     lp, tg, il, tl, _ = ctc_inputs(log_probs.transpose(0, 1), targets, input_lengths, target_lengths, blank)
     ext = interleave_blanks(padded_targets(lp, tg, il, tl, blank), blank)
-    if not lp.is_cuda:      # the CPU kernel returns the path itself
+    if backend == 'auto': backend = 'cuda' if lp.is_cuda else 'cpu'
+    if backend not in ('cpu', 'cuda'): raise ValueError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
+    if backend == 'cpu' and lp.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; log_probs is on a GPU")
+    lp = lp.detach().to(_compute_dtype(lp.dtype))
+    if backend == 'cpu':
         state = torch.zeros(N, T, dtype=torch.long)
-        _viterbi_states_cpu(lp.detach().to(_compute_dtype(lp.dtype)).numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy())
-    else:                   # else the path is the Max semiring's posterior
-        _, P = ctc_compute(lp, tg, il, tl, int(blank), True, 2)
-        state = P.argmin(-1).T                                                  # (N, T): P is -1 on the path
-        ext = torch.nn.functional.pad(ext, (0, P.shape[-1] - ext.shape[1]), value=blank)
+        _viterbi_states_cpu(lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy())
+    else:                   # the CUDA kernel (emulated on CPU tensors): one launch, the walk back included
+        state = _viterbi_states_cuda(lp.contiguous(), ext, il, tl, int(blank))
     labels = ext.gather(1, state)
-    valid = torch.arange(T, device=labels.device)[None] < il.to(labels.device)[:, None]
+    valid = torch.arange(T, device=labels.device)[None] < to_device(il, labels.device)[:, None]
     labels = torch.where(valid, labels, blank)
     scores = torch.where(valid, log_probs.gather(2, labels[..., None])[..., 0], 0.0)
     return labels.to(targets.dtype), scores

@@ -326,3 +326,22 @@ def test_cuda_targets_too_long_for_shared_memory():
     targets, il, tl = torch.ones(1, 5500, dtype=torch.long), torch.tensor([12000]), torch.tensor([5500])
     with pytest.raises(ValueError, match=r"targets of 5500 labels are longer than the CUDA kernel holds .*5215 labels in torch.float32 with gradients"):
         ctc_compute(lp, targets, il, tl, 0, False, 1, 'cuda')
+
+@pytest.mark.parametrize('max_threads', [1024, 32])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype, monkeypatch):
+    """The CUDA Viterbi kernel (emulated) finds the CPU kernel's path: random scores, repeated labels, frames past the
+    input length, an infeasible sequence (left blank), and scores where every path ties (the same first-of-equals
+    rule on both, and the same double sums)."""
+    monkeypatch.setattr(ctc, 'CUDA_MAX_THREADS', max_threads)
+    g = torch.Generator().manual_seed(5)
+    N, T, C = 6, 50, 6
+    targets = torch.randint(1, C, (N, 24), generator=g)
+    targets[:, 1::2] = targets[:, 0::2]                               # repeats: need a blank between them
+    il, tl = torch.tensor([50, 44, 30, 4, 50, 1]), torch.tensor([24, 10, 3, 5, 0, 1])   # sequence 3 is infeasible
+    for lp in (torch.randn(N, T, C, generator=g).log_softmax(2), torch.full((N, T, C), -math.log(C))):
+        lp = lp.to(dtype)
+        cpu, cuda = (forced_align(lp, targets, il, tl, backend=b) for b in ('cpu', 'cuda'))
+        assert torch.equal(cpu[0], cuda[0]) and torch.equal(cpu[1], cuda[1])
+    assert (cuda[0][3] == 0).all()
+    with pytest.raises(ValueError, match="backend must be"): forced_align(lp, targets, il, tl, backend='numba')

@@ -88,3 +88,12 @@ def test_rnnt_and_cross_entropy_check_gpu_values_on_the_device(monkeypatch):
     with CountOps() as ops: ce._check_targets(t, 7, -100)
     assert ops.host_reads == 0, ops.ops
     with pytest.raises(RuntimeError, match="target class index out of range"): ce._check_targets(t + 1, 7, -100)
+
+def test_forced_align_budget():
+    "One Viterbi launch, whose last thread walks the path back on the device (no argmin over state posteriors)."
+    import seqdist.ctc as ctc
+    torch.manual_seed(0)
+    lp, targets = torch.randn(1, 30, 8).log_softmax(2), torch.randint(1, 8, (1, 6))
+    launches, ops = budget(lambda: ctc.forced_align(lp, targets, backend='cuda'))
+    assert launches == {'ctc_viterbi': 1}
+    assert ops.total <= 50, ops.ops
