@@ -6,10 +6,12 @@
 __all__ = ['kmer_transitions', 'add_at_columns', 'CTC_CRF']
 
 # %% ../nbs/05_crf.ipynb #659fa279
+import math
 import numpy as np
 import torch
 from .core import semiring, Log, Max, SequenceDist
 from . import sparse, ctc_simple
+from .utils import load_kernel
 
 # %% ../nbs/05_crf.ipynb #8dd5ae47
 def kmer_transitions(state_len, n_base):
@@ -20,25 +22,26 @@ def kmer_transitions(state_len, n_base):
     c = torch.arange(C)[:, None]
     return torch.cat([c, c // n_base + torch.arange(n_base)[None] * n_base ** (state_len - 1)], 1).to(torch.int32)
 
+_add_at_columns_kernels = {dtype: load_kernel('crf.cu', 'add_at_columns', FLOAT=ctype)
+                           for dtype, ctype in ((torch.float32, 'float'), (torch.float64, 'double'))}
+
 def add_at_columns(out, cols, values, sorted_runs=None):
-    """out[t, n, cols[n, j]] += values[t, n, j] for out (T, N, C), cols (N, J), values (T, N, J), the same on every call.
-    `scatter_add_` is that on the CPU; on a GPU it adds with atomics in whatever order they land, and a target's
-    columns repeat (a k-mer that occurs twice), so its gradient would change from call to call. There (or with
-    `sorted_runs=True`) the repeats are summed first, by float64 prefix sums along each row's sorted columns, and each
-    column then receives one sum (the other copies add an exact zero)."""
+    """out[t, n, cols[n, j]] += values[t, n, j] for out (T, N, C) contiguous, cols (N, J), values (T, N, J). On the CPU
+    `scatter_add_` (sequential: deterministic); on a GPU (or with `sorted_runs=True`, emulated on the CPU) the
+    `add_at_columns` kernel, which sums the repeats of a column in a fixed order (no atomics)."""
     T = values.shape[0]
     if not (out.is_cuda if sorted_runs is None else sorted_runs): return out.scatter_add_(2, cols.expand(T, -1, -1), values)
     N, J = cols.shape
+    if T * N * J == 0: return out
+    cols = cols.long()
     order = cols.argsort(dim=1, stable=True)
     sc = cols.gather(1, order)                                                  # each row's columns, sorted (N, J)
-    last = torch.ones_like(sc, dtype=torch.bool)
-    last[:, :-1] = sc[:, 1:] != sc[:, :-1]                                      # the last position of each run of equal columns
-    ends = torch.where(last, torch.arange(J, device=cols.device), -1)
-    prev_end = torch.cat([ends.new_full((N, 1), -1), ends[:, :-1]], 1).cummax(1).values   # the end of the run before
-    cs = values.gather(2, order.expand(T, -1, -1)).double().cumsum(2)
-    before = torch.where(prev_end >= 0, cs.gather(2, prev_end.clamp(min=0).expand(T, -1, -1)), 0)
-    run_sums = torch.where(last, cs - before, 0).to(out.dtype)
-    return out.scatter_add_(2, sc.expand(T, -1, -1), run_sums)
+    first = torch.ones_like(sc, dtype=torch.bool)
+    first[:, 1:] = sc[:, 1:] != sc[:, :-1]                                      # where each run of equal columns starts
+    start = torch.where(first, torch.arange(J, device=cols.device), 0).cummax(1).values
+    _add_at_columns_kernels[out.dtype]((math.ceil(T * N * J / 256),), (256,),
+                                       (out, order, sc.contiguous(), start, values.to(out.dtype).contiguous(), T, N, out.shape[2], J))
+    return out
 
 class _GatherColumns(torch.autograd.Function):
     "scores.gather(2, cols) for cols (N, J) broadcast over frames, with `add_at_columns` as its (deterministic) backward."

@@ -186,7 +186,7 @@ def test_ctc_loss_gradcheck():
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_add_at_columns_sums_repeated_columns_in_a_fixed_order(dtype):
-    "The GPU's deterministic scatter (repeats summed by prefix sums first) equals scatter_add_, repeats included."
+    "The GPU's deterministic scatter (the add_at_columns kernel, emulated) equals scatter_add_, repeats included."
     from seqdist.crf import add_at_columns
     g = torch.Generator().manual_seed(0)
     T, N, C, J = 5, 3, 7, 9

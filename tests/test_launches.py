@@ -97,3 +97,11 @@ def test_forced_align_budget():
     launches, ops = budget(lambda: ctc.forced_align(lp, targets, backend='cuda'))
     assert launches == {'ctc_viterbi': 1}
     assert ops.total <= 50, ops.ops
+
+def test_add_at_columns_budget():
+    "CTC_CRF's deterministic scatter on a GPU: a small sort of the (N, J) columns, then one launch over the values."
+    from seqdist.crf import add_at_columns
+    cols, values, out = torch.randint(0, 7, (3, 9)), torch.randn(5, 3, 9), torch.zeros(5, 3, 7)
+    launches, ops = budget(lambda: add_at_columns(out, cols, values, sorted_runs=True))
+    assert launches == {'add_at_columns': 1}
+    assert ops.total <= 14 and ops.host_reads == 0, ops.ops
