@@ -51,3 +51,22 @@ extern "C" __global__ void simple_alpha_beta(const FLOAT* __restrict__ stay, con
     if (blockIdx.y == 0) simple_alpha(stay, move, Ln, alpha, buf, T, N, L, n);
     else simple_beta(stay, move, Ln, beta, buf, T, N, L, n);
 }
+
+// The edge posteriors (Log semiring) in one pass: gs[t, n, s] = exp(alpha_t(s) + stay[t, n, s] + beta_{t+1}(s) - logZ),
+// gm[t, n, s] = exp(alpha_t(s) + move[t, n, s] + beta_{t+1}(s + 1) - logZ), zero for an infeasible sequence
+// (logZ = -inf). alpha and beta (T + 1, N, L) are double; one thread per (t, n, s); written in the scores' type.
+extern "C" __global__ void simple_posteriors(const double* __restrict__ alpha, const double* __restrict__ beta,
+                                             const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
+                                             const double* __restrict__ logz, FLOAT* __restrict__ gs,
+                                             FLOAT* __restrict__ gm, int T, int N, int L) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)T * N * L) return;
+    const int s = (int)(i % L);
+    const long long tn = i / L, m = tn * (L - 1) + s;          // (t, n) and the move edge out of s
+    const double z = logz[tn % N];
+    const bool feasible = z != -INFINITY;
+    const double a = alpha[i];
+    const double* b = beta + (long long)N * L + i;             // beta_{t+1}(s)
+    gs[i] = feasible ? (FLOAT)exp(a + (double)stay[i] + b[0] - z) : (FLOAT)0;
+    if (s + 1 < L) gm[m] = feasible ? (FLOAT)exp(a + (double)move[m] + b[1] - z) : (FLOAT)0;
+}

@@ -111,6 +111,8 @@ def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta):
 # %% ../nbs/03_ctc_simple.ipynb #61191d71
 _simple_kernels = {(dtype, S): load_kernel('ctc_simple.cu', 'simple_alpha_beta', **S.cuda_macros(dtype))
                    for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
+_simple_posterior_kernels = {dtype: load_kernel('ctc_simple.cu', 'simple_posteriors', **Log.cuda_macros(dtype))
+                             for dtype in (torch.float32, torch.float64)}
 cupy_funcs = _simple_kernels    # seqdist 0.0.3's names: its kernels too ran both recursions, on grid (N, 2)
 cupy_funcs_loop = cupy_funcs                                                     # (one kernel now loops over any L)
 CUDA_MAX_THREADS = 1024
@@ -152,6 +154,15 @@ def _scores_cuda(stay, move, lengths, use_max):
     k((N, 2), (block,), (stay.contiguous(), mv, lengths, alpha, beta, T, N, L), shared_mem=shared)
     return alpha, beta
 
+def _posteriors_cuda(stay, move, alpha, beta, logz):
+    "The Log semiring's edge posteriors from the float64 scores, in the scores' dtype: one kernel, one pass."
+    T, N, L = stay.shape
+    gs, gm = stay.new_empty(T, N, L), stay.new_empty(T, N, max(L - 1, 0))
+    mv = move.contiguous() if L > 1 else gm
+    _simple_posterior_kernels[stay.dtype]((math.ceil(T * N * L / 256),), (256,),
+                                          (alpha, beta, stay.contiguous(), mv, logz.contiguous(), gs, gm, T, N, L))
+    return gs, gm
+
 def _scores_reference(stay, move, lengths, use_max):
     S = Max if use_max else Log
     T, N, L = stay.shape
@@ -166,7 +177,8 @@ _SIMPLE_BACKENDS = {'cpu': _scores_numba, 'cuda': _scores_cuda, 'reference': _sc
 
 def simple_compute(stay_scores, move_scores, target_lengths, use_max, want, backend='auto'):
     """logZ (N,) of the stay/move lattice and, if want, its gradients w.r.t. the stay and move scores: the edge
-    posteriors (Log) or the best path (Max), computed from the forward and backward scores of any backend."""
+    posteriors (Log) or the best path (Max), computed from the forward and backward scores of any backend (on CUDA,
+    the Log posteriors by one kernel: in PyTorch ops they took about ten float64 passes over (T, N, L))."""
     tl = check_simple_inputs(stay_scores, move_scores, target_lengths)
     if backend == 'auto': backend = 'cuda' if stay_scores.is_cuda else 'cpu'
     if backend not in _SIMPLE_BACKENDS: raise ValueError(f"backend must be 'auto', 'cpu', 'cuda' or 'reference', got {backend!r}")
@@ -174,9 +186,11 @@ def simple_compute(stay_scores, move_scores, target_lengths, use_max, want, back
     tl = to_device(tl, stay.device)
     alpha, beta = _SIMPLE_BACKENDS[backend](stay, move, tl, use_max)
     alpha, beta = alpha.to(stay.device, torch.float64), beta.to(stay.device, torch.float64)
-    for x in (alpha, beta): x.masked_fill_(x < -1e30, -math.inf)     # S.zero of the reference and CUDA paths is -1e38
     logz = alpha[-1].gather(1, (tl - 1)[:, None])[:, 0]
+    logz = torch.where(logz > -1e30, logz, -math.inf)                  # S.zero of the reference and CUDA paths is -1e38
     if not want: return logz.to(stay.dtype), stay.new_empty(0), stay.new_empty(0)
+    if backend == 'cuda' and not use_max: return logz.to(stay.dtype), *_posteriors_cuda(stay, move, alpha, beta, logz)
+    for x in (alpha, beta): x.masked_fill_(x < -1e30, -math.inf)
     ws = (alpha[:-1] + stay).add_(beta[1:])                            # weight of each stay edge (T, N, L)
     wm = (alpha[:-1, :, :-1] + move).add_(beta[1:, :, 1:])             # and of each move edge (T, N, L-1)
     feasible = torch.isfinite(logz)[None, :, None]

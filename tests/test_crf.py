@@ -29,8 +29,9 @@ def test_simple_brute_force_and_infeasible(S):
         z = simple.logZ(stay, move, lengths, S, backend=backend)
         for n in range(3):
             torch.testing.assert_close(z[n], brute_force_simple(stay[:, n], move[:, n], int(lengths[n]), S))
-    z, gs, gm = simple.simple_compute(stay[:2], move[:2], torch.tensor([4, 4, 4]), S is Max, True, 'cpu')   # 4 states, 2 frames
-    assert (z == -math.inf).all() and (gs == 0).all() and (gm == 0).all()
+    for backend in ('cpu', 'cuda'):                                    # 4 states, 2 frames: no path, zero gradients
+        z, gs, gm = simple.simple_compute(stay[:2], move[:2], torch.tensor([4, 4, 4]), S is Max, True, backend)
+        assert (z == -math.inf).all() and (gs == 0).all() and (gm == 0).all()
 
 @pytest.mark.parametrize('S', [Log, Max])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
