@@ -108,6 +108,24 @@ extern "C" __global__ void ctc_posteriors(
     }
 }
 
+// out[t, n, label of s] += P[t, n, s] for the states s of each valid frame (the gradient of the labels from the
+// states'), in state order: one thread per (t, n), so the sum is deterministic, where scatter_add_ on a GPU adds
+// with atomics in any order (every blank state adds into one element).
+extern "C" __global__ void ctc_states_to_labels(
+    const FLOAT* __restrict__ P, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, FLOAT* __restrict__ out, int T_max, int N, int C, int S_max)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)T_max * N) return;
+    const int t = (int)(i / N), n = (int)(i % N);
+    if (t >= input_lengths[n]) return;
+    const int S = 2 * (int)target_lengths[n] + 1;
+    const FLOAT* p = P + i * S_max;
+    const long long* e = ext + (long long)n * S_max;
+    FLOAT* o = out + i * C;
+    for (int s = 0; s < S; s++) o[e[s]] += p[s];
+}
+
 // The best path's state at each frame (forced alignment): the max recursion, keeping for each (frame, state) which
 // predecessor won in back (0 stay, 1 move, 2 skip: the first of equals, as the CPU kernel), then one thread walks
 // back from the best final state. Scores add in double, in the CPU kernel's order, so both find the same path even

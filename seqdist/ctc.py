@@ -422,7 +422,8 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
 _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, **S.cuda_macros(dtype))
                                                 for spt in (4, 32)},
                              'ctc_posteriors': load_kernel('ctc.cu', 'ctc_posteriors', **S.cuda_macros(dtype)),
-                             'ctc_viterbi': load_kernel('ctc.cu', 'ctc_viterbi', **S.cuda_macros(dtype))}
+                             'ctc_viterbi': load_kernel('ctc.cu', 'ctc_viterbi', **S.cuda_macros(dtype)),
+                             'ctc_states_to_labels': load_kernel('ctc.cu', 'ctc_states_to_labels', **S.cuda_macros(dtype))}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 cupy_funcs = _ctc_kernels   # seqdist 0.0.3's name: the kernels by (dtype, semiring)
 CUDA_MAX_THREADS = 1024     # threads per block of the lattice kernels (tests lower it to exercise the looping path)
@@ -527,7 +528,7 @@ def _(log_probs, targets, input_lengths, target_lengths, blank, use_max, want, z
 def _ctc_setup_context(ctx, inputs, output):
     log_probs, targets, input_lengths, target_lengths, blank, use_max, want, zero_infinity, torch_grad, backend = inputs
     ctx.save_for_backward(log_probs, input_lengths, output[0], output[1], targets, target_lengths)
-    ctx.want, ctx.zero_infinity, ctx.torch_grad, ctx.blank = want, zero_infinity, torch_grad, blank
+    ctx.want, ctx.zero_infinity, ctx.torch_grad, ctx.blank, ctx.backend = want, zero_infinity, torch_grad, blank, backend
 
 def _ctc_backward(ctx, grad_logz, grad_P):
     """d logZ / d log_probs from the posteriors the forward pass computed (of the labels, or of the states, which are
@@ -547,7 +548,12 @@ def _ctc_backward(ctx, grad_logz, grad_P):
         tl = to_device(target_lengths, targets.device)
         clean = torch.where(torch.arange(targets.shape[1], device=targets.device)[None] < tl[:, None], targets, ctx.blank)
         ext = to_device(interleave_blanks(clean, ctx.blank), log_probs.device)
-        grad.scatter_add_(2, ext[None].expand(T, -1, -1), P)
+        if ctx.backend == 'cuda' or grad.is_cuda:                # deterministic: no atomics
+            il, tl = (to_device(x, grad.device).contiguous() for x in (input_lengths, target_lengths))
+            N, C = grad.shape[1:]
+            _ctc_kernels[(dtype, Log)]['ctc_states_to_labels']((math.ceil(T * N / 256),), (256,),
+                                                               (P.contiguous(), ext.contiguous(), il, tl, grad, T, N, C, P.shape[2]))
+        else: grad.scatter_add_(2, ext[None].expand(T, -1, -1), P)
     return grad.mul_(-w).to(log_probs.dtype), None, None, None, None, None, None, None, None, None
 
 torch.library.register_autograd('seqdist::ctc', _ctc_backward, setup_context=_ctc_setup_context)

@@ -345,3 +345,19 @@ def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype, monk
         assert torch.equal(cpu[0], cuda[0]) and torch.equal(cpu[1], cuda[1])
     assert (cuda[0][3] == 0).all()
     with pytest.raises(ValueError, match="backend must be"): forced_align(lp, targets, il, tl, backend='numba')
+
+def test_label_gradient_from_state_posteriors_on_the_cuda_path():
+    """With more classes than states ctc_loss keeps the states' posteriors and adds them into the labels in the
+    backward pass: on the CUDA path by a kernel (one thread per frame, in state order: deterministic, where
+    scatter_add_ uses atomics on a GPU). Same gradient as PyTorch's, blanks and repeated labels included."""
+    torch.manual_seed(4)
+    T, N, C = 30, 4, 40
+    logits = torch.randn(T, N, C, dtype=torch.float64)
+    targets = torch.randint(1, C, (N, 6)); targets[0, 1] = targets[0, 0]
+    il, tl = torch.tensor([30, 25, 30, 12]), torch.tensor([6, 4, 0, 5])
+    def grad(f):
+        x = logits.clone().requires_grad_()
+        return torch.autograd.grad(f(x.log_softmax(2)), x)[0]
+    ref = grad(lambda lp: F.ctc_loss(lp, targets, il, tl, reduction='sum'))
+    for backend in ('cpu', 'cuda'):
+        torch.testing.assert_close(grad(lambda lp: ctc_loss(lp, targets, il, tl, reduction='sum', backend=backend)), ref)
