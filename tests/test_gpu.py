@@ -46,9 +46,10 @@ def test_ctc_crf_gradients_are_bitwise_reproducible_and_agree_with_the_cpu():
     torch.testing.assert_close(l1.cpu().double(), lc, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g1.cpu().double(), gc, rtol=1e-4, atol=1e-5)
 
-def test_ctc_loss_agrees_with_pytorch_and_is_deterministic():
+@pytest.mark.parametrize('C', [20, 1000])     # 1000: more classes than states, the states-to-labels kernel
+def test_ctc_loss_agrees_with_pytorch_and_is_deterministic(C):
     g = torch.Generator().manual_seed(0)
-    T, N, C = 100, 8, 20
+    T, N = 100, 8
     lp = torch.randn(T, N, C, generator=g).log_softmax(2).cuda()
     targets = torch.randint(1, C, (N, 30), generator=g).cuda()
     il, tl = torch.full((N,), T).cuda(), torch.randint(10, 31, (N,), generator=g).cuda()
