@@ -423,28 +423,41 @@ def _import_cupy():
                           "(or 'seqdist[cuda13]'), matching your CUDA driver") from e
     return cupy
 
+class _RawStream:
+    "What CuPy's kernel call takes as `stream=`: any object whose `ptr` is the raw CUDA stream (here PyTorch's current one)."
+    __slots__ = ('ptr',)
+    def __init__(self, ptr): self.ptr = ptr
+
+_raw_stream = getattr(torch._C, '_cuda_getCurrentRawStream', None)    # what torch.compile's generated code calls
+
+def _current_stream(idx):
+    return _RawStream(_raw_stream(idx) if _raw_stream is not None else torch.cuda.current_stream(idx).cuda_stream)
+
 def _launch_cupy(kernel, device, grid, block, values, shared_mem):
+    """Launch on PyTorch's current stream of the tensors' device. What does not change between launches (the compiled
+    function, its thread and shared-memory limits) is looked up once per kernel and device: each launch is host time."""
     cupy = _import_cupy()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     with cupy.cuda.Device(idx):
-        fn = kernel._compiled.get(idx)
-        if fn is None:  # compiled by NVRTC once per source, macros and device
+        entry = kernel._compiled.get(idx)
+        if entry is None:  # compiled by NVRTC once per source, macros and device
             key = (kernel.cuda_source(), kernel.name, idx)
             if key not in _cupy_modules:
                 module = cupy.RawModule(code=kernel.cuda_source(), options=('--std=c++17', f'-I{cuda_dir()}'))
                 _cupy_modules[key] = module.get_function(kernel.name)
-            fn = kernel._compiled[idx] = _cupy_modules[key]
-        if idx not in _device_props: _device_props[idx] = cupy.cuda.runtime.getDeviceProperties(idx)
-        props = _device_props[idx]
-        if block[0] * block[1] * block[2] > fn.max_threads_per_block:
-            raise ValueError(f"kernel {kernel.name}: block={block} has more threads than the {fn.max_threads_per_block} "
+            fn = _cupy_modules[key]
+            if idx not in _device_props: _device_props[idx] = cupy.cuda.runtime.getDeviceProperties(idx)
+            entry = kernel._compiled[idx] = dict(fn=fn, max_threads=fn.max_threads_per_block, dynamic=48 * 1024,
+                                                 max_shared=_device_props[idx]['sharedMemPerBlockOptin'] - fn.shared_size_bytes)
+        fn = entry['fn']
+        if block[0] * block[1] * block[2] > entry['max_threads']:
+            raise ValueError(f"kernel {kernel.name}: block={block} has more threads than the {entry['max_threads']} "
                              f"this kernel can run per block on device {idx}")
-        _check_launch(kernel.name, grid, block, shared_mem, props['sharedMemPerBlockOptin'] - fn.shared_size_bytes)
-        if shared_mem > 48 * 1024: fn.max_dynamic_shared_size_bytes = shared_mem
+        _check_launch(kernel.name, grid, block, shared_mem, entry['max_shared'])
+        if shared_mem > entry['dynamic']: fn.max_dynamic_shared_size_bytes = entry['dynamic'] = shared_mem
         args = tuple(np.uint64(v.data_ptr()) if isinstance(v, torch.Tensor) else np.uint64(0) if v is None else v
                      for v in values)
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream(idx).cuda_stream, idx):  # PyTorch's current stream
-            fn(grid, block, args, shared_mem=shared_mem)
+        fn(grid, block, args, shared_mem=shared_mem, stream=_current_stream(idx))
 
 # %% ../nbs/01_utils.ipynb #46927f41
 _emulator = {'seed': 0, 'check_bounds': True, 'sanitize': False}

@@ -76,3 +76,53 @@ def test_semiring_sum_irregular_shapes(shape, block):
 ])
 def test_semiring_sum_bad_input(bad, error, message):
     with pytest.raises(error, match=message): semiring_sum(**bad)
+
+class FakeCuPy:
+    """The parts of CuPy that the CUDA launch path uses, as CuPy 14 defines them (RawModule(code, options).get_function
+    gives a RawKernel, called as kernel(grid, block, args, shared_mem=, stream=) where stream is any object with a
+    raw `ptr`), recording what the launch path asks of them: the GPU path's glue, checked without a GPU."""
+    def __init__(self):
+        self.modules, self.launches, self.dynamic_set, self.devices = 0, [], [], []
+        fake = self
+        class Device:
+            def __init__(self, idx): self.idx = idx
+            def __enter__(self): fake.devices.append(self.idx)
+            def __exit__(self, *exc): pass
+        class RawKernel:
+            max_threads_per_block, shared_size_bytes = 1024, 0
+            def __setattr__(self, name, value):
+                if name == 'max_dynamic_shared_size_bytes': fake.dynamic_set.append(value)
+                object.__setattr__(self, name, value)
+            def __call__(self, grid, block, args, shared_mem=0, stream=None):
+                fake.launches.append((grid, block, args, shared_mem, stream.ptr))
+        class RawModule:
+            def __init__(self, code, options):
+                assert '#define FLOAT double' in code and options[0] == '--std=c++17'
+                fake.modules += 1
+            def get_function(self, name): return RawKernel()
+        class runtime:
+            @staticmethod
+            def getDeviceProperties(idx): return {'sharedMemPerBlockOptin': 227 * 1024}
+        class cuda: pass
+        cuda.Device, cuda.runtime = Device, runtime
+        self.RawModule, self.cuda = RawModule, cuda
+
+def test_cupy_launch_path_with_a_fake_cupy(monkeypatch):
+    import seqdist.utils as U
+    fake = FakeCuPy()
+    monkeypatch.setattr(U, '_import_cupy', lambda: fake)
+    monkeypatch.setattr(U, '_current_stream', lambda idx: U._RawStream(1234 + idx))
+    k = load_kernel(KDIR / 'lattice_scan.cu', 'lattice_forward', **Log.cuda_macros(torch.float64))
+    scores, alpha = torch.randn(3, 8, dtype=torch.float64), torch.empty(4, 8, dtype=torch.float64)
+    values = U._marshal(k, (scores, alpha, 3, 8), scores.device)
+    gpu = torch.device('cuda', 1)
+    for shared in (0, 64 * 1024, 64 * 1024, 100 * 1024):
+        U._launch_cupy(k, gpu, (1, 1, 1), (32, 1, 1), values, shared)
+    assert fake.modules == 1 and fake.devices == [1] * 4                 # compiled once, launched on the tensors' device
+    assert fake.dynamic_set == [64 * 1024, 100 * 1024]                   # the opt-in raised only when it must grow
+    grid, block, args, shared, stream = fake.launches[0]
+    assert stream == 1235 and args[:2] == (scores.data_ptr(), alpha.data_ptr()) and args[2:] == (3, 8)
+    with pytest.raises(ValueError, match="exceeds the 232448 bytes"):
+        U._launch_cupy(k, gpu, (1, 1, 1), (32, 1, 1), values, 228 * 1024)
+    with pytest.raises(ValueError, match="more threads than the 1024"):
+        U._launch_cupy(k, gpu, (1, 1, 1), (64, 32, 1), values, 0)
