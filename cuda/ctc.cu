@@ -108,12 +108,27 @@ extern "C" __global__ void ctc_posteriors(
     }
 }
 
-// out[t, n, label of s] += P[t, n, s] for the states s of each valid frame (the gradient of the labels from the
-// states'), in state order: one thread per (t, n), so the sum is deterministic, where scatter_add_ on a GPU adds
-// with atomics in any order (every blank state adds into one element).
+// The gradient of the labels, in the backward pass: grad[t, n, c] = scale[t, n] * (exp(lp[t, n, c]) (with torch_grad,
+// PyTorch's convention) + P[t, n, c] (label posteriors, if given)). One thread per element: one pass over (T, N, C),
+// where PyTorch ops (exp, add, mul) take three.
+extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* __restrict__ P,
+                                    const FLOAT* __restrict__ scale, FLOAT* __restrict__ grad, long long rows, int C,
+                                    int torch_grad)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * C) return;
+    FLOAT v = torch_grad ? exp(lp[i]) : (FLOAT)0;
+    if (P) v += P[i];
+    grad[i] = scale[i / C] * v;
+}
+
+// out[t, n, label of s] += scale[t, n] * P[t, n, s] for the states s of each valid frame (the labels' share of the
+// states' posteriors), in state order: one thread per (t, n), so the sum is deterministic, where scatter_add_ on a
+// GPU adds with atomics in any order (every blank state adds into one element).
 extern "C" __global__ void ctc_states_to_labels(
     const FLOAT* __restrict__ P, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
-    const long long* __restrict__ target_lengths, FLOAT* __restrict__ out, int T_max, int N, int C, int S_max)
+    const long long* __restrict__ target_lengths, const FLOAT* __restrict__ scale, FLOAT* __restrict__ out,
+    int T_max, int N, int C, int S_max)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_max * N) return;
@@ -123,7 +138,7 @@ extern "C" __global__ void ctc_states_to_labels(
     const FLOAT* p = P + i * S_max;
     const long long* e = ext + (long long)n * S_max;
     FLOAT* o = out + i * C;
-    for (int s = 0; s < S; s++) o[e[s]] += p[s];
+    for (int s = 0; s < S; s++) o[e[s]] += scale[i] * p[s];
 }
 
 // The best path's state at each frame (forced alignment): the max recursion, keeping for each (frame, state) which

@@ -423,7 +423,8 @@ _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_
                                                 for spt in (4, 32)},
                              'ctc_posteriors': load_kernel('ctc.cu', 'ctc_posteriors', **S.cuda_macros(dtype)),
                              'ctc_viterbi': load_kernel('ctc.cu', 'ctc_viterbi', **S.cuda_macros(dtype)),
-                             'ctc_states_to_labels': load_kernel('ctc.cu', 'ctc_states_to_labels', **S.cuda_macros(dtype))}
+                             'ctc_states_to_labels': load_kernel('ctc.cu', 'ctc_states_to_labels', **S.cuda_macros(dtype)),
+                             'ctc_grad': load_kernel('ctc.cu', 'ctc_grad', **S.cuda_macros(dtype))}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 cupy_funcs = _ctc_kernels   # seqdist 0.0.3's name: the kernels by (dtype, semiring)
 CUDA_MAX_THREADS = 1024     # threads per block of the lattice kernels (tests lower it to exercise the looping path)
@@ -539,22 +540,40 @@ def _ctc_backward(ctx, grad_logz, grad_P):
     T = log_probs.shape[0]
     valid = torch.arange(T, device=log_probs.device)[:, None] < to_device(input_lengths, log_probs.device)[None]   # (T, N)
     g = torch.where(torch.isinf(logz), 0.0 if ctx.zero_infinity else math.nan, grad_logz)   # infeasible: as PyTorch
-    w = torch.where(valid, g[None], 0.0)[..., None].to(P.dtype)
-    dtype = P.dtype
-    if ctx.want == 1:
-        grad = torch.exp(log_probs.to(dtype)).add_(P) if ctx.torch_grad else P.clone()   # one allocation
-    else:
-        grad = torch.exp(log_probs.to(dtype)) if ctx.torch_grad else log_probs.new_zeros(log_probs.shape, dtype=dtype)
+    scale = torch.where(valid, -g[None], 0.0).to(P.dtype)                                 # (T, N): each frame's factor
+    ext = None
+    if ctx.want == 2:
         tl = to_device(target_lengths, targets.device)
         clean = torch.where(torch.arange(targets.shape[1], device=targets.device)[None] < tl[:, None], targets, ctx.blank)
         ext = to_device(interleave_blanks(clean, ctx.blank), log_probs.device)
-        if ctx.backend == 'cuda' or grad.is_cuda:                # deterministic: no atomics
-            il, tl = (to_device(x, grad.device).contiguous() for x in (input_lengths, target_lengths))
-            N, C = grad.shape[1:]
-            _ctc_kernels[(dtype, Log)]['ctc_states_to_labels']((math.ceil(T * N / 256),), (256,),
-                                                               (P.contiguous(), ext.contiguous(), il, tl, grad, T, N, C, P.shape[2]))
-        else: grad.scatter_add_(2, ext[None].expand(T, -1, -1), P)
-    return grad.mul_(-w).to(log_probs.dtype), None, None, None, None, None, None, None, None, None
+    on_gpu = ctx.backend == 'cuda' or log_probs.is_cuda
+    label_grad = _label_grad_cuda if on_gpu else _label_grad_torch
+    grad = label_grad(log_probs, P, ext, input_lengths, target_lengths, scale, ctx.want, ctx.torch_grad)
+    return grad.to(log_probs.dtype), None, None, None, None, None, None, None, None, None
+
+def _label_grad_torch(lp, P, ext, il, tl, scale, want, torch_grad):
+    "scale * (exp(lp) (with torch_grad) + P), P's states added into their labels (want=2): PyTorch ops (on the CPU)."
+    dtype = P.dtype
+    if want == 1:
+        grad = torch.exp(lp.to(dtype)).add_(P) if torch_grad else P.clone()   # one allocation
+    else:
+        grad = torch.exp(lp.to(dtype)) if torch_grad else lp.new_zeros(lp.shape, dtype=dtype)
+        grad.scatter_add_(2, ext[None].expand(lp.shape[0], -1, -1), P)       # sequential on the CPU: deterministic
+    return grad.mul_(scale[..., None])
+
+def _label_grad_cuda(lp, P, ext, il, tl, scale, want, torch_grad):
+    """The same by kernels: one pass over (T, N, C) for the labels, and for state posteriors one thread per frame that
+    adds them into their labels in order (scatter_add_ uses atomics on a GPU: not reproducible)."""
+    T, N, C = lp.shape
+    dtype = P.dtype
+    k = _ctc_kernels[(dtype, Log)]
+    grad, scale = lp.new_empty(lp.shape, dtype=dtype), scale.contiguous()
+    k['ctc_grad']((math.ceil(T * N * C / 256),), (256,),
+                  (lp.to(dtype).contiguous(), P if want == 1 else None, scale, grad, T * N, C, int(torch_grad)))
+    if want == 2:
+        il, tl = (to_device(x, lp.device).contiguous() for x in (il, tl))
+        k['ctc_states_to_labels']((math.ceil(T * N / 256),), (256,), (P, ext.contiguous(), il, tl, scale, grad, T, N, C, P.shape[2]))
+    return grad
 
 torch.library.register_autograd('seqdist::ctc', _ctc_backward, setup_context=_ctc_setup_context)
 

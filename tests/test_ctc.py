@@ -346,18 +346,22 @@ def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype, monk
     assert (cuda[0][3] == 0).all()
     with pytest.raises(ValueError, match="backend must be"): forced_align(lp, targets, il, tl, backend='numba')
 
-def test_label_gradient_from_state_posteriors_on_the_cuda_path():
-    """With more classes than states ctc_loss keeps the states' posteriors and adds them into the labels in the
-    backward pass: on the CUDA path by a kernel (one thread per frame, in state order: deterministic, where
-    scatter_add_ uses atomics on a GPU). Same gradient as PyTorch's, blanks and repeated labels included."""
+@pytest.mark.parametrize('C', [5, 40])            # 5: label posteriors (want=1); 40: more classes than states (want=2)
+@pytest.mark.parametrize('zero_infinity', [False, True])
+def test_label_gradient_on_the_cuda_path(C, zero_infinity):
+    """The backward pass's kernels (emulated): one pass writes the labels' gradient, and with more classes than states
+    a kernel adds the states' posteriors into their labels (one thread per frame, in state order: deterministic, where
+    scatter_add_ uses atomics on a GPU). Same gradient as PyTorch's: blanks, repeated labels, short inputs, an
+    infeasible sequence (NaN, or 0 with zero_infinity)."""
     torch.manual_seed(4)
-    T, N, C = 30, 4, 40
+    T, N = 30, 5
     logits = torch.randn(T, N, C, dtype=torch.float64)
     targets = torch.randint(1, C, (N, 6)); targets[0, 1] = targets[0, 0]
-    il, tl = torch.tensor([30, 25, 30, 12]), torch.tensor([6, 4, 0, 5])
+    il, tl = torch.tensor([30, 25, 30, 12, 3]), torch.tensor([6, 4, 0, 5, 6])      # the last: 6 labels in 3 frames
     def grad(f):
         x = logits.clone().requires_grad_()
         return torch.autograd.grad(f(x.log_softmax(2)), x)[0]
-    ref = grad(lambda lp: F.ctc_loss(lp, targets, il, tl, reduction='sum'))
+    ref = grad(lambda lp: F.ctc_loss(lp, targets, il, tl, reduction='sum', zero_infinity=zero_infinity))
     for backend in ('cpu', 'cuda'):
-        torch.testing.assert_close(grad(lambda lp: ctc_loss(lp, targets, il, tl, reduction='sum', backend=backend)), ref)
+        got = grad(lambda lp: ctc_loss(lp, targets, il, tl, reduction='sum', zero_infinity=zero_infinity, backend=backend))
+        torch.testing.assert_close(got, ref, equal_nan=True)
