@@ -4,13 +4,14 @@
 
 # %% auto #0
 __all__ = ['device', 'cupy_funcs', 'CUDA_MAX_THREADS', 'Prob', 'interleave_blanks', 'generate_sample_inputs', 'loss_pytorch',
-           'ctc_inputs', 'padded_targets', 'logz_reference', 'logz_brute_force', 'ctc_compute', 'ctc_op', 'ctc_apply',
-           'ctc_loss', 'CTCLoss', 'posteriors', 'viterbi_alignments', 'soft_alignments', 'forced_align',
-           'prepare_inputs', 'loss_basic', 'fwd_bwd', 'masked_grad', 'loss_py', 'loss_cupy', 'loss_direct_cupy']
+           'ctc_inputs', 'padded_targets', 'logz_reference', 'logz_brute_force', 'ctc_compute', 'ctc_op',
+           'ctc_label_grad_op', 'ctc_apply', 'ctc_loss', 'CTCLoss', 'posteriors', 'viterbi_alignments',
+           'soft_alignments', 'forced_align', 'prepare_inputs', 'loss_basic', 'fwd_bwd', 'masked_grad', 'loss_py',
+           'loss_cupy', 'loss_direct_cupy']
 
 # %% ../nbs/02_ctc.ipynb #0da03c22
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 import numpy as np
 import numba
 import torch
@@ -546,9 +547,9 @@ def _ctc_backward(ctx, grad_logz, grad_P):
         tl = to_device(target_lengths, targets.device)
         clean = torch.where(torch.arange(targets.shape[1], device=targets.device)[None] < tl[:, None], targets, ctx.blank)
         ext = to_device(interleave_blanks(clean, ctx.blank), log_probs.device)
-    on_gpu = ctx.backend == 'cuda' or log_probs.is_cuda
-    label_grad = _label_grad_cuda if on_gpu else _label_grad_torch
-    grad = label_grad(log_probs, P, ext, input_lengths, target_lengths, scale, ctx.want, ctx.torch_grad)
+    if ctx.backend == 'cuda' or log_probs.is_cuda:       # kernels: an opaque op, so that torch.compile can trace this
+        grad = ctc_label_grad_op(log_probs, P, ext, input_lengths, target_lengths, scale, ctx.want, ctx.torch_grad)
+    else: grad = _label_grad_torch(log_probs, P, ext, input_lengths, target_lengths, scale, ctx.want, ctx.torch_grad)
     return grad.to(log_probs.dtype), None, None, None, None, None, None, None, None, None
 
 def _label_grad_torch(lp, P, ext, il, tl, scale, want, torch_grad):
@@ -561,7 +562,9 @@ def _label_grad_torch(lp, P, ext, il, tl, scale, want, torch_grad):
         grad.scatter_add_(2, ext[None].expand(lp.shape[0], -1, -1), P)       # sequential on the CPU: deterministic
     return grad.mul_(scale[..., None])
 
-def _label_grad_cuda(lp, P, ext, il, tl, scale, want, torch_grad):
+@torch.library.custom_op('seqdist::ctc_label_grad', mutates_args=())
+def ctc_label_grad_op(lp: Tensor, P: Tensor, ext: Optional[Tensor], il: Tensor, tl: Tensor, scale: Tensor, want: int,
+                      torch_grad: bool) -> Tensor:
     """The same by kernels: one pass over (T, N, C) for the labels, and for state posteriors one thread per frame that
     adds them into their labels in order (scatter_add_ uses atomics on a GPU: not reproducible)."""
     T, N, C = lp.shape
@@ -574,6 +577,9 @@ def _label_grad_cuda(lp, P, ext, il, tl, scale, want, torch_grad):
         il, tl = (to_device(x, lp.device).contiguous() for x in (il, tl))
         k['ctc_states_to_labels']((math.ceil(T * N / 256),), (256,), (P, ext.contiguous(), il, tl, scale, grad, T, N, C, P.shape[2]))
     return grad
+
+@ctc_label_grad_op.register_fake
+def _(lp, P, ext, il, tl, scale, want, torch_grad): return lp.new_empty(lp.shape, dtype=P.dtype)
 
 torch.library.register_autograd('seqdist::ctc', _ctc_backward, setup_context=_ctc_setup_context)
 

@@ -153,7 +153,10 @@ def test_crf_bad_input():
         crf.ctc_loss(torch.randn(5, 1, 80), torch.tensor([[1, 2, 3]]), torch.tensor([3]), reduction='sum')
     assert torch.equal(kmer_transitions(1, 4), torch.tensor([[c, 0, 1, 2, 3] for c in range(4)], dtype=torch.int32))
 
-def test_torch_compile_fullgraph_of_the_crf_ops():
+@pytest.mark.parametrize('gpu_scatter', [False, True])   # True: the GPU's add_at_columns kernel (emulated)
+def test_torch_compile_fullgraph_of_the_crf_ops(gpu_scatter, monkeypatch):
+    import functools, seqdist.crf as crf_module
+    if gpu_scatter: monkeypatch.setattr(crf_module, 'add_at_columns', functools.partial(crf_module.add_at_columns, sorted_runs=True))
     torch.manual_seed(0)
     crf = CTC_CRF(state_len=2, alphabet='NACGT')
     scores = torch.randn(12, 3, crf.n_score(), requires_grad=True)

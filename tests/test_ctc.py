@@ -232,11 +232,13 @@ def test_half_precision_inputs(dtype):
     torch.testing.assert_close(loss.detach(), l32)
     torch.testing.assert_close(lp.grad.float(), g32, rtol=0, atol=1e-2)
 
-def test_torch_compile_fullgraph_gives_the_eager_result():
+@pytest.mark.parametrize('backend', ['auto', 'cuda'])      # cuda: the kernels' path, emulated (what runs on a GPU)
+@pytest.mark.parametrize('C', [6, 40])                      # 40: more classes than states (state posteriors)
+def test_torch_compile_fullgraph_gives_the_eager_result(backend, C):
     torch.manual_seed(0)
-    lp = torch.randn(30, 4, 6).log_softmax(2).requires_grad_()
-    targets, il, tl = torch.randint(1, 6, (4, 8)), torch.tensor([30, 25, 30, 20]), torch.tensor([8, 5, 3, 0])
-    def f(lp): return ctc_loss(lp, targets, il, tl) * 2.0
+    lp = torch.randn(30, 4, C).log_softmax(2).requires_grad_()
+    targets, il, tl = torch.randint(1, C, (4, 8)), torch.tensor([30, 25, 30, 20]), torch.tensor([8, 5, 3, 0])
+    def f(lp): return ctc_loss(lp, targets, il, tl, backend=backend) * 2.0
     compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
     eager, comp = f(lp), compiled(lp)
     g_eager, = torch.autograd.grad(eager, lp)
