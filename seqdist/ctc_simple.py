@@ -228,12 +228,22 @@ def _simple_backward(ctx, grad_logz, grad_s, grad_m):
 
 torch.library.register_autograd('seqdist::ctc_simple', _simple_backward, setup_context=_simple_setup)
 
+class _SimpleFunction(torch.autograd.Function):
+    "The op as an autograd.Function for eager calls (no torch.library dispatch: host time on a GPU); compiled code traces the op."
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = simple_compute(*inputs)
+        _simple_setup(ctx, inputs, output)
+        return output
+    backward = staticmethod(_simple_backward)
+
 # %% ../nbs/03_ctc_simple.ipynb #29e3683e
 def logZ(stay_scores, move_scores, target_lengths, S:semiring=Log, backend='auto'):
     "logZ (N,) of the stay/move lattice, on every device; its gradient gives the edge posteriors (Log) or the best path (Max)."
     if S not in (Log, Max): raise ValueError(f"S must be Log or Max, got {S!r}")
     want = torch.is_grad_enabled() and (stay_scores.requires_grad or move_scores.requires_grad)
-    return simple_op(stay_scores, move_scores, torch.as_tensor(target_lengths), S is Max, want, backend)[0]
+    apply = simple_op if torch.compiler.is_compiling() else _SimpleFunction.apply
+    return apply(stay_scores, move_scores, torch.as_tensor(target_lengths), S is Max, want, backend)[0]
 
 def logZ_cupy(stay_scores, move_scores, target_lengths, S:semiring=Log):
     "seqdist 0.0.3's name for `logZ` (it now runs on every device, the CPU included)."

@@ -548,6 +548,9 @@ def sparse_logz_compute(Ms, idx, v0, vT, use_max, want, backend='auto', K=1):
 def sparse_logz_op(Ms: Tensor, idx: Tensor, v0: Tensor, vT: Tensor, use_max: bool, want: bool, backend: str, K: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """logZ (N,) by a kernel backend and, if want, what its backward pass needs (alpha, per-frame shifts and scales,
     which sequences the scaled kernel did exactly); differentiable w.r.t. Ms."""
+    return _sparse_forward(Ms, idx, v0, vT, use_max, want, backend, K)
+
+def _sparse_forward(Ms, idx, v0, vT, use_max, want, backend, K):
     idx = check_sparse_inputs(Ms, idx, v0, vT)
     forward, _ = _SPARSE_BACKENDS[_sparse_backend(Ms, backend, K)]
     return forward(Ms.detach(), idx, v0.detach(), vT.detach(), use_max, want, K)
@@ -564,6 +567,9 @@ def _(Ms, idx, v0, vT, use_max, want, backend, K):
 def sparse_logz_backward_op(g: Tensor, Ms: Tensor, idx: Tensor, v0: Tensor, vT: Tensor, logz: Tensor, alpha: Tensor, frames: Tensor,
                             ok: Tensor, use_max: bool, backend: str, K: int) -> Tensor:
     "g (N,) times the gradient of logZ w.r.t. Ms, from what `seqdist::sparse_logz` saved: a fresh (T, N, C, NZ) tensor."
+    return _sparse_backward(g, Ms, idx, v0, vT, logz, alpha, frames, ok, use_max, backend, K)
+
+def _sparse_backward(g, Ms, idx, v0, vT, logz, alpha, frames, ok, use_max, backend, K):
     _, backward = _SPARSE_BACKENDS[_sparse_backend(Ms, backend, K)]
     return backward(g.detach(), Ms.detach(), check_sparse_inputs(Ms, idx), v0.detach(), vT.detach(), logz, alpha, frames, ok, use_max, K)
 
@@ -576,14 +582,25 @@ def _sparse_setup(ctx, inputs, output):
     ctx.save_for_backward(Ms, idx, v0, vT, *output)
     ctx.use_max, ctx.want, ctx.backend, ctx.K = use_max, want, backend, K
 
-def _sparse_backward_formula(ctx, grad_logz, *unused):
+def _sparse_backward_formula(ctx, grad_logz, *unused, backward=sparse_logz_backward_op):
     "The backward kernels run here, with the incoming gradient folded into the posteriors they write."
     if not ctx.want: raise RuntimeError("seqdist::sparse_logz: call it with want=True to differentiate logZ")
     Ms, idx, v0, vT, logz, alpha, frames, ok = ctx.saved_tensors
-    grad = sparse_logz_backward_op(grad_logz, Ms, idx, v0, vT, logz, alpha, frames, ok, ctx.use_max, ctx.backend, ctx.K)
+    grad = backward(grad_logz, Ms, idx, v0, vT, logz, alpha, frames, ok, ctx.use_max, ctx.backend, ctx.K)
     return grad, None, None, None, None, None, None, None
 
 torch.library.register_autograd('seqdist::sparse_logz', _sparse_backward_formula, setup_context=_sparse_setup)
+
+class _SparseFunction(torch.autograd.Function):
+    "The two ops as an autograd.Function for eager calls (no torch.library dispatch: host time on a GPU); compiled code traces the ops."
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _sparse_forward(*inputs)
+        _sparse_setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_logz, *unused): return _sparse_backward_formula(ctx, grad_logz, backward=_sparse_backward)
 
 class _SparseReference(torch.autograd.Function):
     "The reference path: logZ by the scan and its gradient by autograd, computed eagerly."
@@ -608,7 +625,8 @@ def logZ(Ms, idx, v0, vT, S:semiring=Log, K=1, backend='auto'):
     want = torch.is_grad_enabled() and Ms.requires_grad
     K = int(K) if isinstance(K, np.integer) else K
     if backend == 'reference': return _SparseReference.apply(Ms, idx, v0, vT, S is Max, want)
-    return sparse_logz_op(Ms, idx, v0, vT, S is Max, want, backend, K)[0]
+    apply = sparse_logz_op if torch.compiler.is_compiling() else _SparseFunction.apply
+    return apply(Ms, idx, v0, vT, S is Max, want, backend, K)[0]
 
 def _scores(Ms, idx, v, S, K, backend, forward):
     "Forward or backward scores (T+1, N, C) in log space, by the chosen backend."

@@ -241,3 +241,14 @@ def test_simple_cuda_kernels_are_as_accurate_as_the_cpu_in_float32():
     ref = grads(stay.double(), move.double(), 'cpu')
     for got, want in zip(grads(stay, move, 'cuda'), ref):
         assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-6
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_the_ops_pass_opcheck(backend):
+    "Eager calls go through autograd.Functions (less host time); torch.compile traces the ops: check them as ops."
+    from seqdist import sparse
+    torch.manual_seed(0)
+    stay, move = torch.randn(8, 3, 5, dtype=torch.float64, requires_grad=True), torch.randn(8, 3, 4, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(simple.simple_op, (stay, move, torch.tensor([5, 3, 1]), False, True, backend))
+    idx = kmer_transitions(2, 4)
+    Ms, v = torch.randn(6, 2, 16, 5, dtype=torch.float64, requires_grad=True), torch.zeros(2, 16, dtype=torch.float64)
+    torch.library.opcheck(sparse.sparse_logz_op, (Ms, idx, v, v, False, True, backend, 1))

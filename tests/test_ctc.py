@@ -367,3 +367,16 @@ def test_label_gradient_on_the_cuda_path(C, zero_infinity):
     for backend in ('cpu', 'cuda'):
         got = grad(lambda lp: ctc_loss(lp, targets, il, tl, reduction='sum', zero_infinity=zero_infinity, backend=backend))
         torch.testing.assert_close(got, ref, equal_nan=True)
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_the_ops_pass_opcheck(backend):
+    "Eager calls go through an autograd.Function (less host time); torch.compile traces the ops: check them as ops."
+    from seqdist.ctc import ctc_op, ctc_label_grad_op
+    torch.manual_seed(0)
+    lp = torch.randn(12, 3, 9, dtype=torch.float64).log_softmax(2).requires_grad_()
+    targets, il, tl = torch.randint(1, 9, (3, 3)), torch.tensor([12, 10, 12]), torch.tensor([3, 2, 0])
+    for want in (1, 2):
+        torch.library.opcheck(ctc_op, (lp, targets, il, tl, 0, False, want, False, True, backend))
+    P = torch.randn(12, 3, 7, dtype=torch.float64)
+    ext = torch.zeros(3, 7, dtype=torch.long)
+    torch.library.opcheck(ctc_label_grad_op, (lp.detach(), P, ext, il, tl, torch.randn(12, 3, dtype=torch.float64), 2, True))
