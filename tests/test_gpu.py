@@ -88,25 +88,39 @@ def test_hot_paths_do_not_synchronise_with_gpu_resident_inputs():
     lengths = torch.tensor([10, 7, 9, 3]).cuda()
     _no_sync(lambda: ctc_simple.logZ(stay, move, lengths).sum().backward())
 
-def test_ctc_loss_forward_and_backward_replay_in_a_cuda_graph():
-    "The issue asks that the ops be capturable in a CUDA graph: capture fwd+bwd once, replay on new values."
-    lp, targets, il, tl = _ctc_inputs_on_gpu()
-    static = lp.clone().requires_grad_()
+def _replays_in_a_cuda_graph(loss_fn, x, new_x):
+    """Capture loss_fn(x) and its backward in a CUDA graph, replay it on new_x's values, and check the loss and the
+    gradient against eager calls: what the issue asks of every op (no host sync, no host-side state per call)."""
+    static = x.detach().clone().requires_grad_()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                                    # warm-up (kernels compiled, caches filled)
+    with torch.cuda.stream(side):                                    # warm-up: kernels compiled, caches filled
         for _ in range(3):
             static.grad = None
-            ctc_loss(static, targets, il, tl).backward()
+            loss_fn(static).backward()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     static.grad = None
     with torch.cuda.graph(graph):
-        static_loss = ctc_loss(static, targets, il, tl)
+        static_loss = loss_fn(static)
         static_loss.backward()
-    new = _ctc_inputs_on_gpu(seed=2)[0]
-    with torch.no_grad(): static.copy_(new)
+    with torch.no_grad(): static.copy_(new_x)
     graph.replay()
-    loss, grad = _grad(lambda x: ctc_loss(x, targets, il, tl), new)
+    loss, grad = _grad(loss_fn, new_x)
     torch.testing.assert_close(static_loss.detach(), loss)
     torch.testing.assert_close(static.grad, grad)
+
+def test_ctc_loss_forward_and_backward_replay_in_a_cuda_graph():
+    lp, targets, il, tl = _ctc_inputs_on_gpu()
+    _replays_in_a_cuda_graph(lambda x: ctc_loss(x, targets, il, tl), lp, _ctc_inputs_on_gpu(seed=2)[0])
+
+def test_crf_ops_replay_in_a_cuda_graph():
+    from seqdist import ctc_simple
+    crf, scores, targets, lengths = crf_inputs(T=50, N=4, state_len=3)
+    targets, lengths = targets.cuda(), lengths.cuda()
+    _replays_in_a_cuda_graph(lambda x: crf.ctc_loss(x, targets, lengths), scores, crf_inputs(T=50, N=4, state_len=3, seed=1)[1])
+    Ms = scores.reshape(50, 4, -1, crf.n_base + 1)
+    idx, v = crf.idx.cuda(), Ms.new_zeros(4, crf.n_states)
+    _replays_in_a_cuda_graph(lambda x: sparse.logZ(x, idx, v, v, Log).sum(), Ms, torch.randn_like(Ms))
+    move, tl = torch.randn(40, 4, 9).cuda(), torch.tensor([10, 7, 9, 3]).cuda()
+    _replays_in_a_cuda_graph(lambda x: ctc_simple.logZ(x, move, tl).sum(), torch.randn(40, 4, 10).cuda(), torch.randn(40, 4, 10).cuda())
