@@ -52,21 +52,56 @@ extern "C" __global__ void simple_alpha_beta(const FLOAT* __restrict__ stay, con
     else simple_beta(stay, move, Ln, beta, buf, T, N, L, n);
 }
 
-// The edge posteriors (Log semiring) in one pass: gs[t, n, s] = exp(alpha_t(s) + stay[t, n, s] + beta_{t+1}(s) - logZ),
-// gm[t, n, s] = exp(alpha_t(s) + move[t, n, s] + beta_{t+1}(s + 1) - logZ), zero for an infeasible sequence
-// (logZ = -inf). alpha and beta (T + 1, N, L) are double; one thread per (t, n, s); written in the scores' type.
-extern "C" __global__ void simple_posteriors(const double* __restrict__ alpha, const double* __restrict__ beta,
+// The edge posteriors (Log semiring): one block per frame and sequence (t, n) takes the weights of the frame's edges,
+// w = alpha_t(s) + stay[t, n, s] + beta_{t+1}(s) and alpha_t(s) + move[t, n, s] + beta_{t+1}(s + 1), and writes
+// exp(w - their log-sum-exp). Every path takes one edge per frame, so that sum is Z in exact arithmetic; normalising
+// each frame by its own sum (as seqdist 0.0.3 did) cancels the rounding that alpha_t + beta_{t+1} share, which in
+// float32 dominates the error of exp(w - logZ). Zero for an infeasible sequence (logz = -inf). blockDim.x is a power
+// of two; the reductions are trees in shared memory (deterministic).
+extern "C" __global__ void simple_posteriors(const FLOAT* __restrict__ alpha, const FLOAT* __restrict__ beta,
                                              const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
-                                             const double* __restrict__ logz, FLOAT* __restrict__ gs,
-                                             FLOAT* __restrict__ gm, int T, int N, int L) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)T * N * L) return;
-    const int s = (int)(i % L);
-    const long long tn = i / L, m = tn * (L - 1) + s;          // (t, n) and the move edge out of s
-    const double z = logz[tn % N];
-    const bool feasible = z != -INFINITY;
-    const double a = alpha[i];
-    const double* b = beta + (long long)N * L + i;             // beta_{t+1}(s)
-    gs[i] = feasible ? (FLOAT)exp(a + (double)stay[i] + b[0] - z) : (FLOAT)0;
-    if (s + 1 < L) gm[m] = feasible ? (FLOAT)exp(a + (double)move[m] + b[1] - z) : (FLOAT)0;
+                                             const FLOAT* __restrict__ logz, FLOAT* __restrict__ gs,
+                                             FLOAT* __restrict__ gm, int N, int L) {
+    extern __shared__ unsigned char smem[];
+    FLOAT* red = (FLOAT*)smem;                       // blockDim.x values
+    const long long tn = blockIdx.x;                 // t * N + n
+    const FLOAT* a = alpha + tn * L;
+    const FLOAT* b = beta + (tn + N) * L;            // beta_{t+1}
+    const FLOAT* st = stay + tn * L;
+    const FLOAT* mv = move + tn * (L - 1);
+    FLOAT* os = gs + tn * L;
+    FLOAT* om = gm + tn * (L - 1);
+    if (logz[tn % N] == -INFINITY) {                 // the same for the whole block: no barrier is skipped by some
+        for (int s = threadIdx.x; s < L; s += blockDim.x) { os[s] = 0; if (s + 1 < L) om[s] = 0; }
+        return;
+    }
+    FLOAT m = -INFINITY;
+    for (int s = threadIdx.x; s < L; s += blockDim.x) {
+        m = max2(m, a[s] + st[s] + b[s]);
+        if (s + 1 < L) m = max2(m, a[s] + mv[s] + b[s + 1]);
+    }
+    red[threadIdx.x] = m;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) red[threadIdx.x] = max2(red[threadIdx.x], red[threadIdx.x + k]);
+        __syncthreads();
+    }
+    m = red[0];
+    __syncthreads();                                 // everyone has read red[0] before it is reused
+    FLOAT sum = 0;
+    for (int s = threadIdx.x; s < L; s += blockDim.x) {
+        sum += exp(a[s] + st[s] + b[s] - m);
+        if (s + 1 < L) sum += exp(a[s] + mv[s] + b[s + 1] - m);
+    }
+    red[threadIdx.x] = sum;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) red[threadIdx.x] += red[threadIdx.x + k];
+        __syncthreads();
+    }
+    const FLOAT lse = m + log(red[0]);
+    for (int s = threadIdx.x; s < L; s += blockDim.x) {
+        os[s] = exp(a[s] + st[s] + b[s] - lse);
+        if (s + 1 < L) om[s] = exp(a[s] + mv[s] + b[s + 1] - lse);
+    }
 }

@@ -229,18 +229,23 @@ def test_bonito_layout_of_the_gpu_benchmark_equals_ctc_crf():
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(*(torch.autograd.grad(x, scores)[0] for x in (a, b)))
 
-def test_simple_cuda_kernels_are_as_accurate_as_the_cpu_in_float32():
-    "float32 inputs: the CUDA kernels recurse in float64, like the CPU kernel (in float32 they lost 1.6e-4 here)."
-    g = torch.Generator().manual_seed(0)
-    T, N, L = 200, 4, 40
-    stay, move = torch.randn(T, N, L, generator=g) * 3, torch.randn(T, N, L - 1, generator=g) * 3
-    tl = torch.randint(30, 41, (N,), generator=g)
-    def grads(s, m, backend):
-        s, m = s.clone().requires_grad_(), m.clone().requires_grad_()
-        return torch.autograd.grad(simple.logZ(s, m, tl, backend=backend).sum(), (s, m))
-    ref = grads(stay.double(), move.double(), 'cpu')
-    for got, want in zip(grads(stay, move, 'cuda'), ref):
-        assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-6
+def test_simple_cuda_kernels_in_float32_are_as_accurate_as_seqdist_003():
+    """float32 inputs: the CUDA recursions run in float32 and the posteriors are normalised per frame (as 0.0.3 did):
+    the GPU issue asks for no worse than 0.0.3's error (2.6e-5 on its T=400 N=8 L=80 case, on an H100). Against
+    float64, at that shape: about 2.5e-5 here, 0.0.3's algorithm in float32 about 2.0e-5 (the float64 recursions: 3e-8)."""
+    for seed in range(2):
+        torch.manual_seed(seed)
+        stay, move, tl = simple.generate_sample_inputs(T=400, N=8, L_min=60, L_max=80, device='cpu')
+        stay, move = stay.detach(), move.detach()
+        def grads(f, s, m):
+            s, m = s.clone().requires_grad_(), m.clone().requires_grad_()
+            return torch.autograd.grad(f(s, m, tl).sum(), (s, m))
+        ref = grads(lambda s, m, t: simple.logZ(s, m, t, backend='cpu'), stay.double(), move.double())
+        err = lambda got: max((a.double() - b).abs().max().item() for a, b in zip(got, ref))
+        ours = grads(lambda s, m, t: simple.logZ(s, m, t, backend='cuda'), stay, move)
+        assert all(g.dtype == torch.float32 for g in ours)
+        assert err(ours) < 4e-5 and err(ours) < 1.5 * err(grads(simple.logZ_py, stay, move))
+
 
 @pytest.mark.parametrize('backend', ['cpu', 'cuda'])
 def test_the_ops_pass_opcheck(backend):
