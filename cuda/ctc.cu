@@ -17,8 +17,9 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // the two never reach the same frame in the same step. Each half keeps its last frame in shared memory (double-
 // buffered; the backward half keeps beta * emission, so a state reads one emission per step, its own), and loads
 // the emissions of its next frame before the barrier: the load's latency is off the critical path. Thread j of a
-// half owns states j, j + B, ..., at most SPT of them. With_beta = 0: the forward half alone (logZ only).
-extern "C" __global__ void ctc_alpha_beta(
+// half owns states j, j + B, ..., at most SPT of them (launch bounds: registers fit 1024 threads even for SPT = 32,
+// where the emissions may spill). With_beta = 0: the forward half alone (logZ only).
+extern "C" __global__ void __launch_bounds__(1024) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
     int N, int C, int S_max, int blank, int with_beta)
