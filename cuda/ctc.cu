@@ -18,20 +18,23 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // buffered; the backward half keeps beta * emission, so a state reads one emission per step, its own), and loads
 // the emissions of its next frame before the barrier: the load's latency is off the critical path. Thread j of a
 // half owns states j, j + B, ..., at most SPT of them (launch bounds: registers fit 1024 threads even for SPT = 32,
-// where the emissions may spill). With_beta = 0: the forward half alone (logZ only).
+// where the emissions may spill). `recursions`: 3 both at once; 1 the forward one alone (it stores alpha: logZ only,
+// or the first of two launches for targets too long for four frames in shared memory); 2 the backward one alone
+// (it multiplies beta into the alpha that a forward launch stored).
 extern "C" __global__ void __launch_bounds__(1024) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
-    int N, int C, int S_max, int blank, int with_beta)
+    int N, int C, int S_max, int blank, int recursions)
 {
     extern __shared__ unsigned char smem[];
-    const int B = with_beta ? blockDim.x / 2 : blockDim.x;
-    const bool backward = threadIdx.x >= B;
-    const int j = threadIdx.x - (backward ? B : 0);
-    FLOAT* buf = (FLOAT*)smem + (backward ? 2 * S_max : 0);     // this half's two frames
+    const bool both = recursions == 3;
+    const int B = both ? blockDim.x / 2 : blockDim.x;
+    const bool backward = recursions == 2 || (both && threadIdx.x >= B);
+    const int j = threadIdx.x - (both && backward ? B : 0);
+    FLOAT* buf = (FLOAT*)smem + (both && backward ? 2 * S_max : 0);     // this recursion's two frames
     const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
     const long long* e = ext + (long long)n * S_max;
-    const int h = with_beta ? (T + 1) / 2 : T, late = with_beta ? T % 2 : 0;   // frames t < h: alpha arrives first
+    const int h = both ? (T + 1) / 2 : T, late = both ? T % 2 : 0;   // frames t < h: alpha arrives first
     FLOAT em[SPT];
     const int t_first = backward ? T - 1 : 0;
     #pragma unroll
@@ -76,8 +79,8 @@ extern "C" __global__ void __launch_bounds__(1024) ctc_alpha_beta(
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) {
-        const FLOAT* last = buf + ((T + 1) % 2) * S_max;    // the forward half's frame T - 1
+    if (threadIdx.x == 0 && recursions != 2) {
+        const FLOAT* last = buf + ((T + 1) % 2) * S_max;    // the forward recursion's frame T - 1
         const FLOAT z = T == 0 ? (S == 1 ? ONE : ZERO) : (S > 1 ? SUM(last[S - 1], last[S - 2]) : last[0]);
         logz[n] = z > (FLOAT)-1e30 ? z : -INFINITY;         // ZERO is finite (-1e38): infeasible
     }

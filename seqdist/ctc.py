@@ -430,23 +430,33 @@ _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_
 cupy_funcs = _ctc_kernels   # seqdist 0.0.3's name: the kernels by (dtype, semiring)
 CUDA_MAX_THREADS = 1024     # threads per block of the lattice kernels (tests lower it to exercise the looping path)
 
+def _recursion_launch(spts, S_max, elsize, recursions):
+    "(threads per recursion, states per thread) of a launch that runs `recursions` (1 or 2) at once, or None if they do not fit."
+    threads = min(CUDA_MAX_THREADS // recursions, 32 * math.ceil(S_max / 32))
+    spt = next((m for m in spts if m * threads >= S_max), None)
+    return None if spt is None or recursions * 2 * S_max * elsize > EMULATOR_MAX_SHARED_MEM else (threads, spt)
+
 def _ctc_cuda(lp, ext, il, tl, blank, use_max, want):
-    "The CUDA kernels (on CUDA tensors through CuPy, on CPU tensors through the emulator): logZ (N,) and P."
+    """The CUDA kernels (on CUDA tensors through CuPy, on CPU tensors through the emulator): logZ (N,) and P. Both
+    recursions run in one launch when four frames fit in shared memory, else one after the other (long targets)."""
     T, N, C = lp.shape
     S_max = ext.shape[1]
     k = _ctc_kernels[(lp.dtype, Max if use_max else Log)]
-    halves = 2 if want else 1                           # the backward recursion only when the weights are wanted
-    half = min(CUDA_MAX_THREADS // 2, 32 * math.ceil(S_max / 32))
-    spt = next((m for m in k['ctc_alpha_beta'] if m * half >= S_max), None)
-    shared = halves * 2 * S_max * lp.element_size()
-    if spt is None or shared > EMULATOR_MAX_SHARED_MEM:
-        most = min(EMULATOR_MAX_SHARED_MEM // (halves * 2 * lp.element_size()), max(k['ctc_alpha_beta']) * half)
+    kab, elsize = k['ctc_alpha_beta'], lp.element_size()
+    both, one = _recursion_launch(kab, S_max, elsize, 2) if want else None, _recursion_launch(kab, S_max, elsize, 1)
+    if one is None:
+        most = min(EMULATOR_MAX_SHARED_MEM // (2 * elsize), max(kab) * CUDA_MAX_THREADS)
         raise ValueError(f"targets of {(S_max - 1) // 2} labels are longer than the CUDA kernel holds in shared memory "
-                         f"({(most - 1) // 2} labels in {lp.dtype}{' with gradients' if want else ''})")
+                         f"({(most - 1) // 2} labels in {lp.dtype})")
     ext, il, tl = (to_device(x, lp.device) for x in (ext, il, tl))
     w, logz = lp.new_empty(T, N, S_max), lp.new_empty(N)
-    k['ctc_alpha_beta'][spt]((N,), (halves * half,), (lp, ext, il, tl, w, logz, N, C, S_max, blank, int(halves == 2)),
-                             shared_mem=shared)
+    def launch(recursions, threads, spt):
+        n = 2 if recursions == 3 else 1
+        kab[spt]((N,), (n * threads,), (lp, ext, il, tl, w, logz, N, C, S_max, blank, recursions), shared_mem=n * 2 * S_max * elsize)
+    if both: launch(3, *both)
+    else:
+        launch(1, *one)
+        if want: launch(2, *one)
     if not want: return logz, lp.new_empty(0)
     P = lp.new_zeros(T, N, C if want == 1 else S_max)
     k['ctc_posteriors']((math.ceil(T * N / 256),), (256,), (w, ext, il, tl, logz, P, T, N, P.shape[2], S_max,

@@ -305,11 +305,14 @@ def test_forced_align_equals_torchaudio(seed):
         assert torch.allclose(scores[n, :il[n]], ref_scores[0], atol=1e-6)
 
 @pytest.mark.parametrize('max_threads', [1024, 32])     # 32: 16 threads per recursion, up to 32 states each
-def test_cuda_recursions_meet_at_every_length(max_threads, monkeypatch):
+@pytest.mark.parametrize('two_launches', [False, True])  # True: as for targets too long for both recursions' frames
+def test_cuda_recursions_meet_at_every_length(max_threads, two_launches, monkeypatch):
     """The CUDA kernel runs the forward and backward recursions at once and they meet in the middle of the frames:
     odd and even lengths (the backward half starts a step late for odd T), T = 1, lengths shorter than the batch's,
-    and targets with more states than 4 per thread (the wider register variant)."""
+    and targets with more states than 4 per thread (the wider register variant). Or, when four frames do not fit
+    in shared memory, one launch after the other."""
     monkeypatch.setattr(ctc, 'CUDA_MAX_THREADS', max_threads)
+    if two_launches: monkeypatch.setattr(ctc, 'EMULATOR_MAX_SHARED_MEM', 2 * 81 * 8)      # two frames of 81 states
     torch.manual_seed(3)
     T, N, C = 90, 8, 5
     lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2)
@@ -322,11 +325,14 @@ def test_cuda_recursions_meet_at_every_length(max_threads, monkeypatch):
         torch.testing.assert_close(out[1], ref[1], rtol=1e-12, atol=1e-12)
         logz_only = ctc_compute(lp, targets, il, tl, 0, S is Max, 0, 'cuda')[0]      # the forward half alone
         torch.testing.assert_close(logz_only, ref[0], rtol=1e-12, atol=1e-12)
+    from seqdist.utils import count_launches
+    with count_launches() as launches: ctc_compute(lp, targets, il, tl, 0, False, 1, 'cuda')
+    assert launches['ctc_alpha_beta'] == (2 if two_launches else 1)
 
 def test_cuda_targets_too_long_for_shared_memory():
-    lp = torch.randn(12000, 1, 3).log_softmax(2)
-    targets, il, tl = torch.ones(1, 5500, dtype=torch.long), torch.tensor([12000]), torch.tensor([5500])
-    with pytest.raises(ValueError, match=r"targets of 5500 labels are longer than the CUDA kernel holds .*5215 labels in torch.float32 with gradients"):
+    lp = torch.randn(22000, 1, 3).log_softmax(2)
+    targets, il, tl = torch.ones(1, 10500, dtype=torch.long), torch.tensor([22000]), torch.tensor([10500])
+    with pytest.raises(ValueError, match=r"targets of 10500 labels are longer than the CUDA kernel holds .*10431 labels in torch.float32"):
         ctc_compute(lp, targets, il, tl, 0, False, 1, 'cuda')
 
 @pytest.mark.parametrize('max_threads', [1024, 32])
