@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, grad, max_grad, SequenceDist, semiring_sum2
-from .utils import load_kernel, to_device, on_host, require, check_labels, EMULATOR_MAX_SHARED_MEM
+from .utils import load_kernel, to_device, on_host, require, check_labels, EMULATOR_MAX_SHARED_MEM, eager_function, apply_op
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 
@@ -593,22 +593,15 @@ def _(lp, P, ext, il, tl, scale, want, torch_grad): return lp.new_empty(lp.shape
 
 torch.library.register_autograd('seqdist::ctc', _ctc_backward, setup_context=_ctc_setup_context)
 
-class _CTCFunction(torch.autograd.Function):
-    """The op's forward and backward as an autograd.Function: for eager calls, where it saves torch.library's dispatch
-    (about 75 µs of host time per forward and backward, measured on CPU with the kernels stubbed out: time between
-    launches on a GPU), and for the reference backend. Under torch.compile the op is traced instead."""
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = ctc_compute(*inputs[:7], backend=inputs[-1])
-        _ctc_setup_context(ctx, inputs, output)
-        return output
-    backward = staticmethod(_ctc_backward)
+# eager calls and the reference backend: the same functions without the op's dispatch (see `utils.eager_function`)
+_CTCFunction = eager_function('_CTCFunction', lambda *inputs: ctc_compute(*inputs[:7], backend=inputs[-1]),
+                              _ctc_setup_context, _ctc_backward)
 
 def ctc_apply(log_probs, targets, input_lengths, target_lengths, blank, use_max, want, zero_infinity, torch_grad, backend):
     "logZ and P, differentiable: the custom op when compiled, else (same functions) an autograd.Function."
     args = (log_probs, targets, input_lengths, target_lengths, int(blank), bool(use_max), want, bool(zero_infinity), torch_grad)
-    if backend != 'reference' and torch.compiler.is_compiling(): return ctc_op(*args, backend)
-    return _CTCFunction.apply(*args, backend)
+    if backend == 'reference': return _CTCFunction.apply(*args, backend)
+    return apply_op(ctc_op, _CTCFunction, *args, backend)
 
 # %% ../nbs/02_ctc.ipynb #75a2cac9
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction='mean', zero_infinity=False, *,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import pad
 from .core import semiring, Log, Max, semiring_sum2
-from .utils import load_kernel, on_host, require, to_device
+from .utils import load_kernel, on_host, require, to_device, eager_function, apply_op
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
@@ -236,22 +236,15 @@ def _simple_backward(ctx, grad_logz, grad_s, grad_m):
 
 torch.library.register_autograd('seqdist::ctc_simple', _simple_backward, setup_context=_simple_setup)
 
-class _SimpleFunction(torch.autograd.Function):
-    "The op as an autograd.Function for eager calls (no torch.library dispatch: host time on a GPU); compiled code traces the op."
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = simple_compute(*inputs)
-        _simple_setup(ctx, inputs, output)
-        return output
-    backward = staticmethod(_simple_backward)
+_SimpleFunction = eager_function('_SimpleFunction', simple_compute, _simple_setup, _simple_backward)   # eager calls
+
 
 # %% ../nbs/03_ctc_simple.ipynb #29e3683e
 def logZ(stay_scores, move_scores, target_lengths, S:semiring=Log, backend='auto'):
     "logZ (N,) of the stay/move lattice, on every device; its gradient gives the edge posteriors (Log) or the best path (Max)."
     if S not in (Log, Max): raise ValueError(f"S must be Log or Max, got {S!r}")
     want = torch.is_grad_enabled() and (stay_scores.requires_grad or move_scores.requires_grad)
-    apply = simple_op if torch.compiler.is_compiling() else _SimpleFunction.apply
-    return apply(stay_scores, move_scores, torch.as_tensor(target_lengths), S is Max, want, backend)[0]
+    return apply_op(simple_op, _SimpleFunction, stay_scores, move_scores, torch.as_tensor(target_lengths), S is Max, want, backend)[0]
 
 def logZ_cupy(stay_scores, move_scores, target_lengths, S:semiring=Log):
     "seqdist 0.0.3's name for `logZ` (it now runs on every device, the CPU included)."

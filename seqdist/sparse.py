@@ -17,7 +17,7 @@ import numba
 import torch
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2, bits_as_float64, LOG2E, LN2_HI, LN2_LO
-from .utils import load_kernel, empty_large, tensor_cached
+from .utils import load_kernel, empty_large, tensor_cached, eager_function, apply_op
 from .ctc import interleave_blanks
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
@@ -591,16 +591,8 @@ def _sparse_backward_formula(ctx, grad_logz, *unused, backward=sparse_logz_backw
 
 torch.library.register_autograd('seqdist::sparse_logz', _sparse_backward_formula, setup_context=_sparse_setup)
 
-class _SparseFunction(torch.autograd.Function):
-    "The two ops as an autograd.Function for eager calls (no torch.library dispatch: host time on a GPU); compiled code traces the ops."
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _sparse_forward(*inputs)
-        _sparse_setup(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_logz, *unused): return _sparse_backward_formula(ctx, grad_logz, backward=_sparse_backward)
+_SparseFunction = eager_function('_SparseFunction', _sparse_forward, _sparse_setup,     # eager calls: the two ops' bodies
+                                 lambda ctx, g, *unused: _sparse_backward_formula(ctx, g, backward=_sparse_backward))
 
 class _SparseReference(torch.autograd.Function):
     "The reference path: logZ by the scan and its gradient by autograd, computed eagerly."
@@ -625,8 +617,7 @@ def logZ(Ms, idx, v0, vT, S:semiring=Log, K=1, backend='auto'):
     want = torch.is_grad_enabled() and Ms.requires_grad
     K = int(K) if isinstance(K, np.integer) else K
     if backend == 'reference': return _SparseReference.apply(Ms, idx, v0, vT, S is Max, want)
-    apply = sparse_logz_op if torch.compiler.is_compiling() else _SparseFunction.apply
-    return apply(Ms, idx, v0, vT, S is Max, want, backend, K)[0]
+    return apply_op(sparse_logz_op, _SparseFunction, Ms, idx, v0, vT, S is Max, want, backend, K)[0]
 
 def _scores(Ms, idx, v, S, K, backend, forward):
     "Forward or backward scores (T+1, N, C) in log space, by the chosen backend."

@@ -6,10 +6,10 @@
 __all__ = ['LARGE_POOL', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS',
            'to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed', 'benchmark_fwd_bwd', 'report',
            'release_large_buffers', 'empty_large', 'tensor_cached', 'on_host', 'require', 'check_labels', 'to_device',
-           'cuda_dir', 'find_source', 'Param', 'kernel_params', 'KernelLaunchError', 'KernelCompileError',
-           'count_launches', 'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func', 'load_cupy_module',
-           'emulator_options', 'rewrite_dynamic_shared', 'emulator_source', 'emulator_library', 'GuardedCopy',
-           'asan_environment', 'run_under_asan', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc',
+           'eager_function', 'apply_op', 'cuda_dir', 'find_source', 'Param', 'kernel_params', 'KernelLaunchError',
+           'KernelCompileError', 'count_launches', 'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func',
+           'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared', 'emulator_source', 'emulator_library',
+           'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc',
            'compile_with_nvcc', 'gpu_compiler', 'package_kernels', 'check_gpu_compile', 'compile_check_cli',
            'selfcheck_cli']
 
@@ -175,6 +175,19 @@ def to_device(x, device):
     if x.device == device: return x
     if x.device.type == 'cpu' and device.type == 'cuda': return x.pin_memory().to(device, non_blocking=True)
     return x.to(device)
+
+# %% ../nbs/01_utils.ipynb #3ab659e3
+def eager_function(name, forward, setup_context, backward):
+    "An `autograd.Function` named `name` from an op's functions: forward(*inputs), setup_context(ctx, inputs, output), backward."
+    def fwd(ctx, *inputs):
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+    return type(name, (torch.autograd.Function,), {'forward': staticmethod(fwd), 'backward': staticmethod(backward)})
+
+def apply_op(op, function, *args):
+    "The custom op `op` when torch.compile traces the call, else the same computation by `function` (no dispatch cost)."
+    return op(*args) if torch.compiler.is_compiling() else function.apply(*args)
 
 # %% ../nbs/01_utils.ipynb #9bc56201
 def cuda_dir():
