@@ -468,6 +468,9 @@ def _viterbi_states_cuda(lp, ext, il, tl, blank):
     T, N, C = lp.shape
     S_max = ext.shape[1]
     states = torch.zeros(N, T, dtype=torch.long, device=lp.device)
+    if 2 * S_max * 8 > EMULATOR_MAX_SHARED_MEM:
+        raise ValueError(f"targets of {(S_max - 1) // 2} labels are longer than the CUDA Viterbi kernel holds in shared "
+                         f"memory ({(EMULATOR_MAX_SHARED_MEM // 16 - 1) // 2} labels): use backend='cpu'")
     back = torch.empty(T, N, S_max, dtype=torch.uint8, device=lp.device)
     ext, il, tl = (to_device(x, lp.device).contiguous() for x in (ext, il, tl))
     block = min(CUDA_MAX_THREADS, 32 * math.ceil(S_max / 32))
