@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2
-from .utils import load_kernel, empty_large, on_host, require, to_device, check_labels
+from .utils import load_kernel, empty_large, on_host, require, to_device, check_labels, eager_function, apply_op
 from .sparse import fast_exp, fast_exp8
 
 # %% ../nbs/06_rnnt.ipynb #4423443e
@@ -443,22 +443,17 @@ def _rnnt_backward(ctx, g_costs, g_lse, g_saved):
 
 torch.library.register_autograd('seqdist::rnnt', _rnnt_backward, setup_context=_rnnt_setup_context)
 
-class _RNNTReference(torch.autograd.Function):
-    "The same forward and backward as the op, with the PyTorch reference computing log Z and the posteriors."
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = rnnt_forward(*inputs[:6], backend='reference')
-        _rnnt_setup_context(ctx, inputs, output)
-        return output
-    backward = staticmethod(_rnnt_backward)
+# eager calls and the reference backend: the same functions without the op's dispatch (see `utils.eager_function`)
+_RNNTFunction = eager_function('_RNNTFunction', lambda *inputs: rnnt_forward(*inputs[:6], backend=inputs[-1]),
+                               _rnnt_setup_context, _rnnt_backward)
 
 def rnnt_apply(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax=True, clamp=-1.0,
                fastemit_lambda=0.0, backend='auto'):
-    "costs (B,), differentiable: the custom op for the kernels, an autograd.Function for the reference."
+    "costs (B,), differentiable: the custom op when compiled, else (same functions) an autograd.Function."
     args = (logits, targets, logit_lengths, target_lengths, int(blank), bool(fused_log_softmax), float(clamp),
             float(fastemit_lambda))
-    if backend == 'reference': return _RNNTReference.apply(*args, backend)[0]
-    return rnnt_op(*args, backend)[0]
+    if backend == 'reference': return _RNNTFunction.apply(*args, backend)[0]
+    return apply_op(rnnt_op, _RNNTFunction, *args, backend)[0]
 
 # %% ../nbs/06_rnnt.ipynb #b1533939
 def _number(x, name):

@@ -365,3 +365,12 @@ def test_cuda_path_launches_three_kernels_per_fwd_bwd(monkeypatch):
     y, il, tl = torch.tensor([[1, 2], [2, 1]]), torch.tensor([3, 2]), torch.tensor([2, 1])
     torch.autograd.grad(rnnt_loss(x, y, il, tl, 0, backend='cuda'), x)
     assert names == ['rnnt_lse', 'rnnt_alpha_beta', 'rnnt_grad']
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_the_op_passes_opcheck(backend):
+    "Eager calls go through an autograd.Function (less host time); torch.compile traces the op: check it as an op."
+    from seqdist.rnnt import rnnt_op
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 4, 6, dtype=torch.float64, requires_grad=True)
+    targets, ll, tl = torch.tensor([[1, 2, 3], [4, 5, 1]]), torch.tensor([5, 4]), torch.tensor([3, 2])
+    torch.library.opcheck(rnnt_op, (logits, targets, ll, tl, 0, True, -1.0, 0.0, backend))
