@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['device', 'cupy_funcs', 'CUDA_MAX_THREADS', 'Prob', 'interleave_blanks', 'generate_sample_inputs', 'loss_pytorch',
-           'ctc_inputs', 'padded_targets', 'logz_reference', 'logz_brute_force', 'ctc_compute', 'ctc_op',
-           'ctc_label_grad_op', 'ctc_apply', 'ctc_loss', 'CTCLoss', 'posteriors', 'viterbi_alignments',
+           'ctc_inputs', 'padded_targets', 'check_alignable', 'logz_reference', 'logz_brute_force', 'ctc_compute',
+           'ctc_op', 'ctc_label_grad_op', 'ctc_apply', 'ctc_loss', 'CTCLoss', 'posteriors', 'viterbi_alignments',
            'soft_alignments', 'forced_align', 'prepare_inputs', 'loss_basic', 'fwd_bwd', 'masked_grad', 'loss_py',
            'loss_cupy', 'loss_direct_cupy']
 
@@ -127,6 +127,24 @@ def padded_targets(log_probs, targets, input_lengths, target_lengths, blank):
     keep = torch.arange(L, device=padded.device)[None] < to_device(tl, padded.device)[:, None]
     check_labels(padded, keep, C, blank, on_host(padded), 'C')
     return to_device(torch.where(keep, padded, blank), log_probs.device)    # the padding may hold garbage: replace it
+
+def check_alignable(padded, input_lengths, target_lengths):
+    """`require` that every sequence's targets fit its frames, as a best path needs: L labels with R adjacent repeats
+    (a blank must part two equal labels) need L + R frames. The loss of a sequence that does not fit is inf, but it
+    has no alignment, so the alignment functions raise, as torchaudio's does. `padded` (N, L) as `padded_targets`
+    returns it (padding replaced by the blank)."""
+    il, tl = (to_device(x, padded.device) for x in (input_lengths, target_lengths))
+    within = torch.arange(1, padded.shape[1], device=padded.device)[None] < tl[:, None]
+    repeats = ((padded[:, 1:] == padded[:, :-1]) & within).sum(1)
+    needed = tl + repeats
+    def too_long():
+        "targets too long for CTC alignment: target labels plus adjacent repeats exceed input_lengths"
+        bad = (needed > il).nonzero()[:, 0].tolist()
+        n, more = bad[0], f" (and {len(bad) - 1} more sequences)" if len(bad) > 1 else ""
+        return (f"targets length is too long for CTC alignment: sequence {n} has {int(tl[n])} target labels and "
+                f"{int(repeats[n])} adjacent repeats, which need {int(needed[n])} frames, but input_lengths[{n}] = "
+                f"{int(il[n])}{more}")
+    require((needed <= il).all(), on_host(padded, il, tl), too_long)
 
 # %% ../nbs/02_ctc.ipynb #3ae4dce2
 def logz_reference(state_scores, ext, input_lengths, target_lengths, blank=0, S:semiring=Log):
@@ -360,6 +378,14 @@ def _backward_log(n, T, S, ext, slot, skipf, alpha, emit, g, grad, beta, use_max
         b, b_prev = b_prev, b
 
 # %% ../nbs/02_ctc.ipynb #507784c1
+@numba.njit(cache=_CACHE)
+def _frames_needed(ext, L):
+    "Frames that a path through L labels needs: one per label and one per blank that must part two equal labels."
+    repeats = 0
+    for k in range(1, L):
+        if ext[2 * k + 1] == ext[2 * k - 1]: repeats += 1
+    return L + repeats
+
 @numba.njit(parallel=True, cache=_CACHE)
 def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, use_max, g, grad, by_state):
     """logZ of each sequence (N,), and, if `g` is not empty, `grad[t, n, k] -= g[n] * posterior` (Log) or `-= g[n]`
@@ -370,8 +396,11 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, use_max, g, grad, by
     for n in numba.prange(N):
         T, L = input_lengths[n], target_lengths[n]
         S = 2 * L + 1
+        if T < _frames_needed(ext[n], L):       # infeasible: no path (nothing past this may assume one)
+            logz[n] = -np.inf
+            continue
         if T == 0:
-            logz[n] = 0.0 if L == 0 else -np.inf
+            logz[n] = 0.0
             continue
         U, slot, labels, skipf = _lattice(ext[n], L, blank, C)
         alpha, emit, beta = np.empty((T, S + 4)), np.empty((T, U)), np.empty((2, S + 4))
@@ -406,8 +435,11 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
     for n in numba.prange(N):
         T, L = input_lengths[n], target_lengths[n]
         S = 2 * L + 1
+        if T < _frames_needed(ext[n], L):       # infeasible: no path, states[n] left as is
+            best[n] = -np.inf
+            continue
         if T == 0:
-            best[n] = 0.0 if L == 0 else -np.inf
+            best[n] = 0.0
             continue
         U, slot, labels, skipf = _lattice(ext[n], L, blank, C)
         alpha, emit, back = np.empty((T, S + 4)), np.empty((T, U)), np.empty((T, S), np.int8)
@@ -508,16 +540,18 @@ _BACKENDS = {'cpu': _ctc_cpu_numba, 'cuda': _ctc_cuda, 'reference': _ctc_referen
 def _compute_dtype(dtype): return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 # %% ../nbs/02_ctc.ipynb #ba002393
-def ctc_compute(log_probs, targets, input_lengths, target_lengths, blank, use_max, want, backend='auto'):
+def ctc_compute(log_probs, targets, input_lengths, target_lengths, blank, use_max, want, backend='auto', need_path=False):
     """logZ (N,) of each sequence in the Log (or Max) semiring, and P: minus the posteriors (T, N, C) of the labels
     (want=1), of the states (T, N, 2S+1 for padded targets (N, S); want=2), or nothing (want=0). No autograd.
-    `backend`: 'auto' (by device), 'cpu', 'cuda' (the CUDA source; emulated on CPU tensors), 'reference'."""
+    `backend`: 'auto' (by device), 'cpu', 'cuda' (the CUDA source; emulated on CPU tensors), 'reference'. With
+    `need_path`, targets that cannot fit their frames raise (`check_alignable`) instead of giving logZ = -inf."""
     if backend == 'auto': backend = 'cuda' if log_probs.is_cuda else 'cpu'
     if backend not in _BACKENDS: raise ValueError(f"backend must be 'auto', 'cpu', 'cuda' or 'reference', got {backend!r}")
     if backend == 'cpu' and log_probs.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; log_probs is on a GPU")
     lp = log_probs.detach().to(_compute_dtype(log_probs.dtype))
     if backend != 'cpu': lp = lp.contiguous()    # numba reads strided arrays (e.g. batch-first views) as they are
     padded = padded_targets(lp, targets, input_lengths, target_lengths, blank)
+    if need_path: check_alignable(padded, input_lengths, target_lengths)
     if want == 2 and targets.dim() == 2 and padded.shape[1] < targets.shape[1]:   # state outputs keep the padded width
         padded = torch.nn.functional.pad(padded, (0, targets.shape[1] - padded.shape[1]), value=blank)
     where = 'cpu' if backend == 'cpu' else lp.device
@@ -635,11 +669,13 @@ class CTCLoss(nn.Module):
 # %% ../nbs/02_ctc.ipynb #0fea7a89
 def posteriors(log_probs, targets, input_lengths, target_lengths, blank=0, S:semiring=Log, by_state=False, backend='auto'):
     """Posterior probability of each label (T, N, C) or lattice state (T, N, 2S+1 for padded targets (N, S)) at each
-    frame: the gradient of logZ. With S=Max, the best path as 0/1. Zero past each input length."""
+    frame: the gradient of logZ. With S=Max, the best path as 0/1. Zero past each input length. A sequence whose
+    targets cannot fit its frames (labels + adjacent repeats > input length) has zero posteriors with S=Log (its loss
+    is inf) and raises a ValueError with S=Max (there is no best path)."""
     if S not in (Log, Max): raise ValueError(f"S must be Log or Max, got {S!r}")
     lp, tg, il, tl, unbatched = ctc_inputs(log_probs, targets, input_lengths, target_lengths, blank)
     if by_state and tg.dim() != 2: raise ValueError("by_state=True needs padded targets (N, S)")
-    _, P = ctc_compute(lp, tg, il, tl, int(blank), S is Max, 2 if by_state else 1, backend)
+    _, P = ctc_compute(lp, tg, il, tl, int(blank), S is Max, 2 if by_state else 1, backend, need_path=S is Max)
     post = 0.0 - P                                  # (not -P: no negative zeros)
     return post[:, 0] if unbatched else post
 
@@ -655,7 +691,8 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
 def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0, *, backend='auto'):
     """`torchaudio.functional.forced_align`, batched and on every device: log_probs (N, T, C) batch first, targets
     (N, L). Returns the label of each frame on the best path (N, T) (targets' dtype) and its log-probability (N, T).
-    Frames past a sequence's input length get the blank label and a score of 0. `backend`: 'auto' (by device), 'cpu'
+    Frames past a sequence's input length get the blank label and a score of 0. Targets that cannot fit their frames
+    (labels + adjacent repeats > input length) raise a ValueError naming the sequence. `backend`: 'auto' (by device), 'cpu'
     (numba) or 'cuda' (the CUDA kernel; emulated on CPU tensors)."""
     if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 3:
         raise ValueError(f"log_probs must be a (N, T, C) tensor, got {getattr(log_probs, 'shape', log_probs)!r}")
@@ -665,7 +702,9 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     if input_lengths is None: input_lengths = torch.full((N,), T, dtype=torch.long)
     if target_lengths is None: target_lengths = torch.full((N,), targets.shape[1], dtype=torch.long)
     lp, tg, il, tl, _ = ctc_inputs(log_probs.transpose(0, 1), targets, input_lengths, target_lengths, blank)
-    ext = interleave_blanks(padded_targets(lp, tg, il, tl, blank), blank)
+    padded = padded_targets(lp, tg, il, tl, blank)
+    check_alignable(padded, il, tl)         # no best path otherwise: raise, as torchaudio does
+    ext = interleave_blanks(padded, blank)
     if backend == 'auto': backend = 'cuda' if lp.is_cuda else 'cpu'
     if backend not in ('cpu', 'cuda'): raise ValueError(f"backend must be 'auto', 'cpu' or 'cuda', got {backend!r}")
     if backend == 'cpu' and lp.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; log_probs is on a GPU")

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['device', 'mean', 'cupy_funcs', 'cupy_funcs_loop', 'CUDA_MAX_THREADS', 'POSTERIOR_THREADS', 'generate_sample_inputs',
            'logZ_fwd', 'dot', 'LogZ', 'logZ_py', 'check_simple_inputs', 'simple_compute', 'simple_op', 'logZ',
-           'logZ_cupy', 'viterbi_alignments', 'soft_alignments']
+           'logZ_cupy', 'check_alignable', 'viterbi_alignments', 'soft_alignments']
 
 # %% ../nbs/03_ctc_simple.ipynb #c5d2247b
 import math
@@ -250,7 +250,19 @@ def logZ_cupy(stay_scores, move_scores, target_lengths, S:semiring=Log):
     "seqdist 0.0.3's name for `logZ` (it now runs on every device, the CPU included)."
     return logZ(stay_scores, move_scores, target_lengths, S)
 
+def check_alignable(stay_scores, target_lengths):
+    """`require` that L states fit T frames (L - 1 moves, one per frame at most): a sequence that does not has logZ =
+    -inf (zero posteriors) and no best path, so the Viterbi alignments raise."""
+    T, tl = stay_scores.shape[0], torch.as_tensor(target_lengths)
+    def too_long():
+        "target_lengths too long for the frames: L states need L - 1 <= T moves"
+        n = int((tl > T + 1).nonzero()[0, 0])
+        return (f"target_lengths too long for alignment: sequence {n} has {int(tl[n])} states, which need "
+                f"{int(tl[n]) - 1} moves, but there are T = {T} frames")
+    require((tl <= T + 1).all(), on_host(tl), too_long)
+
 def _alignments(stay_scores, move_scores, target_lengths, S):
+    if S is Max: check_alignable(stay_scores, target_lengths)
     _, gs, gm = simple_compute(stay_scores, move_scores, target_lengths, S is Max, True)
     alignments = gs.clone()
     alignments[:, :, :-1] += gm           # a move is credited to the state it leaves, as in seqdist 0.0.3

@@ -1,6 +1,6 @@
 """CTC: three paths (reference, numba, CUDA source in the emulator) agree; they equal brute force and PyTorch;
 edge cases, bad inputs, torch.compile, low precision."""
-import math, random, pytest, torch
+import math, random, subprocess, sys, pytest, torch
 import torch.nn.functional as F
 import seqdist.ctc as ctc
 from seqdist.core import Log, Max
@@ -339,19 +339,19 @@ def test_cuda_targets_too_long_for_shared_memory():
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype, monkeypatch):
     """The CUDA Viterbi kernel (emulated) finds the CPU kernel's path: random scores, repeated labels, frames past the
-    input length, an infeasible sequence (left blank), and scores where every path ties (the same first-of-equals
+    input length, a sequence that just fits its frames, and scores where every path ties (the same first-of-equals
     rule on both, and the same double sums)."""
     monkeypatch.setattr(ctc, 'CUDA_MAX_THREADS', max_threads)
     g = torch.Generator().manual_seed(5)
     N, T, C = 6, 50, 6
     targets = torch.randint(1, C, (N, 24), generator=g)
     targets[:, 1::2] = targets[:, 0::2]                               # repeats: need a blank between them
-    il, tl = torch.tensor([50, 44, 30, 4, 50, 1]), torch.tensor([24, 10, 3, 5, 0, 1])   # sequence 3 is infeasible
+    il, tl = torch.tensor([50, 44, 30, 5, 50, 1]), torch.tensor([24, 10, 3, 3, 0, 1])   # sequence 3: 3 labels + 2 repeats in 5 frames
     for lp in (torch.randn(N, T, C, generator=g).log_softmax(2), torch.full((N, T, C), -math.log(C))):
         lp = lp.to(dtype)
         cpu, cuda = (forced_align(lp, targets, il, tl, backend=b) for b in ('cpu', 'cuda'))
         assert torch.equal(cpu[0], cuda[0]) and torch.equal(cpu[1], cuda[1])
-    assert (cuda[0][3] == 0).all()
+    assert (cuda[0][3] != 0).sum() == 3
     with pytest.raises(ValueError, match="backend must be"): forced_align(lp, targets, il, tl, backend='numba')
     long = torch.ones(1, 5300, dtype=torch.long)
     with pytest.raises(ValueError, match=r"targets of 5300 labels are longer than the CUDA Viterbi kernel .*5215 labels\): use backend='cpu'"):
@@ -405,3 +405,83 @@ def test_cuda_float32_posteriors_are_more_accurate_than_pytorchs():
     pytorch = (grad(lambda x: F.ctc_loss(x, targets, il, tl, reduction='sum'), lp.float()) - exact).abs().max()
     ours = (grad(lambda x: ctc_loss(x, targets, il, tl, reduction='sum', backend='cuda'), lp.float()) - exact).abs().max()
     assert ours < pytorch / 3, (ours, pytorch)
+
+INFEASIBLE_SCRIPT = r'''
+import math, torch
+from seqdist import ctc, ctc_simple
+from seqdist.crf import CTC_CRF
+from seqdist.core import Log, Max
+def outcome(f):
+    try: return ('ok', f())
+    except ValueError as e: return ('ValueError', str(e))
+results = {}
+for seed in range(6):
+    for case, target in (('repeat_at_end', [0, 1, 2, 3, 4, 4]), ('repeat_inside', [0, 1, 2, 2, 3])):
+        g = torch.Generator().manual_seed(seed)
+        N, T, C, blank = 2, 5, 6, 5
+        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).log_softmax(2)      # (N, T, C)
+        targets = torch.tensor([target, [3, 1, 0, 0, 0, 0][:len(target)]])           # sequence 1 fits its frames
+        il, tl = torch.tensor([T, T]), torch.tensor([len(target), 2])
+        for backend in ('cpu', 'cuda'):
+            results[seed, case, 'forced_align', backend] = outcome(lambda: ctc.forced_align(lp, targets, il, tl, blank, backend=backend))
+        for backend in ('cpu', 'cuda', 'reference'):
+            lpt = lp.transpose(0, 1)
+            for by_state in (False, True):
+                results[seed, case, 'posteriors_max', backend, by_state] = outcome(
+                    lambda: ctc.posteriors(lpt, targets, il, tl, blank, Max, by_state, backend))
+                results[seed, case, 'posteriors_log', backend, by_state] = outcome(
+                    lambda: ctc.posteriors(lpt, targets, il, tl, blank, Log, by_state, backend))
+            for use_max in (False, True):        # the kernels themselves, no check before them: logZ = -inf, P = 0
+                results[seed, case, 'compute', backend, use_max] = outcome(
+                    lambda: ctc.ctc_compute(lpt, targets, il, tl, blank, use_max, 1, backend))
+            for zero_infinity in (False, True):
+                results[seed, case, 'loss', backend, zero_infinity] = outcome(lambda: ctc.ctc_loss(
+                    lpt.detach().requires_grad_(), targets, il, tl, blank, 'none', zero_infinity, backend=backend).detach())
+        shifted = (targets + 1) % C                                  # blank 0 for 0.0.3's viterbi_alignments
+        results[seed, case, 'viterbi_alignments'] = outcome(lambda: ctc.viterbi_alignments(lp.transpose(0, 1), shifted, il, tl))
+    stay, move = torch.randn(3, 2, 6, generator=g), torch.randn(3, 2, 5, generator=g)   # T = 3: at most 4 states
+    results[seed, 'simple', 'viterbi_alignments'] = outcome(lambda: ctc_simple.viterbi_alignments(stay, move, torch.tensor([4, 5])))
+    results[seed, 'simple', 'soft_alignments'] = outcome(lambda: ctc_simple.soft_alignments(stay, move, torch.tensor([4, 5])))
+    crf = CTC_CRF(state_len=2, alphabet='NACGT')
+    scores = torch.randn(3, 2, crf.n_score(), generator=g)
+    results[seed, 'crf', 'ctc_viterbi_alignments'] = outcome(lambda: crf.ctc_viterbi_alignments(
+        scores, torch.tensor([[1, 2, 3, 4, 1, 0], [1, 2, 3, 4, 1, 2]]), torch.tensor([5, 6])))   # 4, 5 k-mers in 3 frames
+torch.save(results, OUT)
+'''
+
+def test_infeasible_targets_every_entry_point_and_backend(tmp_path):
+    """Targets that cannot fit their frames (T=5: 6 labels with a repeat; 5 labels with a repeat) beside a sequence
+    that fits, on every backend, in a subprocess (a crash inside a kernel fails this test instead of killing pytest):
+    the alignment functions raise a ValueError naming the sequence, its labels, repeats and frames (as torchaudio's
+    "targets length is too long for CTC"); the loss is inf (0 with zero_infinity) with a zero gradient; Log posteriors
+    are zero; the kernels called directly (no check before them) give logZ = -inf and P = 0 for that sequence and the
+    right answer for the other one."""
+    out = tmp_path / 'results.pt'
+    script = f"OUT = {str(out)!r}\n" + INFEASIBLE_SCRIPT
+    r = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"the subprocess died (return code {r.returncode}): {r.stderr[-2000:]}"
+    results = torch.load(out, weights_only=False)
+    feasible_ref = {}
+    for key, (kind, value) in results.items():
+        seed, case, what = key[:3]
+        if case in ('simple', 'crf'):
+            if what == 'soft_alignments':
+                assert kind == 'ok' and torch.equal(value[:, 1], torch.zeros_like(value[:, 1])) and value[:, 0].sum() == 3, key
+            else:
+                assert kind == 'ValueError' and 'too long for alignment: sequence 1 has 5 states' in value, (key, value)
+            continue
+        labels, repeats, frames = (6, 1, 7) if case == 'repeat_at_end' else (5, 1, 6)
+        message = (f"targets length is too long for CTC alignment: sequence 0 has {labels} target labels and {repeats} "
+                   f"adjacent repeats, which need {frames} frames, but input_lengths[0] = 5")
+        if what in ('forced_align', 'posteriors_max', 'viterbi_alignments'):
+            assert kind == 'ValueError' and value == message, (key, kind, value)
+        elif what == 'posteriors_log':
+            assert kind == 'ok' and torch.equal(value[:, 0], torch.zeros_like(value[:, 0])), key
+            torch.testing.assert_close(value[:, 1].sum(-1), torch.ones(5, dtype=torch.float64))
+        elif what == 'compute':
+            logz, P = value
+            assert kind == 'ok' and logz[0] == -math.inf and torch.isfinite(logz[1]) and torch.equal(P[:, 0], torch.zeros_like(P[:, 0])), key
+            ref = feasible_ref.setdefault((seed, case, key[4]), (logz[1], P[:, 1]))
+            torch.testing.assert_close(logz[1], ref[0]); torch.testing.assert_close(P[:, 1], ref[1])
+        elif what == 'loss':
+            assert kind == 'ok' and value[0] == (0.0 if key[4] else math.inf) and torch.isfinite(value[1]), key
