@@ -40,6 +40,8 @@ test: install chromium $(SITE)/node_modules/.installed
 	tools/unchanged.sh cuda -- $(BIN)/nbdev-test --n-workers 2
 	@echo "== README.md must be what nbs/index.ipynb renders to"
 	tools/unchanged.sh README.md -- $(BIN)/python tools/docs.py readme
+	@echo "== docs: nbdev's doc processing of every notebook (the step of \`make docs\` that runs cells again)"
+	$(BIN)/python tools/docs.py proc
 	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
 	$(BIN)/seqdist-compile-check
 	@echo "== pytest"

@@ -14,6 +14,8 @@ when a page is read. Links are made relative (README-style `/ctc.html#ctc_loss`,
 
 `python tools/docs.py execute NB OUT` (used by `html`): run one notebook, write it with its outputs to OUT.
 
+`python tools/docs.py proc`: nbdev's doc processing of every notebook, unexecuted (what `make test` checks).
+
 `python tools/docs.py check`: load every page of _docs/ in headless Chromium (tools/site/check.mjs): see there.
 
 Quarto, where installed, is used by `make docs` instead of `html`."""
@@ -68,6 +70,13 @@ def processed(nbs_dir, file_glob=''):
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         return Path(proc_nbs(path=str(nbs_dir), n_workers=0, force=True, file_glob=file_glob))
+
+def proc():
+    """nbdev's doc processing of every notebook, as `make docs` runs it once the notebooks are executed: it runs again
+    the cells that export, import or call `show_doc` (and only those: a cell that imports and uses a name from a cell
+    that is not one of them fails there, not in nbdev-test). `make test` runs this, so a broken site cannot land."""
+    out = processed(NBS)
+    print(f"nbdev's doc processing ran over {len(notebooks())} notebooks into {out.relative_to(ROOT)}/")
 
 def readme():
     import nbformat
@@ -240,5 +249,5 @@ def check(args=()):
 
 if __name__ == '__main__':
     cmd, rest = sys.argv[1], sys.argv[2:]
-    {'readme': readme, 'html': lambda: html(tuple(r for r in rest if r != '--reuse'), '--reuse' in rest), 'check': lambda: check(rest),
+    {'readme': readme, 'proc': proc, 'html': lambda: html(tuple(r for r in rest if r != '--reuse'), '--reuse' in rest), 'check': lambda: check(rest),
      'execute': lambda: execute_one(*rest)}[cmd]()
