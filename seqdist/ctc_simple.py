@@ -261,16 +261,16 @@ def check_alignable(stay_scores, target_lengths):
                 f"{int(tl[n]) - 1} moves, but there are T = {T} frames")
     require((tl <= T + 1).all(), on_host(tl), too_long)
 
-def _alignments(stay_scores, move_scores, target_lengths, S):
+def _alignments(stay_scores, move_scores, target_lengths, S, backend='auto'):
     if S is Max: check_alignable(stay_scores, target_lengths)
-    _, gs, gm = simple_compute(stay_scores, move_scores, target_lengths, S is Max, True)
+    _, gs, gm = simple_compute(stay_scores, move_scores, target_lengths, S is Max, True, backend)
     alignments = gs.clone()
     alignments[:, :, :-1] += gm           # a move is credited to the state it leaves, as in seqdist 0.0.3
     return alignments
 
-def viterbi_alignments(stay_scores, move_scores, target_lengths):
+def viterbi_alignments(stay_scores, move_scores, target_lengths, *, backend='auto'):
     "seqdist 0.0.3: the best path as 0/1 per (frame, state) (T, N, L)."
-    return _alignments(stay_scores, move_scores, target_lengths, Max)
+    return _alignments(stay_scores, move_scores, target_lengths, Max, backend)
 
 def soft_alignments(stay_scores, move_scores, target_lengths, beta=1.0):
     "Posterior probability of each (frame, state) (T, N, L) with the scores scaled by `beta` (large beta: Viterbi)."

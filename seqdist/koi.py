@@ -31,11 +31,8 @@ def logZ_cu(stay_scores, move_scores, target_lengths, S:semiring=Log, *, backend
 
 def viterbi_alignments(stay_scores, move_scores, target_lengths, *, backend='auto'):
     """koi.ctc.viterbi_alignments: the best path of the stay/move lattice as 0/1 per (frame, state) (T, N, L), in the
-    scores' dtype, a move credited to the state it leaves."""
-    _, stay, move = ctc_simple.simple_compute(stay_scores, move_scores, target_lengths, True, True, backend)
-    alignments = stay.clone()
-    alignments[:, :, :-1] += move
-    return alignments
+    scores' dtype, a move credited to the state it leaves. Targets too long for the frames raise a ValueError."""
+    return ctc_simple.viterbi_alignments(stay_scores, move_scores, target_lengths, backend=backend)
 
 def logZ_cu_sparse(Ms, idx, v0, vT, S:semiring=Log, K=1, *, backend='auto'):
     """koi.ctc.logZ_cu_sparse: logZ (N,) of the sparse CRF with edge scores Ms (T, N, C, NZ) into state c from the
