@@ -49,10 +49,14 @@ test: install chromium $(SITE)/node_modules/.installed
 
 # On a machine with a GPU and torch, CuPy, numba and pytest already installed, and no network: no venv, no pip.
 # The GPU tests (marker `gpu`), every notebook with its `cuda` cells, and the quick GPU benchmark.
+# It goes on past a failure, and ends with the GPU tests' summary per family (tests, kernels, worst error).
 gpu-check:
-	PYTHONPATH=. $(PYTHON) -m pytest -m gpu -rs tests
-	PYTHONPATH=. $(PYTHON) tools/run_notebook.py --flags cuda nbs/*.ipynb
-	PYTHONPATH=. $(PYTHON) -c "import sys; from seqdist.bench import bench_cli; sys.argv[1:] = ['--device', 'cuda', '--quick']; bench_cli()"
+	@rm -f gpu-check-summary.txt; status=0; \
+	SEQDIST_GPU_SUMMARY=gpu-check-summary.txt PYTHONPATH=. $(PYTHON) -m pytest -m gpu -rs tests || status=1; \
+	PYTHONPATH=. $(PYTHON) tools/run_notebook.py --flags cuda nbs/*.ipynb || status=1; \
+	PYTHONPATH=. $(PYTHON) -c "import sys; from seqdist.bench import bench_cli; sys.argv[1:] = ['--device', 'cuda', '--quick']; bench_cli()" || status=1; \
+	echo "== GPU tests by family"; cat gpu-check-summary.txt 2>/dev/null || echo "(no GPU test ran)"; \
+	[ $$status = 0 ] && echo "gpu-check: all passed" || { echo "gpu-check: FAILED (see above)"; exit 1; }
 
 # The full GPU benchmark (same machine assumptions). Its seqdist 0.0.3 anchor comes from .anchors/: run
 # tools/gpu_anchors.sh where pip works and take .anchors along.

@@ -3,6 +3,9 @@
 #ifndef SPT
 #define SPT 4      // states per thread at most: the prefetched emissions live in SPT registers
 #endif
+#ifndef MAX_THREADS
+#define MAX_THREADS 1024   // the largest block the glue launches ctc_alpha_beta with (float64: 512, see below)
+#endif
 
 __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank) {
     return s >= 2 && ext[s] != blank && ext[s] != ext[s - 2];
@@ -17,11 +20,14 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // the two never reach the same frame in the same step. Each half keeps its last frame in shared memory (double-
 // buffered; the backward half keeps beta * emission, so a state reads one emission per step, its own), and loads
 // the emissions of its next frame before the barrier: the load's latency is off the critical path. Thread j of a
-// half owns states j, j + B, ..., at most SPT of them (launch bounds: registers fit 1024 threads even for SPT = 32,
-// where the emissions may spill). `recursions`: 3 both at once; 1 the forward one alone (it stores alpha: logZ only,
+// half owns states j, j + B, ..., at most SPT of them. Registers: the launch bounds give each thread 65536 /
+// MAX_THREADS of them (64 at 1024 threads, 128 at 512), and the SPT emissions must fit in them without spilling
+// (ptxas's report in `seqdist-compile-check`): so the labels are re-read each step rather than held (`label` is
+// volatile, or the compiler hoists e[s] out of the time loop, two registers per state), the skip transitions are one
+// bit per state, and float64 (whose log and exp take many registers) runs 512-thread blocks. `recursions`: 3 both at once; 1 the forward one alone (it stores alpha: logZ only,
 // or the first of two launches for targets too long for four frames in shared memory); 2 the backward one alone
 // (it multiplies beta into the alpha that a forward launch stored).
-extern "C" __global__ void __launch_bounds__(1024) ctc_alpha_beta(
+extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
     int N, int C, int S_max, int blank, int recursions)
@@ -35,21 +41,29 @@ extern "C" __global__ void __launch_bounds__(1024) ctc_alpha_beta(
     const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
     const long long* e = ext + (long long)n * S_max;
     const int h = both ? (T + 1) / 2 : T, late = both ? T % 2 : 0;   // frames t < h: alpha arrives first
+    static_assert(SPT <= 32, "one bit per state in `skips`");
+    const FLOAT* lp_n = lp + (long long)n * C;          // frame t of sequence n: lp_n + t * frame
+    FLOAT* w_n = w + (long long)n * S_max;
+    const long long frame = (long long)N * C, wframe = (long long)N * S_max;
     FLOAT em[SPT];
+    unsigned skips = 0;                                 // bit k: state j + k * B takes the skip transition
     const int t_first = backward ? T - 1 : 0;
     #pragma unroll
     for (int k = 0; k < SPT; k++) {
         const int s = j + k * B;
-        if (s < S && T > 0) em[k] = lp[((long long)t_first * N + n) * C + e[s]];
+        if (s < S && T > 0) em[k] = lp_n[t_first * frame + e[s]];
+        if (backward ? s + 2 < S && may_skip(e, s + 2, blank) : s < S && may_skip(e, s, blank)) skips |= 1u << k;
     }
+    const volatile long long* label = e;                // re-read at each step, not held in registers
     for (int i = 0; i < T + late; i++) {
         const int t = backward ? T - 1 - i + late : i;
         if (t >= 0 && t < T) {                  // a half idles for one step when T is odd
             const FLOAT* prev = buf + ((i + 1) % 2) * S_max;
             FLOAT* cur = buf + (i % 2) * S_max;
-            FLOAT* wt = w + ((long long)t * N + n) * S_max;
+            FLOAT* wt = w_n + t * wframe;
             const bool first = backward ? t >= h : t < h;
             const int t_next = backward ? t - 1 : t + 1;
+            const FLOAT* lp_next = lp_n + t_next * frame;
             #pragma unroll
             for (int k = 0; k < SPT; k++) {
                 const int s = j + k * B;
@@ -60,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(1024) ctc_alpha_beta(
                     else {
                         v = prev[s];
                         if (s >= 1) v = SUM(v, prev[s - 1]);
-                        if (may_skip(e, s, blank)) v = SUM(v, prev[s - 2]);
+                        if (skips >> k & 1u) v = SUM(v, prev[s - 2]);
                     }
                     v = MUL(v, em[k]);                      // alpha_t(s)
                     cur[s] = v;
@@ -69,12 +83,12 @@ extern "C" __global__ void __launch_bounds__(1024) ctc_alpha_beta(
                     else {
                         v = prev[s];
                         if (s + 1 < S) v = SUM(v, prev[s + 1]);
-                        if (s + 2 < S && may_skip(e, s + 2, blank)) v = SUM(v, prev[s + 2]);
+                        if (skips >> k & 1u) v = SUM(v, prev[s + 2]);
                     }
                     cur[s] = MUL(v, em[k]);                 // beta_t(s) * emission: what frame t - 1 reads
                 }
                 wt[s] = first ? v : MUL(wt[s], v);
-                if (t_next >= 0 && t_next < T) em[k] = lp[((long long)t_next * N + n) * C + e[s]];
+                if (t_next >= 0 && t_next < T) em[k] = lp_next[label[s]];
             }
         }
         __syncthreads();

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, grad, max_grad, SequenceDist, semiring_sum2
 from .utils import load_kernel, to_device, on_host, require, check_labels, EMULATOR_MAX_SHARED_MEM, eager_function, apply_op
+from .utils import resource_budget
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 
@@ -452,19 +453,31 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
     return best
 
 # %% ../nbs/02_ctc.ipynb #d112fcf8
-_ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, **S.cuda_macros(dtype))
-                                                for spt in (4, 32)},
+_LAUNCH_BOUND = {torch.float32: 1024, torch.float64: 512}   # ctc_alpha_beta's largest block: float64 needs 128 registers
+_SPTS = {torch.float32: (4, 32), torch.float64: (4, 16)}      # its states-per-thread variants (the emissions' registers)
+_ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype],
+                                                                 **S.cuda_macros(dtype))
+                                                for spt in _SPTS[dtype]},
                              'ctc_posteriors': load_kernel('ctc.cu', 'ctc_posteriors', **S.cuda_macros(dtype)),
                              'ctc_viterbi': load_kernel('ctc.cu', 'ctc_viterbi', **S.cuda_macros(dtype)),
                              'ctc_states_to_labels': load_kernel('ctc.cu', 'ctc_states_to_labels', **S.cuda_macros(dtype)),
                              'ctc_grad': load_kernel('ctc.cu', 'ctc_grad', **S.cuda_macros(dtype))}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 cupy_funcs = _ctc_kernels   # seqdist 0.0.3's name: the kernels by (dtype, semiring)
+for (dtype, S), ks in _ctc_kernels.items():   # how the glue below launches them, and the resident threads each needs
+    bound, el = _LAUNCH_BOUND[dtype], dtype.itemsize
+    for spt, k in ks['ctc_alpha_beta'].items():    # SPT=4: both recursions, four frames; the long variant: shared memory full
+        resource_budget([k], block=bound, shared_mem=8 * bound * el if spt == 4 else EMULATOR_MAX_SHARED_MEM, min_threads=bound,
+                        why="a latency-bound recursion, one block per sequence: its largest block stays resident")
+    resource_budget([ks['ctc_viterbi']], block=1024, shared_mem=EMULATOR_MAX_SHARED_MEM, min_threads=1024,
+                    why="one block per sequence, with its back-pointers' frames in shared memory")
+    resource_budget([ks[n] for n in ('ctc_posteriors', 'ctc_grad', 'ctc_states_to_labels')], block=256, min_threads=1024,
+                    why="memory-bound passes over (T, N, C): half the SM's threads in flight")
 CUDA_MAX_THREADS = 1024     # threads per block of the lattice kernels (tests lower it to exercise the looping path)
 
-def _recursion_launch(spts, S_max, elsize, recursions):
+def _recursion_launch(spts, S_max, elsize, recursions, max_threads):
     "(threads per recursion, states per thread) of a launch that runs `recursions` (1 or 2) at once, or None if they do not fit."
-    threads = min(CUDA_MAX_THREADS // recursions, 32 * math.ceil(S_max / 32))
+    threads = min(max_threads // recursions, 32 * math.ceil(S_max / 32))
     spt = next((m for m in spts if m * threads >= S_max), None)
     return None if spt is None or recursions * 2 * S_max * elsize > EMULATOR_MAX_SHARED_MEM else (threads, spt)
 
@@ -474,10 +487,11 @@ def _ctc_cuda(lp, ext, il, tl, blank, use_max, want):
     T, N, C = lp.shape
     S_max = ext.shape[1]
     k = _ctc_kernels[(lp.dtype, Max if use_max else Log)]
-    kab, elsize = k['ctc_alpha_beta'], lp.element_size()
-    both, one = _recursion_launch(kab, S_max, elsize, 2) if want else None, _recursion_launch(kab, S_max, elsize, 1)
+    kab, elsize, most_threads = k['ctc_alpha_beta'], lp.element_size(), min(CUDA_MAX_THREADS, _LAUNCH_BOUND[lp.dtype])
+    both = _recursion_launch(kab, S_max, elsize, 2, most_threads) if want else None
+    one = _recursion_launch(kab, S_max, elsize, 1, most_threads)
     if one is None:
-        most = min(EMULATOR_MAX_SHARED_MEM // (2 * elsize), max(kab) * CUDA_MAX_THREADS)
+        most = min(EMULATOR_MAX_SHARED_MEM // (2 * elsize), max(kab) * most_threads)
         raise ValueError(f"targets of {(S_max - 1) // 2} labels are longer than the CUDA kernel holds in shared memory "
                          f"({(most - 1) // 2} labels in {lp.dtype})")
     ext, il, tl = (to_device(x, lp.device) for x in (ext, il, tl))

@@ -4,14 +4,15 @@
 
 # %% auto #0
 __all__ = ['LARGE_POOL', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS',
-           'to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed', 'benchmark_fwd_bwd', 'report',
-           'release_large_buffers', 'empty_large', 'tensor_cached', 'on_host', 'require', 'check_labels', 'to_device',
-           'eager_function', 'apply_op', 'cuda_dir', 'find_source', 'Param', 'kernel_params', 'KernelLaunchError',
-           'KernelCompileError', 'count_launches', 'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func',
-           'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared', 'emulator_source', 'emulator_library',
-           'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc',
-           'compile_with_nvcc', 'gpu_compiler', 'package_kernels', 'check_gpu_compile', 'compile_check_cli',
-           'selfcheck_cli']
+           'Resources', 'GPU_LIMITS', 'Budget', 'to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed',
+           'benchmark_fwd_bwd', 'report', 'release_large_buffers', 'empty_large', 'tensor_cached', 'on_host', 'require',
+           'check_labels', 'to_device', 'eager_function', 'apply_op', 'cuda_dir', 'find_source', 'Param',
+           'kernel_params', 'KernelLaunchError', 'KernelCompileError', 'count_launches', 'Kernel', 'KernelModule',
+           'load_kernel', 'load_cupy_func', 'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared',
+           'emulator_source', 'emulator_library', 'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum',
+           'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc', 'parse_ptxas_log', 'resident_threads',
+           'resource_budget', 'resource_rows', 'format_resource_table', 'gpu_compiler', 'package_kernels',
+           'check_gpu_compile', 'compile_check_cli', 'selfcheck_cli']
 
 # %% ../nbs/01_utils.ipynb #2e6efacb
 import ctypes, ctypes.util, collections, hashlib, math, mmap, os, re, shutil, subprocess, sys, tempfile, threading, time, weakref
@@ -681,12 +682,12 @@ def nvrtc_library():
     return None
 
 def compile_with_nvrtc(source, arch, include_dirs=(), name='kernel.cu', lib=None):
-    "Compile CUDA `source` to a cubin for `arch` (e.g. 'sm_80') with NVRTC; returns (ok, log)."
+    "Compile CUDA `source` to a cubin for `arch` (e.g. 'sm_80') with NVRTC; returns (ok, log), the log with ptxas's resource report."
     lib = lib or nvrtc_library()
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None):
         return False, "nvrtcCreateProgram failed"
-    opts = [f'--gpu-architecture={arch}', '--std=c++17', *[f'-I{d}' for d in include_dirs]]
+    opts = [f'--gpu-architecture={arch}', '--std=c++17', '--ptxas-options=-v', *[f'-I{d}' for d in include_dirs]]
     ok = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])) == 0
     size = ctypes.c_size_t(0)
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -698,13 +699,99 @@ def compile_with_nvrtc(source, arch, include_dirs=(), name='kernel.cu', lib=None
     return ok, log.value.decode(errors='replace').strip()
 
 def compile_with_nvcc(source, arch, include_dirs=(), name='kernel.cu', nvcc=None):
-    "Compile CUDA `source` to a cubin for `arch` with nvcc; returns (ok, log)."
+    "Compile CUDA `source` to a cubin for `arch` with nvcc; returns (ok, log), the log with ptxas's resource report."
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp)/name).write_text(source)
-        r = subprocess.run([nvcc or shutil.which('nvcc'), '-cubin', f'-arch={arch}', '--std=c++17',
+        r = subprocess.run([nvcc or shutil.which('nvcc'), '-cubin', f'-arch={arch}', '--std=c++17', '-Xptxas', '-v',
                             *[f'-I{d}' for d in include_dirs], str(Path(tmp)/name), '-o', str(Path(tmp)/'k.cubin')],
                            capture_output=True, text=True)
         return r.returncode == 0, (r.stdout + r.stderr).strip()
+
+# %% ../nbs/01_utils.ipynb #b7e1c2a4
+Resources = collections.namedtuple('Resources', 'registers spill_stores spill_loads stack smem barriers')
+Resources.__doc__ = "ptxas's report for one kernel: registers per thread, spill bytes, stack frame bytes, static shared bytes, barriers."
+
+def parse_ptxas_log(log):
+    "ptxas's `-v` report (NVRTC's program log, or nvcc's output) -> {kernel: `Resources`} for every entry function."
+    out, entry, props, stack = {}, None, None, {}
+    for line in log.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line): entry = m[1]
+        elif m := re.search(r"Function properties for (\S+)", line): props = m[1]
+        elif m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line):
+            stack[props] = tuple(int(x) for x in m.groups())
+        elif (m := re.search(r"Used (\d+) registers", line)) and entry:
+            smem, bars = re.search(r"(\d+) bytes smem", line), re.search(r"used (\d+) barriers", line)
+            frame, st, ld = stack.get(entry, (0, 0, 0))
+            out[entry] = Resources(int(m[1]), st, ld, frame, int(smem[1]) if smem else 0, int(bars[1]) if bars else 0)
+            entry = None
+    return out
+
+# Per SM, from the CUDA C++ Programming Guide's table of compute capabilities: registers (allocated per warp in units
+# of 256, from four sub-partitions of 16K each), threads, blocks, shared memory (of which a block may opt in to
+# `smem_block`; the system reserves 1 KiB per block).
+GPU_LIMITS = {'sm_80': dict(regs=65536, threads=2048, blocks=32, smem=164 * 1024, smem_block=163 * 1024),
+              'sm_90': dict(regs=65536, threads=2048, blocks=32, smem=228 * 1024, smem_block=227 * 1024)}
+
+def resident_threads(res, block, shared_mem, arch):
+    "Threads of `block`-thread blocks with `shared_mem` bytes of dynamic shared memory resident on one SM of `arch` (0: cannot launch)."
+    lim = GPU_LIMITS[arch]
+    warps = math.ceil(block / 32)
+    regs_per_warp = 256 * math.ceil(max(res.registers, 1) * 32 / 256)
+    warps_by_regs = 4 * ((lim['regs'] // 4) // regs_per_warp)
+    smem = res.smem + shared_mem
+    if smem > lim['smem_block'] or warps > warps_by_regs: return 0
+    blocks = min(lim['blocks'], lim['threads'] // (32 * warps), warps_by_regs // warps, lim['smem'] // (smem + 1024))
+    return blocks * block
+
+Budget = collections.namedtuple('Budget', 'block shared_mem min_threads why')
+
+def resource_budget(kernels, block, shared_mem=0, min_threads=0, why=''):
+    """Declare how the glue launches `kernels` (its largest `block`, with `shared_mem` bytes of dynamic shared memory) and
+    the floor of resident threads per SM below which `seqdist-compile-check` fails (`why`: the family's reason)."""
+    for k in kernels: k.budget = Budget(block, shared_mem, min_threads, why)
+
+def resource_rows(kernels, logs, archs):
+    "One row per kernel and arch: its resources from the ptxas logs {(source, macros, arch): log}, its budget, its occupancy and its verdict."
+    rows = []
+    for k in kernels:
+        b = getattr(k, 'budget', None)
+        for arch in archs:
+            res = parse_ptxas_log(logs.get((str(k.path), tuple(k.macros.items()), arch), '')).get(k.name)
+            row = dict(kernel=k, arch=arch, res=res, budget=b, threads=None, problems=[])
+            if res is None: row['problems'].append("no ptxas report")
+            else:
+                if res.spill_stores or res.spill_loads or res.stack:
+                    row['problems'].append(f"local memory: {res.spill_stores} B spill stores, {res.spill_loads} B spill loads, {res.stack} B stack frame")
+                if b is not None:
+                    row['threads'] = resident_threads(res, b.block, b.shared_mem, arch)
+                    if row['threads'] < b.min_threads:
+                        row['problems'].append(f"{row['threads']} resident threads per SM at {b.block}-thread blocks, below its floor of {b.min_threads}")
+            rows.append(row)
+    return rows
+
+def _short_macros(k):
+    "The macros that tell instantiations apart, shortly: float type, semiring, the rest (SPT=4, ...)."
+    first, rest = [], []
+    for m, v in k.macros.items():
+        if m == 'FLOAT': first.insert(0, v)
+        elif m.startswith('SUM('): first.append('Log' if 'logsumexp' in v else 'Max' if 'max' in v else v)
+        elif m not in ('ZERO', 'ONE') and '(' not in m: rest.append(f'{m}={v}')
+    return ' '.join(first + rest)
+
+def format_resource_table(rows):
+    "The rows as one text table (registers, spills, stack, static shared memory, barriers, launch, occupancy, floor)."
+    head = f"{'kernel':22} {'instantiation':32} {'arch':5} {'regs':>4} {'spill st/ld':>11} {'stack':>5} {'smem':>5} {'bar':>3} {'block':>5} {'dyn smem':>8} {'threads/SM':>10} {'floor':>5}  "
+    lines = [head, '-' * len(head)]
+    for r in rows:
+        k, res, b = r['kernel'], r['res'], r['budget']
+        if res is None: lines.append(f"{k.name:22} {_short_macros(k):32} {r['arch']:5} {'?':>4}  FAIL: no ptxas report"); continue
+        launch = f"{b.block:>5} {b.shared_mem:>8} {r['threads']:>10} {b.min_threads:>5}" if b else f"{'-':>5} {'-':>8} {'-':>10} {'-':>5}"
+        lines.append(f"{k.name:22} {_short_macros(k)[:32]:32} {r['arch']:5} {res.registers:>4} {f'{res.spill_stores}/{res.spill_loads}':>11} "
+                     f"{res.stack:>5} {res.smem:>5} {res.barriers:>3} {launch}  {'FAIL' if r['problems'] else 'ok'}")
+    return '\n'.join(lines)
+
+resource_budget(_sum_rows.values(), block=128, shared_mem=128 // 32 * 8, min_threads=1024,
+                why="a memory-bound reduction, one block per row: half the SM's threads hide the loads' latency")
 
 # %% ../nbs/01_utils.ipynb #4fdff71b
 def gpu_compiler():
@@ -715,37 +802,52 @@ def gpu_compiler():
     return None, None
 
 def package_kernels():
-    "One `Kernel` per (source, macros) that seqdist can launch: every module is imported so that all register."
+    "Every `Kernel` (source, name, macros) that seqdist can launch: every module is imported so that all register."
     import importlib, pkgutil, seqdist
     for m in pkgutil.iter_modules(seqdist.__path__):
         if not m.name.startswith('_') and m.name != 'cuda': importlib.import_module(f'seqdist.{m.name}')
-    return list({(str(k.path), tuple(k.macros.items())): k for k in KERNELS.values()}.values())
+    return list({(str(k.path), k.name, tuple(k.macros.items())): k for k in KERNELS.values()}.values())
 
-def check_gpu_compile(kernels=None, archs=('sm_80', 'sm_90'), compiler=None, workers=None):
-    "Compile each kernel's full source for each GPU arch; print a line per instantiation; return the failures (None if no compiler)."
+def check_gpu_compile(kernels=None, archs=('sm_80', 'sm_90'), compiler=None, workers=None, resources=False):
+    """Compile each kernel's full source for each GPU arch (once per source and macro set) and check ptxas's resource
+    report against the kernel's budget: no spills or stack frame, resident threads per SM at least its floor. Prints a
+    line per instantiation (and the resource table if `resources`); returns the failures (None if no compiler)."""
     from concurrent.futures import ThreadPoolExecutor
     name, compile_fn = gpu_compiler() if compiler is None else compiler
     kernels = package_kernels() if kernels is None else kernels
     if compile_fn is None:
         print("GPU compile check SKIPPED: neither NVRTC (pip install nvidia-cuda-nvrtc) nor nvcc was found"); return None
-    jobs = [(k, a) for k in kernels for a in archs]
+    sources = list({(str(k.path), tuple(k.macros.items())): k for k in kernels}.values())
+    jobs = [(k, a) for k in sources for a in archs]
     def run(job):
         k, arch = job
         return compile_fn(k.cuda_source(), arch, include_dirs=[str(cuda_dir()), str(k.path.parent)], name=k.path.name)
     with ThreadPoolExecutor(workers or os.cpu_count() or 2) as pool: results = list(pool.map(run, jobs))
-    failures = []
+    failures, logs = [], {}
     for (k, arch), (ok, log) in zip(jobs, results):
         print(f"{'ok  ' if ok else 'FAIL'} {arch} {name}: {k.path.name} {' '.join(f'{m}={v}' for m, v in k.macros.items())}")
-        if not ok: failures.append((k, arch, log)); print('    ' + log.replace('\n', '\n    '))
-    print(f"{len(jobs) - len(failures)} compiled, {len(failures)} failed ({len(kernels)} instantiations x {len(archs)} archs, {name})")
+        if ok: logs[(str(k.path), tuple(k.macros.items()), arch)] = log
+        else: failures.append((k, arch, log)); print('    ' + log.replace('\n', '\n    '))
+    compiled = {(str(k.path), tuple(k.macros.items())) for k, arch in jobs if (str(k.path), tuple(k.macros.items()), arch) in logs}
+    rows = resource_rows([k for k in kernels if (str(k.path), tuple(k.macros.items())) in compiled], logs, archs)
+    if resources: print(format_resource_table(rows))
+    for r in rows:
+        if r['problems']:
+            k = r['kernel']
+            msg = f"{k.name} ({k.path.name} {_short_macros(k)}) on {r['arch']}: " + '; '.join(r['problems'])
+            print(f"FAIL {r['arch']} resources: {msg}"); failures.append((k, r['arch'], msg))
+    n_res = sum(bool(r['problems']) for r in rows)
+    print(f"{len(jobs) - len(failures) + n_res} compiled, {len(failures) - n_res} failed ({len(sources)} sources x macros x {len(archs)} archs, {name}); "
+          f"resources: {len(rows) - n_res} of {len(rows)} kernel x arch within budget")
     return failures
 
 def compile_check_cli():
-    "`seqdist-compile-check`: every CUDA instantiation of the package must compile for sm_80 and sm_90."
+    "`seqdist-compile-check`: every CUDA instantiation of the package must compile for sm_80 and sm_90, within its resource budget."
     import argparse
     p = argparse.ArgumentParser(description=compile_check_cli.__doc__)
     p.add_argument('--arch', action='append', help="GPU arch (repeatable); default sm_80 and sm_90")
     p.add_argument('--compiler', choices=['nvrtc', 'nvcc'], help="default: NVRTC if found, else nvcc")
+    p.add_argument('--resources', action='store_true', help="print every kernel's registers, spills, shared memory and occupancy")
     a = p.parse_args()
     comp = None
     if a.compiler == 'nvcc': comp = ('nvcc', compile_with_nvcc)
@@ -753,7 +855,7 @@ def compile_check_cli():
         lib = nvrtc_library()
         if lib is None: sys.exit("NVRTC not found")
         comp = ('nvrtc', lambda *x, **k: compile_with_nvrtc(*x, lib=lib, **k))
-    failures = check_gpu_compile(archs=tuple(a.arch or ('sm_80', 'sm_90')), compiler=comp)
+    failures = check_gpu_compile(archs=tuple(a.arch or ('sm_80', 'sm_90')), compiler=comp, resources=a.resources)
     sys.exit(1 if failures else 0)
 
 # %% ../nbs/01_utils.ipynb #0f86fa4d

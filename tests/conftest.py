@@ -28,3 +28,28 @@ def _torchaudio(items):
     skip = pytest.mark.skip(reason="torchaudio is not installed (make install puts it in the venv)")
     for item in items:
         if 'torchaudio' in item.keywords: item.add_marker(skip)
+
+# `make gpu-check`'s summary: per family, the GPU tests' outcomes, the kernels they launched and the worst error
+# against the CPU (from the user properties that tests/test_gpu.py records).
+_gpu_results = {}
+
+def pytest_runtest_logreport(report):
+    if 'test_gpu.py' not in report.nodeid or '[' not in report.nodeid: return
+    if report.when != 'call' and not (report.skipped or report.failed): return
+    props = dict(report.user_properties)
+    name, params = report.nodeid.split('::')[-1].split('[', 1)
+    family = props.get('family') or (params.rstrip(']').split('-')[0] if name.startswith('test_gpu_') else 'other')
+    r = _gpu_results.setdefault(family, dict(passed=0, failed=0, skipped=0, kernels=set(), error=0.0))
+    r['failed' if report.failed else 'skipped' if report.skipped else 'passed'] += 1
+    r['kernels'].update(props.get('kernels', ()))
+    r['error'] = max(r['error'], props.get('error') or 0.0)
+
+def pytest_terminal_summary(terminalreporter, config):
+    "Printed under `-m gpu` (make gpu-check), and written to $SEQDIST_GPU_SUMMARY for the Makefile to show at the end."
+    if not _gpu_results or 'gpu' not in (config.getoption('markexpr') or ''): return
+    lines = [f"{'family':22} {'passed':>6} {'failed':>6} {'skipped':>7} {'worst err':>9}  kernels"]
+    for fam, r in sorted(_gpu_results.items()):
+        lines.append(f"{fam:22} {r['passed']:>6} {r['failed']:>6} {r['skipped']:>7} {r['error']:>9.1e}  {' '.join(sorted(r['kernels'])) or '-'}")
+    terminalreporter.section("GPU tests by family (worst err: largest absolute difference from the CPU in float64)")
+    for line in lines: terminalreporter.line(line)
+    if os.environ.get('SEQDIST_GPU_SUMMARY'): pathlib.Path(os.environ['SEQDIST_GPU_SUMMARY']).write_text('\n'.join(lines) + '\n')

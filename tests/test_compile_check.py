@@ -1,8 +1,9 @@
 """The GPU compile check: NVRTC (or nvcc) compiles every instantiation for sm_80/sm_90, and reports a kernel that
 only the emulator's host compiler accepts as a failure."""
-import pytest, torch
+import re, pytest, torch
 from seqdist.core import Log, Max
-from seqdist.utils import gpu_compiler, check_gpu_compile, package_kernels, load_kernel
+from seqdist.utils import (gpu_compiler, check_gpu_compile, package_kernels, load_kernel, parse_ptxas_log, Resources,
+                           resident_threads, resource_rows, Budget, format_resource_table)
 from conftest import KERNELS as KDIR
 
 name, compile_fn = gpu_compiler()
@@ -31,4 +32,72 @@ def test_host_only_code_fails_the_check(tmp_path, capsys):
 def test_emulated_test_kernels_also_compile_for_gpus():
     ks = [load_kernel(KDIR / f, n) for f, n in [('block_reduce.cu', 'block_sum'), ('warp_ops.cu', 'warp_votes'),
                                                ('misc.cu', 'histogram'), ('bugs.cu', 'early_return')]]
+    assert check_gpu_compile(ks) == []
+
+# ptxas's `-v` report as NVRTC's program log gives it (sm_90, CUDA 12): one kernel that spills, one with static shared
+# memory, one clean.
+PTXAS_LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'spiller' for 'sm_90'
+ptxas info    : Function properties for spiller
+ptxas         .     304 bytes stack frame, 5508 bytes spill stores, 5668 bytes spill loads
+ptxas info    : Used 32 registers, used 1 barriers, 304 bytes cumulative stack size
+ptxas info    : Compile time = 3475.312 ms
+ptxas info    : Compiling entry function 'reducer' for 'sm_90'
+ptxas info    : Function properties for reducer
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 26 registers, used 1 barriers, 384 bytes smem
+ptxas info    : Compiling entry function 'clean' for 'sm_90'
+ptxas info    : Function properties for clean
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 18 registers, used 0 barriers
+"""
+
+def test_the_ptxas_report_is_parsed_per_kernel():
+    r = parse_ptxas_log(PTXAS_LOG)
+    assert r == {'spiller': Resources(32, 5508, 5668, 304, 0, 1), 'reducer': Resources(26, 0, 0, 0, 384, 1),
+                 'clean': Resources(18, 0, 0, 0, 0, 0)}
+
+def test_occupancy_from_registers_shared_memory_and_thread_limits():
+    res = lambda regs, smem=0: Resources(regs, 0, 0, 0, smem, 1)
+    assert resident_threads(res(32), 1024, 0, 'sm_90') == 2048             # threads limit: two blocks
+    assert resident_threads(res(64), 1024, 0, 'sm_90') == 1024             # 64 x 1024 = the whole register file
+    assert resident_threads(res(65), 1024, 0, 'sm_90') == 0                # cannot launch at all
+    assert resident_threads(res(48), 1024, 0, 'sm_80') == 1024             # 40 warps by registers: one 32-warp block
+    assert resident_threads(res(32), 256, 100 * 1024, 'sm_80') == 256      # shared memory: one block of 100 KiB per SM
+    assert resident_threads(res(32), 256, 100 * 1024, 'sm_90') == 512      # sm_90 has 228 KiB
+    assert resident_threads(res(32), 256, 200 * 1024, 'sm_80') == 0        # over sm_80's 163 KiB per block
+
+def _rows(log, budget=None, arch='sm_90'):
+    k = load_kernel(KDIR / 'lattice_scan.cu', 'lattice_forward', **Max.cuda_macros(torch.float32))
+    name = re.search(r"entry function '(\w+)'", log)[1]
+    k = type('K', (), dict(path=k.path, name=name, macros=k.macros, budget=budget))()
+    return resource_rows([k], {(str(k.path), tuple(k.macros.items()), arch): log}, (arch,))
+
+def test_a_spilling_kernel_or_one_below_its_floor_fails_the_budget():
+    spill = PTXAS_LOG.split("ptxas info    : Compiling entry function 'reducer'")[0]
+    row, = _rows(spill)
+    assert row['problems'] == ["local memory: 5508 B spill stores, 5668 B spill loads, 304 B stack frame"]
+    clean = "ptxas info    : Compiling entry function 'clean'" + PTXAS_LOG.split("entry function 'clean'")[1]
+    assert _rows(clean, Budget(1024, 0, 2048, ''))[0]['problems'] == []
+    row, = _rows(clean.replace('Used 18 registers', 'Used 40 registers'), Budget(1024, 0, 2048, ''))
+    assert row['threads'] == 1024 and row['problems'] == ["1024 resident threads per SM at 1024-thread blocks, below its floor of 2048"]
+    assert 'FAIL' in format_resource_table([row]) and 'FAIL' not in format_resource_table(_rows(clean))
+
+@needs_compiler
+def test_a_kernel_that_spills_fails_the_compile_check(tmp_path, capsys):
+    "A real compile: 64 live values where launch bounds of 1024 threads leave 64 registers: ptxas spills, the check fails."
+    (tmp_path / 'spills.cu').write_text(
+        'extern "C" __global__ void __launch_bounds__(1024) spills(float* x, int i) {\n  float a[64], s = 0;\n'
+        '  for (int k = 0; k < 64; k++) a[k] = x[k * blockDim.x + threadIdx.x];\n  a[i & 63] += 1;\n'
+        '  for (int k = 0; k < 64; k++) s += a[k] * a[63 - k];\n  x[threadIdx.x] = s;\n}\n')
+    k = load_kernel(tmp_path / 'spills.cu', 'spills')
+    failures = check_gpu_compile([k], archs=('sm_90',), resources=True)
+    out = capsys.readouterr().out
+    assert len(failures) == 1 and 'local memory' in failures[0][2] and 'FAIL sm_90 resources: spills' in out
+
+@needs_compiler
+def test_every_package_kernel_declaring_a_budget_meets_it():
+    "The CTC kernels (whose budget 02_ctc declares) compile without spills and with their floor of resident threads."
+    ks = [k for k in package_kernels() if k.path.name == 'ctc.cu']
+    assert all(getattr(k, 'budget', None) for k in ks)
     assert check_gpu_compile(ks) == []
