@@ -5,12 +5,12 @@
 # %% auto #0
 __all__ = ['CUDA_BLOCK', 'CUDA_MAX_BLOCKS', 'LCE_CHUNK_BYTES', 'CE_SHAPES', 'LCE_SHAPES', 'softcap_logits',
            'cross_entropy_reference', 'ce_op', 'ce_grad_op', 'cross_entropy', 'CrossEntropyLoss', 'lce_op',
-           'lce_grad_op', 'linear_cross_entropy', 'LinearCrossEntropy', 'vocab_parallel_cross_entropy',
-           'bench_cross_entropy', 'peak_extra_mb']
+           'lce_grad_op', 'linear_cross_entropy', 'LinearCrossEntropyLoss', 'LinearCrossEntropy',
+           'vocab_parallel_cross_entropy', 'bench_cross_entropy', 'peak_extra_mb']
 
 # %% ../nbs/08_cross_entropy.ipynb #a0510788
 import math, os
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 import numpy as np
 import numba
 import torch
@@ -323,22 +323,10 @@ def _check_inputs(input, target, weight, ignore_index, reduction, label_smoothin
     if not isinstance(input, torch.Tensor): raise TypeError(f"input must be a tensor, got {type(input).__name__}")
     if input.dtype not in _FLOATS: raise TypeError(f"input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     if not isinstance(target, torch.Tensor): raise TypeError(f"target must be a tensor, got {type(target).__name__}")
-    if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
-    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not z_loss >= 0:
-        raise ValueError(f"z_loss must be a float >= 0, got {z_loss!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
-        raise ValueError(f"softcap must be None or a float > 0, got {softcap!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if input.dim() == 0: raise ValueError("input must have shape (N, C), (C,) or (N, C, d1, ...), got a scalar")
     C = input.shape[1] if input.dim() > 1 else input.shape[0]
     if C == 0: raise ValueError(f"input must have at least one class, got shape {tuple(input.shape)}")
-    if weight is not None:
-        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
-            raise TypeError(f"weight must be a float tensor of shape ({C},), got {getattr(weight, 'dtype', type(weight).__name__)}")
-        if weight.shape != (C,): raise ValueError(f"weight must have shape ({C},), one per class, got {tuple(weight.shape)}")
+    _check_options(C, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if target.is_floating_point():
         if target.shape != input.shape:
             raise ValueError(f"probability targets must have the input's shape {tuple(input.shape)}, got {tuple(target.shape)}")
@@ -354,6 +342,22 @@ def _check_inputs(input, target, weight, ignore_index, reduction, label_smoothin
     t1 = target.reshape(-1).long()
     if not torch.compiler.is_compiling(): _check_targets(t1, C, ignore_index)   # (compiled: the kernels check)
     return x2, t1
+
+def _check_options(C, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
+    "The options shared by cross_entropy and linear_cross_entropy, for C classes."
+    if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not z_loss >= 0:
+        raise ValueError(f"z_loss must be a float >= 0, got {z_loss!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be None or a float > 0, got {softcap!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise TypeError(f"weight must be a float tensor of shape ({C},), got {getattr(weight, 'dtype', type(weight).__name__)}")
+        if weight.shape != (C,): raise ValueError(f"weight must have shape ({C},), one per class, got {tuple(weight.shape)}")
 
 def _check_targets(t, C, ignore_index):
     "Class indices in [0, C) or ignore_index: read on the host for CPU targets, checked by the GPU for GPU ones (no sync)."
@@ -374,20 +378,37 @@ def _reduce(ce, lse, keep, wt, reduction, z_loss, shape):
     if zl is not None: loss = loss + zl.sum() / keep.sum().clamp(min=1)
     return loss
 
+def _z_term(lse, keep, z_loss, reduction, shape):
+    """The z-loss term alone, `z_loss * lse**2` of the rows not ignored, reduced as the loss is ('mean': over those
+    rows), detached: what `return_z_loss=True` returns beside the loss (which includes it), as in Liger-Kernel."""
+    z = z_loss * torch.where(keep, lse.detach(), 0) ** 2
+    if reduction == 'none': return z.reshape(shape)
+    return z.sum() if reduction == 'sum' else z.sum() / keep.sum().clamp(min=1)
+
+def _outputs(loss, z, lse, return_z_loss, return_lse):
+    "loss, (loss, z_loss), (loss, lse) or (loss, z_loss, lse)."
+    if not (return_z_loss or return_lse): return loss
+    return (loss,) + ((z,) if return_z_loss else ()) + ((lse,) if return_lse else ())
+
 def cross_entropy(input, target, weight=None, ignore_index=-100, reduction='mean', label_smoothing=0.0, *,
-                  z_loss=0.0, softcap=None, return_lse=False, inplace_backward=False, backend='auto'):
+                  z_loss=0.0, softcap=None, return_lse=False, return_z_loss=False, inplace_backward=False, backend='auto'):
     """`torch.nn.functional.cross_entropy` (class-index or probability targets) with z-loss (`z_loss * lse**2`)
     and soft-capping (`softcap * tanh(x / softcap)`) fused in. Keeps only the log-normaliser of each row for the
     backward, which writes the softmax straight into the gradient (with `inplace_backward=True`, over the logits
-    themselves: no extra memory; eager only). Returns loss, or (loss, lse) if return_lse."""
+    themselves: no extra memory; eager only). Returns loss; with return_z_loss and/or return_lse, (loss, z_loss),
+    (loss, lse) or (loss, z_loss, lse): z_loss is the z-loss term alone (included in loss), reduced like it, detached."""
     checked = _check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
-    if checked is None:                                 # probability targets
-        return _prob_targets(input, target, weight, reduction, label_smoothing, z_loss, softcap, return_lse)
+    if checked is None:                                 # probability targets: every row counts
+        loss, lse = _prob_targets(input, target, weight, reduction, label_smoothing, z_loss, softcap)
+        z = _z_term(lse, torch.ones_like(lse, dtype=torch.bool), z_loss, reduction, lse.shape) if return_z_loss else None
+        return _outputs(loss, z, lse, return_z_loss, return_lse)
     x2, t1 = checked
     backend = _backend(x2, backend)
     if backend == 'reference':
-        return cross_entropy_reference(input, target, weight, ignore_index, reduction, label_smoothing,
-                                       z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+        loss, lse = cross_entropy_reference(input, target, weight, ignore_index, reduction, label_smoothing,
+                                            z_loss=z_loss, softcap=softcap, return_lse=True)
+        z = _z_term(lse, target != ignore_index, z_loss, reduction, target.shape) if return_z_loss else None
+        return _outputs(loss, z, lse, return_z_loss, return_lse)
     args = (x2, t1, weight, int(ignore_index), float(label_smoothing), float(softcap or 0.0), backend)
     if inplace_backward:
         _check_inplace(input, x2)
@@ -398,8 +419,10 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction='mean
     if reduction == 'mean':
         wt = keep.to(ce.dtype) if weight is None else torch.where(keep, weight.to(ce.dtype)[torch.where(keep, t1, 0)], 0)
     loss = _reduce(ce, lse, keep, wt, reduction, z_loss, target.shape)
-    if input.dtype == torch.float64 or input.dtype == torch.float32: loss = loss.to(input.dtype)
-    return (loss, lse.reshape(target.shape)) if return_lse else loss
+    z = _z_term(lse, keep, z_loss, reduction, target.shape) if return_z_loss else None
+    if input.dtype == torch.float64 or input.dtype == torch.float32:
+        loss, z = loss.to(input.dtype), (z.to(input.dtype) if z is not None else None)
+    return _outputs(loss, z, lse.reshape(target.shape), return_z_loss, return_lse)
 
 def _check_inplace(input, x2):
     if input.is_leaf and input.requires_grad:
@@ -434,8 +457,8 @@ class _CEInplace(torch.autograd.Function):
         torch.autograd.graph.increment_version(logits)
         return logits, None, None, None, None, None, None
 
-def _prob_targets(input, target, weight, reduction, label_smoothing, z_loss, softcap, return_lse):
-    "Probability targets, in PyTorch (as F.cross_entropy, plus z-loss and soft-capping); 'mean' divides by the batch."
+def _prob_targets(input, target, weight, reduction, label_smoothing, z_loss, softcap):
+    "(loss, lse) for probability targets, in PyTorch (as F.cross_entropy, plus z-loss and soft-capping); 'mean' divides by the batch."
     x = input.float() if input.dtype in (torch.float16, torch.bfloat16) else input
     x = softcap_logits(x, softcap)
     lse = x.logsumexp(1 if x.dim() > 1 else 0)
@@ -444,84 +467,119 @@ def _prob_targets(input, target, weight, reduction, label_smoothing, z_loss, sof
     if z_loss:
         zl = z_loss * lse ** 2
         loss = loss + (zl if reduction == 'none' else zl.sum() if reduction == 'sum' else zl.mean())
-    return (loss, lse) if return_lse else loss
+    return loss, lse
 
 class CrossEntropyLoss(nn.Module):
-    "`torch.nn.CrossEntropyLoss` on seqdist's fused kernels, with `z_loss` and `softcap`."
+    "`torch.nn.CrossEntropyLoss` on seqdist's fused kernels, with `z_loss`, `softcap` and `return_z_loss` (as Liger-Kernel's)."
     def __init__(self, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction='mean',
-                 label_smoothing=0.0, *, z_loss=0.0, softcap=None):
+                 label_smoothing=0.0, *, z_loss=0.0, softcap=None, return_z_loss=False):
         super().__init__()
         if size_average is not None or reduce is not None:
             reduction = nn.modules.loss._Reduction.legacy_get_string(size_average, reduce)
         self.register_buffer('weight', weight)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
-        self.z_loss, self.softcap = z_loss, softcap
+        self.z_loss, self.softcap, self.return_z_loss = z_loss, softcap, return_z_loss
     def forward(self, input, target):
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing,
-                             z_loss=self.z_loss, softcap=self.softcap)
+                             z_loss=self.z_loss, softcap=self.softcap, return_z_loss=self.return_z_loss)
 
 # %% ../nbs/08_cross_entropy.ipynb #cf714057
 LCE_CHUNK_BYTES = 64 << 20   # the default float32 logits chunk (half of it for fp16/bf16, which need two more copies)
 
+def _rows_probs(x, p, weight, eps, cap, grads=None):
+    """Rows (M, C) against probability targets p (M, C), in PyTorch: (lse, ce) with ce = sum_c w_c q_c (lse - x_c),
+    q = (1 - eps) p + eps / C; with grads = (lse, g_ce, g_lse, zc), the gradient of sum g_ce ce + g_lse lse + zc lse**2:
+    (g_ce sum_c w_c q_c + g_lse + 2 zc lse) softmax - g_ce w q, times the soft-cap's derivative."""
+    dt = _compute_dtype(x.dtype)
+    xc = softcap_logits(x.to(dt), cap if cap > 0 else None)
+    wq = p.to(dt) * (1 - eps) + eps / xc.shape[1]                      # (M, C), a new tensor
+    if weight is not None: wq.mul_(weight.to(dt))
+    if grads is None:
+        lse = xc.logsumexp(1)
+        return lse, lse * wq.sum(1) - (wq * xc).sum(1)
+    lse, g_ce, g_lse, zc = grads
+    a = g_ce * wq.sum(1) + g_lse + 2 * zc * lse
+    grad = torch.exp(xc - lse[:, None]).mul_(a[:, None]).sub_(wq.mul_(g_ce[:, None]))
+    return grad.mul_(1 - (xc / cap) ** 2) if cap > 0 else grad
+
 def _lce_rows(hidden, weight, bias, target, ce_weight, ignore_index, eps, cap, backend, chunk_size, g_ce=None, zc=None):
-    """lse, ce (N,) of the logits hidden @ weight.T + bias, chunk by chunk; with g_ce and zc (N,), also the gradients
-    (dh, dw, db) of sum_i g_ce[i] ce[i] + zc[i] lse[i]**2."""
+    """lse, ce (N * D,) of the logits hidden @ weight[:, d].T + bias[:, d] of each of the D positions of a K-dim
+    loss (D = d1 * ... * dK; D = 1 without), chunk by chunk: hidden (N, H), weight (C, D, H), bias (C, D), target
+    (N, D) class indices or (N, C, D) probabilities. With g_ce and zc (N * D,), also the gradients (dh, dw, db) of
+    sum_r g_ce[r] ce[r] + zc[r] lse[r]**2 (row r = n * D + d)."""
     N, H = hidden.shape
-    V = weight.shape[0]
+    C, D, _ = weight.shape
     dt = _compute_dtype(hidden.dtype)
     low = hidden.dtype != dt
-    chunk = chunk_size or max(1, min(N, (LCE_CHUNK_BYTES // (2 if low else 1)) // (4 * V)))
-    lse, ce = hidden.new_empty(N, dtype=dt), hidden.new_empty(N, dtype=dt)
+    probs = target.is_floating_point()
+    chunk = chunk_size or max(1, min(N, (LCE_CHUNK_BYTES // (2 if low else 1)) // (4 * C)))
+    lse, ce = hidden.new_empty((N, D), dtype=dt), hidden.new_empty((N, D), dtype=dt)
     want = g_ce is not None
     if want:
+        g_ce, zc = g_ce.view(N, D), zc.view(N, D)
         dh = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         dw = weight.new_zeros(weight.shape, dtype=dt)
-        db = bias.new_zeros(V, dtype=dt) if bias is not None else None
-    buf = hidden.new_empty(min(chunk, N) * V, dtype=dt)
-    rows = _ROWS[backend]
-    for i in range(0, N, chunk):
-        j = min(N, i + chunk)
-        h = hidden[i:j]
-        lg = buf[:(j - i) * V].view(j - i, V)
-        if low: lg.copy_(F.linear(h, weight, bias))
-        elif bias is not None: torch.addmm(bias, h, weight.T, out=lg)
-        else: torch.mm(h, weight.T, out=lg)
-        t = target[i:j]
-        lse[i:j], ce[i:j] = rows(lg, t, ce_weight, ignore_index, eps, cap)
-        if not want: continue
-        gl = rows(lg, t, ce_weight, ignore_index, eps, cap, (lse[i:j], g_ce[i:j], torch.zeros_like(g_ce[i:j]), zc[i:j]), out=lg)
-        if gl is not lg: lg.copy_(gl)                                 # the reference returns a new tensor
-        if low:
-            torch.mm(lg.to(hidden.dtype), weight, out=dh[i:j])
-            dw.addmm_(lg.T, h.to(dt))
-        else:
-            torch.mm(lg, weight, out=dh[i:j])
-            dw.addmm_(lg.T, h)
-        if db is not None: db += lg.sum(0)
+        db = bias.new_zeros(bias.shape, dtype=dt) if bias is not None else None
+    buf = hidden.new_empty(min(chunk, N) * C, dtype=dt)
+    def rows(lg, t, grads=None):
+        "The chunk's (lse, ce), or its gradient written over lg."
+        if probs: return _rows_probs(lg, t, ce_weight, eps, cap, grads)
+        if grads is None or backend == 'reference': return _ROWS[backend](lg, t, ce_weight, ignore_index, eps, cap, grads)
+        return _ROWS[backend](lg, t, ce_weight, ignore_index, eps, cap, grads, out=lg)
+    for d in range(D):
+        Wd, bd = weight[:, d], (bias[:, d] if bias is not None else None)      # (C, H), (C,)
+        for i in range(0, N, chunk):
+            j = min(N, i + chunk)
+            h = hidden[i:j]
+            lg = buf[:(j - i) * C].view(j - i, C)
+            if low: lg.copy_(F.linear(h, Wd, bd))
+            elif bd is not None: torch.addmm(bd, h, Wd.T, out=lg)
+            else: torch.mm(h, Wd.T, out=lg)
+            t = target[i:j, :, d] if probs else target[i:j, d]
+            lse[i:j, d], ce[i:j, d] = rows(lg, t)
+            if not want: continue
+            gl = rows(lg, t, (lse[i:j, d], g_ce[i:j, d], torch.zeros_like(g_ce[i:j, d]), zc[i:j, d]))
+            if gl is not lg: lg.copy_(gl)                                 # the PyTorch rows return a new tensor
+            gh = lg.to(hidden.dtype) if low else lg
+            if d == 0: torch.mm(gh, Wd, out=dh[i:j])
+            else: dh[i:j].addmm_(gh, Wd)                                  # K-dim: every position feeds h
+            dw[:, d].addmm_(lg.T, h.to(dt) if low else h)
+            if db is not None: db[:, d] += lg.sum(0)
+    lse, ce = lse.view(-1), ce.view(-1)
     if not want: return lse, ce, None
     return lse, ce, (dh, dw.to(weight.dtype), db.to(bias.dtype) if db is not None else None)
 
-def _row_coefficients(target, ce_weight, ignore_index, reduction, z_loss, dt):
-    "Per-row keep mask, the weight of the target, and the scales of ce and lse**2 in the reduced loss."
-    keep = target != ignore_index
-    wt = keep.to(dt) if ce_weight is None else torch.where(keep, ce_weight.to(dt)[torch.where(keep, target, 0)], 0)
+def _row_keep(target, ignore_index, ce_weight, dt):
+    "Per-row keep mask and weight of the target (N * D,); probability targets (N, C, D) keep every row, weight 1."
+    if target.is_floating_point():
+        keep = torch.ones(target.shape[0] * target.shape[2], dtype=torch.bool, device=target.device)
+        return keep, keep.to(dt)
+    t = target.reshape(-1)
+    keep = t != ignore_index
+    wt = keep.to(dt) if ce_weight is None else torch.where(keep, ce_weight.to(dt)[torch.where(keep, t, 0)], 0)
+    return keep, wt
+
+def _row_coefficients(keep, wt, reduction, z_loss, dt):
+    "The scales of each row's ce and lse**2 in the reduced loss."
     if reduction == 'mean':
         denom = wt.sum()
-        g_ce = (1 / torch.where(denom != 0, denom, 1)).expand(target.shape[0]).to(dt)
+        g_ce = (1 / torch.where(denom != 0, denom, 1)).expand(keep.shape[0]).to(dt)
         zc = z_loss * keep.to(dt) / keep.sum().clamp(min=1)
     else:
         g_ce, zc = torch.ones_like(wt), z_loss * keep.to(dt)
-    return keep, wt, g_ce.contiguous(), zc.contiguous()
+    return g_ce.contiguous(), zc.contiguous()
 
 @torch.library.custom_op('seqdist::linear_cross_entropy', mutates_args=())
 def lce_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ce_weight: Optional[Tensor],
            ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, reduction: str, chunk_size: int,
            want_grad: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(loss, lse, dh, dw, db) of the cross-entropy of hidden @ weight.T + bias (never built whole). With want_grad
-    (reductions 'mean' and 'sum') the gradients for an upstream gradient of 1, else empty tensors."""
-    _check_targets(target, weight.shape[0], ignore_index)
+    """(loss, lse, dh, dw, db) of the cross-entropy of hidden (N, H) @ weight (C, D, H) + bias (C, D) (never built
+    whole) against target (N, D) or probabilities (N, C, D). With want_grad (reductions 'mean' and 'sum') the
+    gradients for an upstream gradient of 1, else empty tensors."""
+    if not target.is_floating_point(): _check_targets(target, weight.shape[0], ignore_index)
     dt = _compute_dtype(hidden.dtype)
-    keep, wt, g_ce, zc = _row_coefficients(target, ce_weight, ignore_index, reduction, z_loss, dt)
+    keep, wt = _row_keep(target, ignore_index, ce_weight, dt)
+    g_ce, zc = _row_coefficients(keep, wt, reduction, z_loss, dt)
     lse, ce, grads = _lce_rows(hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, softcap, backend,
                                chunk_size, g_ce if want_grad else None, zc if want_grad else None)
     if reduction == 'none': loss = ce + zc * lse ** 2
@@ -534,19 +592,19 @@ def lce_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
 def _(hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, z_loss, softcap, reduction, chunk_size,
       want_grad, backend):
     dt = _compute_dtype(hidden.dtype)
-    N = hidden.shape[0]
-    loss = hidden.new_empty(N if reduction == 'none' else (), dtype=dt)
-    if not want_grad: return loss, hidden.new_empty(N, dtype=dt), hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0)
+    R = hidden.shape[0] * weight.shape[1]
+    loss = hidden.new_empty(R if reduction == 'none' else (), dtype=dt)
+    if not want_grad: return loss, hidden.new_empty(R, dtype=dt), hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0)
     db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
-    return loss, hidden.new_empty(N, dtype=dt), torch.empty_like(hidden), torch.empty_like(weight), db
+    return loss, hidden.new_empty(R, dtype=dt), torch.empty_like(hidden), torch.empty_like(weight), db
 
 @torch.library.custom_op('seqdist::linear_cross_entropy_grad', mutates_args=())
 def lce_grad_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ce_weight: Optional[Tensor],
                 grad_loss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
                 chunk_size: int, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
-    "Gradients (dh, dw, db) of sum_i grad_loss[i] loss[i] for reduction='none', recomputing the logits chunk by chunk."
+    "Gradients (dh, dw, db) of sum_r grad_loss[r] loss[r] for reduction='none', recomputing the logits chunk by chunk."
     dt = _compute_dtype(hidden.dtype)
-    keep = target != ignore_index
+    keep, _ = _row_keep(target, ignore_index, ce_weight, dt)
     g = grad_loss.to(dt).contiguous()
     _, _, grads = _lce_rows(hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, softcap, backend,
                             chunk_size, g, (z_loss * keep.to(dt) * g).contiguous())
@@ -582,52 +640,162 @@ def _lce_backward(ctx, g_loss, g_lse, g_dh, g_dw, g_db):
 torch.library.register_autograd('seqdist::linear_cross_entropy', _lce_backward, setup_context=_lce_setup_context)
 
 # %% ../nbs/08_cross_entropy.ipynb #79d6397b
-def _check_linear(hidden, weight, target, bias, ce_weight, chunk_size):
-    for name, v in (('hidden', hidden), ('weight', weight)):
+class _LinearArgs(NamedTuple):
+    "linear_cross_entropy's arguments, checked once and shaped for the op."
+    hidden: Tensor            # (N, H)
+    weight: Tensor            # (C, D, H): D = d1 * ... * dK positions of a K-dim loss, 1 without
+    bias: Optional[Tensor]    # (C, D)
+    target: Tensor            # (N, D) class indices, or (N, C, D) probabilities
+    ce_weight: Optional[Tensor]
+    ignore_index: int
+    chunk_size: Optional[int]
+    shape: tuple              # the shape of the loss for reduction='none' (and of lse)
+
+def _options_chunk(options, chunk_size):
+    "Rows per chunk from PyTorch's `options`: its `batch_chunk_size` if it sets one; its other fields do not apply here."
+    if options is None: return chunk_size
+    cls = getattr(nn, 'LinearCrossEntropyOptions', None)
+    if cls is None or not isinstance(options, cls):
+        raise TypeError(f"options must be None or a torch.nn.LinearCrossEntropyOptions, got {type(options).__name__}")
+    n = options.batch_chunk_size
+    if n is None: return chunk_size
+    if chunk_size is not None and chunk_size != n:
+        raise ValueError(f"chunk_size={chunk_size} and options.batch_chunk_size={n} disagree: pass one")
+    return n
+
+def _alias(new, old, new_name, old_name):
+    "An argument also accepted under seqdist's earlier keyword."
+    if old is None: return new
+    if new is not None: raise TypeError(f"pass {new_name}= or its earlier name {old_name}=, not both")
+    return old
+
+def _check_linear(input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing, z_loss,
+                  softcap, options, chunk_size):
+    "Shapes, dtypes and values of linear_cross_entropy's arguments; returns them as one `_LinearArgs`."
+    for name, v in (('input', input), ('linear_weight', linear_weight)):
         if not isinstance(v, torch.Tensor): raise TypeError(f"{name} must be a tensor, got {type(v).__name__}")
         if v.dtype not in _FLOATS: raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {v.dtype}")
-    if weight.dim() != 2: raise ValueError(f"weight must have shape (V, H), got {tuple(weight.shape)}")
-    V, H = weight.shape
-    if hidden.dim() < 1 or hidden.shape[-1] != H:
-        raise ValueError(f"hidden must have shape (..., H) with H = {H} (weight's second dim), got {tuple(hidden.shape)}")
-    if hidden.dtype != weight.dtype: raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != (V,): raise ValueError(f"bias must have shape ({V},), got {tuple(getattr(bias, 'shape', ()))}")
-        if bias.dtype != weight.dtype: raise TypeError(f"bias ({bias.dtype}) and weight ({weight.dtype}) must have the same dtype")
-    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(f"target must be a tensor of class indices (an integer dtype), got {getattr(target, 'dtype', type(target).__name__)}")
-    if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"target must have shape {tuple(hidden.shape[:-1])} (hidden's without H), got {tuple(target.shape)}")
+    if linear_weight.dim() < 2:
+        raise ValueError(f"linear_weight must have shape (C, in_features) or (C, d1, ..., dK, in_features), got {tuple(linear_weight.shape)}")
+    C, out, H = linear_weight.shape[0], tuple(linear_weight.shape[1:-1]), linear_weight.shape[-1]
+    if C == 0: raise ValueError(f"linear_weight must have at least one class (row), got shape {tuple(linear_weight.shape)}")
+    if input.dim() < 1 or input.shape[-1] != H:
+        raise ValueError(f"input must have shape (..., {H}) (linear_weight's last dim), got {tuple(input.shape)}")
+    if out and input.dim() != 2:
+        raise ValueError(f"a K-dimensional loss (linear_weight {tuple(linear_weight.shape)}) needs input of shape (N, {H}), got {tuple(input.shape)}")
+    if input.dtype != linear_weight.dtype:
+        raise TypeError(f"input ({input.dtype}) and linear_weight ({linear_weight.dtype}) must have the same dtype")
+    if linear_bias is not None:
+        if not isinstance(linear_bias, torch.Tensor) or tuple(linear_bias.shape) != (C,) + out:
+            raise ValueError(f"linear_bias must have shape {(C,) + out}, got {tuple(getattr(linear_bias, 'shape', ()))}")
+        if linear_bias.dtype != linear_weight.dtype:
+            raise TypeError(f"linear_bias ({linear_bias.dtype}) and linear_weight ({linear_weight.dtype}) must have the same dtype")
+    if weight is not None and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[-1] == H:
+        raise ValueError(f"weight is the class weight, shape ({C},); the projection is linear_weight, the second argument "
+                         f"(PyTorch's signature), got weight of shape {tuple(weight.shape)}")
+    if not isinstance(target, torch.Tensor): raise TypeError(f"target must be a tensor, got {type(target).__name__}")
+    probs = target.is_floating_point()
+    if probs and ignore_index is not None:
+        raise ValueError("ignore_index cannot be given with probability targets (float target)")
+    ignore_index = -100 if ignore_index is None else ignore_index
+    _check_options(C, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    chunk_size = _options_chunk(options, chunk_size)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or a positive int (rows per chunk), got {chunk_size!r}")
-
-def linear_cross_entropy(hidden, weight, target, bias=None, ce_weight=None, ignore_index=-100, reduction='mean',
-                         label_smoothing=0.0, *, z_loss=0.0, softcap=None, return_lse=False, chunk_size=None, backend='auto'):
-    """`F.cross_entropy(F.linear(hidden, weight, bias), target, ce_weight, ...)` without ever building the (N, V)
-    logits: hidden (..., H), weight (V, H), target (...). Options as `cross_entropy`; chunk_size = rows per chunk
-    (default: 64 MB of float32 logits). Returns loss, or (loss, lse) if return_lse (lse not differentiable)."""
-    _check_linear(hidden, weight, target, bias, ce_weight, chunk_size)
-    V = weight.shape[0]
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    dummy = h2.new_empty(1, V).expand(h2.shape[0], V)          # shape checks only (no memory)
-    _check_inputs(dummy, target.reshape(-1), ce_weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
-    t1 = target.reshape(-1).long()
-    backend = _backend(h2, backend)
-    if backend == 'reference':
-        out = cross_entropy_reference(F.linear(h2, weight, bias), t1, ce_weight, ignore_index, reduction,
-                                      label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
-        loss, lse = out if return_lse else (out, None)
+    batch = tuple(input.shape[:-1])
+    N, D = math.prod(batch), math.prod(out)
+    if probs:
+        if input.dim() > 2: raise ValueError(f"probability targets need input of shape ({H},) or (N, {H}), got {tuple(input.shape)}")
+        expected = batch + (C,) + out
+        if tuple(target.shape) != expected:
+            raise ValueError(f"probability targets must have the logits' shape {expected}, got {tuple(target.shape)}")
+        t = target.reshape(N, C, D)
     else:
-        grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-        loss, lse, *_ = lce_op(h2, weight, bias, t1, ce_weight, int(ignore_index), float(label_smoothing), float(z_loss),
-                               float(softcap or 0.0), reduction, int(chunk_size or 0), grad and reduction != 'none', backend)
-    if reduction == 'none': loss = loss.reshape(target.shape)
-    if hidden.dtype in (torch.float32, torch.float64): loss = loss.to(hidden.dtype)
-    return (loss, lse.detach().reshape(target.shape)) if return_lse else loss
+        if target.is_complex() or target.dtype == torch.bool:
+            raise TypeError(f"target must hold class indices (an integer dtype) or probabilities (float), got {target.dtype}")
+        if tuple(target.shape) != batch + out:
+            raise ValueError(f"target must have shape {batch + out} for input {tuple(input.shape)} and linear_weight "
+                             f"{tuple(linear_weight.shape)}, got {tuple(target.shape)}")
+        t = target.reshape(N, D).long()
+    if target.device != input.device: raise ValueError(f"target is on {target.device}, input on {input.device}")
+    return _LinearArgs(input.reshape(N, H), linear_weight.reshape(C, D, H),
+                       linear_bias.reshape(C, D) if linear_bias is not None else None, t, weight, int(ignore_index),
+                       chunk_size, batch + out)
+
+def _linear_reference(a, reduction, label_smoothing, z_loss, softcap):
+    "(loss, lse) of F.linear then the cross-entropy reference: the whole (N, C, D) logits, autograd for the backward."
+    N, (C, D, H) = a.hidden.shape[0], a.weight.shape
+    logits = F.linear(a.hidden, a.weight.reshape(C * D, H), a.bias.reshape(-1) if a.bias is not None else None)
+    loss, lse = cross_entropy(logits.view(N, C, D), a.target, a.ce_weight, a.ignore_index, reduction, label_smoothing,
+                              z_loss=z_loss, softcap=softcap, return_lse=True, backend='reference')
+    return loss.reshape(-1) if reduction == 'none' else loss, lse.reshape(-1)
+
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction='mean',
+                         ignore_index=None, label_smoothing=0.0, options=None, z_loss=0.0, softcap=None,
+                         return_lse=False, return_z_loss=False, chunk_size=None, backend='auto', bias=None, ce_weight=None):
+    """`torch.nn.functional.linear_cross_entropy` (PyTorch 2.13: the same arguments and result), always on the
+    memory-lean path: `F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight, ...)` without ever
+    building the (N, C) logits. input (N, H) or (H,) (also (..., H)), linear_weight (C, H) or (C, d1, ..., dK, H),
+    class-index or probability targets; ignore_index=None means -100. `options` is accepted: its batch_chunk_size,
+    if set, is the chunk size, nothing else of it applies. Besides: z_loss, softcap, chunk_size (rows per chunk;
+    default 64 MB of float32 logits), backend, and the outputs of `cross_entropy` (return_z_loss, return_lse: lse not
+    differentiable). `bias=` and `ce_weight=` are seqdist's earlier names of linear_bias and weight."""
+    linear_bias = _alias(linear_bias, bias, 'linear_bias', 'bias')
+    weight = _alias(weight, ce_weight, 'weight', 'ce_weight')
+    a = _check_linear(input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
+                      z_loss, softcap, options, chunk_size)
+    backend = _backend(a.hidden, backend)
+    if backend == 'reference': loss, lse = _linear_reference(a, reduction, label_smoothing, z_loss, softcap)
+    else:
+        grad = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (input, linear_weight, linear_bias))
+        loss, lse, *_ = lce_op(a.hidden, a.weight, a.bias, a.target, a.ce_weight, a.ignore_index, float(label_smoothing),
+                               float(z_loss), float(softcap or 0.0), reduction, int(a.chunk_size or 0),
+                               grad and reduction != 'none', backend)
+    if reduction == 'none': loss = loss.reshape(a.shape)
+    lse = lse.detach().reshape(a.shape)
+    z = None
+    if return_z_loss:
+        keep = _row_keep(a.target, a.ignore_index, None, lse.dtype)[0].reshape(a.shape)
+        z = _z_term(lse, keep, z_loss, reduction, a.shape)
+    if input.dtype in (torch.float32, torch.float64):
+        loss, z = loss.to(input.dtype), (z.to(input.dtype) if z is not None else None)
+    return _outputs(loss, z, lse, return_z_loss, return_lse)
+
+class LinearCrossEntropyLoss(nn.Module):
+    """`torch.nn.LinearCrossEntropyLoss` (PyTorch 2.13) on seqdist's `linear_cross_entropy`: the same constructor,
+    attributes and state_dict (`linear.weight`, `linear.bias`, and the class `weight` buffer), so either loads the
+    other's checkpoint; `options` is kept and passed on. Besides: z_loss, softcap, chunk_size, return_z_loss."""
+    def __init__(self, in_features, num_classes, *, out_features=(), bias=False, device=None, dtype=None,
+                 reduction='mean', weight=None, ignore_index=None, label_smoothing=0.0, options=None,
+                 z_loss=0.0, softcap=None, chunk_size=None, return_z_loss=False):
+        super().__init__()
+        if weight is not None and tuple(weight.shape) != (num_classes,):
+            raise ValueError(f"weight must have shape ({num_classes},), one per class, got {tuple(weight.shape)}")
+        if not 0.0 <= label_smoothing <= 1.0: raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+        self.register_buffer('weight', weight)
+        self.num_classes, self.out_features = num_classes, tuple(out_features)
+        self.reduction, self.ignore_index, self.label_smoothing, self.options = reduction, ignore_index, label_smoothing, options
+        self.z_loss, self.softcap, self.chunk_size, self.return_z_loss = z_loss, softcap, chunk_size, return_z_loss
+        self.linear = nn.Linear(in_features, math.prod(self.out_features) * num_classes, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, input, target):
+        shape = (self.num_classes,) + self.out_features
+        b = self.linear.bias
+        return linear_cross_entropy(input, self.linear.weight.reshape(shape + (self.linear.in_features,)), target,
+                                    linear_bias=b.reshape(shape) if b is not None else None, weight=self.weight,
+                                    reduction=self.reduction, ignore_index=self.ignore_index,
+                                    label_smoothing=self.label_smoothing, options=self.options, z_loss=self.z_loss,
+                                    softcap=self.softcap, chunk_size=self.chunk_size, return_z_loss=self.return_z_loss)
+
+    def extra_repr(self):
+        return (f"in_features={self.linear.in_features}, num_classes={self.num_classes}, out_features={self.out_features}, "
+                f"bias={self.linear.bias is not None}, reduction={self.reduction}, ignore_index={self.ignore_index}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, softcap={self.softcap}")
 
 class LinearCrossEntropy(nn.Linear):
-    """`nn.Linear(in_features, out_features, bias)` followed by the cross-entropy, fused: `forward(hidden, target)`
-    gives the loss. Its state_dict is nn.Linear's, so it drops in for an LM head + loss."""
+    """seqdist's earlier module: `nn.Linear(in_features, out_features, bias)` followed by the cross-entropy, fused;
+    `forward(hidden, target)` gives the loss and the state_dict is nn.Linear's (`weight` is the projection, the class
+    weight is `ce_weight`). For PyTorch's module and state_dict layout, use `LinearCrossEntropyLoss`."""
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, *, ce_weight=None,
                  ignore_index=-100, reduction='mean', label_smoothing=0.0, z_loss=0.0, softcap=None, chunk_size=None):
         super().__init__(in_features, out_features, bias, device, dtype)
@@ -635,8 +803,9 @@ class LinearCrossEntropy(nn.Linear):
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.z_loss, self.softcap, self.chunk_size = z_loss, softcap, chunk_size
     def forward(self, hidden, target):
-        return linear_cross_entropy(hidden, self.weight, target, self.bias, self.ce_weight, self.ignore_index,
-                                    self.reduction, self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
+        return linear_cross_entropy(hidden, self.weight, target, linear_bias=self.bias, weight=self.ce_weight,
+                                    ignore_index=self.ignore_index, reduction=self.reduction,
+                                    label_smoothing=self.label_smoothing, z_loss=self.z_loss, softcap=self.softcap,
                                     chunk_size=self.chunk_size)
 
 # %% ../nbs/08_cross_entropy.ipynb #2c40beb2
