@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['CTC_SHAPES', 'GPU_CTC_SHAPES', 'GPU_SPARSE_SHAPES', 'GPU_SIMPLE_SHAPES', 'GPU_CRF_SHAPES', 'median_ms',
-           'paired_median_ms', 'load_torchaudio', 'ctc_inputs_for', 'bench_ctc', 'bench_forced_align', 'sweep_ctc',
-           'bench_sparse', 'bench_ctc_crf', 'load_seqdist003', 'timed_pair', 'peak_extra_mb', 'compare_row',
-           'value_and_grad', 'bench_ctc_gpu', 'BonitoCTC_CRF', 'bench_crf_gpu', 'bench_forced_align_gpu',
-           'markdown_table', 'run_benchmarks', 'run_gpu_benchmarks', 'bench_cli', 'plot_speedups']
+           'alternated_median_ms', 'paired_median_ms', 'load_torchaudio', 'ctc_inputs_for', 'bench_ctc',
+           'bench_forced_align', 'sweep_ctc', 'bench_sparse', 'bench_ctc_crf', 'load_seqdist003', 'timed_pair',
+           'peak_extra_mb', 'compare_row', 'value_and_grad', 'bench_ctc_gpu', 'BonitoCTC_CRF', 'bench_crf_gpu',
+           'bench_forced_align_gpu', 'markdown_table', 'run_benchmarks', 'run_gpu_benchmarks', 'bench_cli',
+           'plot_speedups']
 
 # %% ../nbs/10_bench.ipynb #2e89983f
 import argparse, json, os, sys, time
@@ -29,19 +30,24 @@ def median_ms(fn, warmup=2, reps=7, cuda=False):
         times.append((time.perf_counter() - start) * 1e3)
     return float(np.median(times))
 
-def paired_median_ms(fn_a, fn_b, warmup=2, reps=7):
-    """Median times in ms of `fn_a()` and `fn_b()`, called alternately (after `warmup` calls of each), so that both
-    see the same state of a shared, noisy machine."""
+def alternated_median_ms(*fns, warmup=2, reps=7):
+    """Median times in ms of each of `fns`, called in turn (after `warmup` rounds), so that all of them see the same
+    state of a shared, noisy machine."""
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()     # a family benchmarked on a GPU: time whole calls
-    for _ in range(warmup): fn_a(); fn_b()
-    times = [], []
+    for _ in range(warmup):
+        for fn in fns: fn()
+    times = [[] for _ in fns]
     for _ in range(reps):
-        for fn, ts in zip((fn_a, fn_b), times):
+        for fn, ts in zip(fns, times):
             if cuda: torch.cuda.synchronize()
             start = time.perf_counter(); fn()
             if cuda: torch.cuda.synchronize()
             ts.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times[0])), float(np.median(times[1]))
+    return [float(np.median(ts)) for ts in times]
+
+def paired_median_ms(fn_a, fn_b, warmup=2, reps=7):
+    "Median times in ms of `fn_a()` and `fn_b()`, called alternately (after `warmup` calls of each)."
+    return tuple(alternated_median_ms(fn_a, fn_b, warmup=warmup, reps=reps))
 
 def _preload_cuda_stubs(folder):
     "Load the stub CUDA libraries that PyPI's torchaudio (a CUDA build) needs, so that it imports on a CPU-only torch."

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import seqdist.cross_entropy as ce
 from seqdist.cross_entropy import (cross_entropy, cross_entropy_reference, CrossEntropyLoss, linear_cross_entropy,
-                                   LinearCrossEntropy, vocab_parallel_cross_entropy, softcap_logits)
+                                   LinearCrossEntropy, LinearCrossEntropyLoss, vocab_parallel_cross_entropy, softcap_logits)
 from seqdist.utils import emulator_options
 
 def _close(a, b, rtol, atol=0.0):
@@ -201,15 +201,41 @@ def test_bad_inputs(make, kwargs, exc, msg):
     with pytest.raises(exc) as e: cross_entropy(*make(), **kwargs)
     assert msg in str(e.value), str(e.value)
 
+def _lin(**kw):
+    "linear_cross_entropy's arguments: input (4, 8), linear_weight (10, 8), targets 0, with kw replacing any of them."
+    return dict(dict(input=torch.randn(4, 8), linear_weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long)), **kw)
+
 LINEAR_BAD = [
-    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 7), target=torch.zeros(4, dtype=torch.long)), ValueError, 'hidden must have shape (..., H) with H = 7'),
-    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(3, dtype=torch.long)), ValueError, 'target must have shape (4,)'),
-    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8).double(), target=torch.zeros(4, dtype=torch.long)), TypeError, 'must have the same dtype'),
-    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long), bias=torch.randn(9)), ValueError, 'bias must have shape (10,)'),
-    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.full((4,), 10)), ValueError, 'class indices in [0, 10)'),
-    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long), chunk_size=0), ValueError, 'chunk_size must be None or a positive int'),
-    (dict(hidden=torch.randn(4, 8), weight=torch.randn(10, 8), target=torch.zeros(4, dtype=torch.long), ce_weight=torch.rand(3)), ValueError, 'weight must have shape (10,)'),
+    (_lin(linear_weight=torch.randn(10, 7)), ValueError, 'input must have shape (..., 7)'),
+    (_lin(target=torch.zeros(3, dtype=torch.long)), ValueError, 'target must have shape (4,)'),
+    (_lin(linear_weight=torch.randn(10, 8).double()), TypeError, 'must have the same dtype'),
+    (_lin(linear_bias=torch.randn(9)), ValueError, 'linear_bias must have shape (10,)'),
+    (_lin(target=torch.full((4,), 10)), ValueError, 'class indices in [0, 10)'),
+    (_lin(chunk_size=0), ValueError, 'chunk_size must be None or a positive int'),
+    (_lin(weight=torch.rand(3)), ValueError, 'weight must have shape (10,)'),
+    (_lin(ce_weight=torch.rand(3)), ValueError, 'weight must have shape (10,)'),
+    (_lin(weight=torch.randn(10, 8)), ValueError, 'the projection is linear_weight'),
+    (_lin(bias=torch.randn(10), linear_bias=torch.randn(10)), TypeError, 'pass linear_bias= or its earlier name bias='),
+    (_lin(weight=torch.rand(10), ce_weight=torch.rand(10)), TypeError, 'pass weight= or its earlier name ce_weight='),
+    (_lin(linear_weight=torch.randn(10)), ValueError, 'linear_weight must have shape (C, in_features)'),
+    (_lin(input=torch.randn(2, 4, 8), linear_weight=torch.randn(10, 3, 8), target=torch.zeros(2, 4, 3, dtype=torch.long)),
+     ValueError, 'K-dimensional loss'),
+    (_lin(linear_weight=torch.randn(10, 3, 8), target=torch.zeros(4, dtype=torch.long)), ValueError, 'target must have shape (4, 3)'),
+    (_lin(target=torch.rand(4, 10), ignore_index=-100), ValueError, 'ignore_index cannot be given with probability targets'),
+    (_lin(target=torch.rand(4, 9)), ValueError, "probability targets must have the logits' shape (4, 10)"),
+    (_lin(options='chunked'), TypeError, 'options must be None or a torch.nn.LinearCrossEntropyOptions'),
+    (_lin(ignore_index=1.5), TypeError, 'ignore_index must be an int'),
+    (_lin(reduction='avg'), ValueError, "reduction must be 'none', 'sum' or 'mean'"),
+    (_lin(input=[[1.0] * 8]), TypeError, 'input must be a tensor'),
 ]
+if hasattr(nn, 'LinearCrossEntropyOptions'):
+    LINEAR_BAD.append((_lin(options=nn.LinearCrossEntropyOptions(batch_chunk_size=2), chunk_size=3), ValueError,
+                       'chunk_size=3 and options.batch_chunk_size=2 disagree'))
+
+def test_linear_old_positional_arguments_are_a_type_error():
+    "seqdist's earlier positional bias (4th argument) is keyword-only now, as in PyTorch: Python's own TypeError says so."
+    with pytest.raises(TypeError, match='positional'):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), torch.randn(10))
 
 @pytest.mark.parametrize('kwargs,exc,msg', LINEAR_BAD)
 def test_linear_bad_inputs(kwargs, exc, msg):
@@ -233,7 +259,7 @@ def test_linear_cross_entropy_equals_the_unfused_composition(backend, monkeypatc
         ref_opts = {('weight' if k == 'ce_weight' else k): v for k, v in opts.items()}
         out = []
         for f in (lambda h, W, b: cross_entropy_reference(F.linear(h, W, b).movedim(-1, 1), t, **ref_opts),
-                  lambda h, W, b: linear_cross_entropy(h, W, t, b, chunk_size=chunk, backend=backend, **opts)):
+                  lambda h, W, b: linear_cross_entropy(h, W, t, linear_bias=b, chunk_size=chunk, backend=backend, **opts)):
             args = [a.clone().requires_grad_() for a in (h, W, b if bias else None) if a is not None]
             loss = f(*args) if bias else f(*args, None)
             grads = torch.autograd.grad((loss * 1.5).sum(), args)
@@ -272,6 +298,131 @@ def test_linear_bf16_close_to_fp64():
     ref = F.cross_entropy(hb.double() @ Wb.double().T, t)
     assert loss.dtype == torch.float32 and hb.grad.dtype == torch.bfloat16 and Wb.grad.dtype == torch.bfloat16
     assert abs(loss.double() - ref).item() <= 1e-3 * ref.item()
+
+HAS_TORCH_LCE = hasattr(F, 'linear_cross_entropy') and hasattr(nn, 'LinearCrossEntropyOptions')
+needs_torch_lce = pytest.mark.skipif(not HAS_TORCH_LCE, reason='torch.nn.functional.linear_cross_entropy is PyTorch >= 2.13')
+
+def _random_linear_case(g, i):
+    """Case i of the sweep against F.linear_cross_entropy: shape kind (batched, unbatched, K-dim with one and two
+    extra dims), class-index or probability targets, and every keyword of PyTorch's signature."""
+    kind = i % 4
+    H, C, N = int(torch.randint(1, 12, (), generator=g)), int(torch.randint(1, 30, (), generator=g)), int(torch.randint(1, 9, (), generator=g))
+    out = {0: (), 1: (), 2: (int(torch.randint(1, 4, (), generator=g)),), 3: (2, 3)}[kind]
+    x = torch.randn((H,) if kind == 1 else (N, H), generator=g, dtype=torch.float64)
+    W = torch.randn((C,) + out + (H,), generator=g, dtype=torch.float64) / 2
+    b = torch.randn((C,) + out, generator=g, dtype=torch.float64) if i % 2 else None
+    batch = () if kind == 1 else (N,)
+    probs = i % 5 == 4
+    kw = dict(reduction=('mean', 'sum', 'none')[i % 3], label_smoothing=(0.0, 0.15)[(i // 3) % 2])
+    if (i // 2) % 3: kw['weight'] = torch.rand(C, generator=g, dtype=torch.float64) + 0.1
+    if probs:
+        t = torch.randn(batch + (C,) + out, generator=g, dtype=torch.float64).softmax(len(batch))
+    else:
+        t = torch.randint(0, C, batch + out, generator=g)
+        ii = (None, -100, 3 if C > 3 else None)[(i // 5) % 3]
+        if ii is not None: kw['ignore_index'] = ii
+        if i % 7 and t.numel():
+            t = torch.where(torch.rand(t.shape, generator=g) < 0.3, -100 if ii is None else ii, t)
+    return x, W, b, t, kw
+
+def _value_and_grads(f, x, W, b, g):
+    args = [a.clone().requires_grad_() for a in (x, W, b) if a is not None]
+    loss = f(*args) if b is not None else f(*args, None)
+    r = torch.rand(loss.shape, generator=g, dtype=loss.dtype) + 0.5          # a random upstream gradient
+    return (loss.detach(),) + torch.autograd.grad((loss * r).sum(), args)
+
+@needs_torch_lce
+@pytest.mark.parametrize('torch_path', ['reference', 'chunked'])
+def test_linear_120_random_cases_against_pytorch_fp64(torch_path, monkeypatch):
+    """Ours equals F.linear_cross_entropy (options=None, and its chunked path options=LinearCrossEntropyOptions(),
+    which falls back to its reference with a warning where it cannot chunk) in float64: loss and the gradients of input,
+    linear_weight and linear_bias, over every argument; ours on each backend, given the same options."""
+    import warnings
+    monkeypatch.setattr(ce, 'CUDA_BLOCK', 32)
+    g = torch.Generator().manual_seed(21)
+    options = None if torch_path == 'reference' else nn.LinearCrossEntropyOptions()
+    nan_means = 0
+    for i in range(120):
+        x, W, b, t, kw = _random_linear_case(g, i)
+        backend = ('cpu', 'reference', 'cuda')[(i // 4) % 3]
+        chunk = (None, 1, 3)[(i // 6) % 3]
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            ref = _value_and_grads(lambda x, W, b: F.linear_cross_entropy(x, W, t, linear_bias=b, options=options, **kw), x, W, b, torch.Generator().manual_seed(i))
+        ours = _value_and_grads(lambda x, W, b: linear_cross_entropy(x, W, t, linear_bias=b, options=options, chunk_size=chunk,
+                                                                      backend=backend, **kw), x, W, b, torch.Generator().manual_seed(i))
+        if kw['reduction'] == 'mean' and not t.is_floating_point() and (t == kw.get('ignore_index', -100)).all():
+            assert torch.isnan(ref[0]) and ours[0].item() == 0.0        # all ignored: PyTorch's 0/0, our documented 0
+            nan_means += 1
+            continue
+        for a, r in zip(ours, ref): _close(a, r, 1e-10)
+    assert nan_means < 10
+
+@needs_torch_lce
+def test_linear_options_and_ignore_index_none():
+    "options' batch_chunk_size is our chunk size (same result); ignore_index=None is -100; the old keywords still work."
+    g = torch.Generator().manual_seed(22)
+    x, W, b = torch.randn(11, 6, generator=g, dtype=torch.float64), torch.randn(9, 6, generator=g, dtype=torch.float64), torch.randn(9, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 9, (11,), generator=g); t[2] = -100
+    cw = torch.rand(9, generator=g, dtype=torch.float64)
+    base = linear_cross_entropy(x, W, t, linear_bias=b, weight=cw)
+    for kw in [dict(options=nn.LinearCrossEntropyOptions(batch_chunk_size=4)), dict(ignore_index=-100),
+               dict(options=nn.LinearCrossEntropyOptions(acc_policy='compact', allow_retain_graph=True), chunk_size=2)]:
+        _close(linear_cross_entropy(x, W, t, linear_bias=b, weight=cw, **kw), base, 1e-13)
+    _close(linear_cross_entropy(x, W, t, bias=b, ce_weight=cw), base, 0)            # seqdist's earlier keywords
+    _close(F.linear_cross_entropy(x, W, t, linear_bias=b, weight=cw), base, 1e-13)
+
+def _z_reference(x, t, z_loss, reduction, ignore_index=-100):
+    "The z-loss term written out: z_loss * lse**2 of the rows not ignored, reduced as the loss ('mean': over those rows)."
+    keep = t != ignore_index if not t.is_floating_point() else torch.ones(x.shape[:1], dtype=torch.bool)
+    z = z_loss * torch.where(keep, x.logsumexp(1), 0) ** 2
+    return z if reduction == 'none' else z.sum() if reduction == 'sum' else z.sum() / keep.sum().clamp(min=1)
+
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_return_z_loss(backend):
+    """return_z_loss=True returns (loss, z_loss) as Liger-Kernel's: loss as without it (the z-term included), z_loss
+    the term alone reduced like the loss over the rows not ignored; (loss, z_loss, lse) with return_lse too. Both
+    functions, every reduction, class-index and probability targets."""
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(7, 6, generator=g, dtype=torch.float64)
+    W = torch.randn(13, 6, generator=g, dtype=torch.float64)
+    logits = x @ W.T
+    t = torch.randint(0, 13, (7,), generator=g); t[[1, 4]] = -100
+    p = torch.rand(7, 13, generator=g, dtype=torch.float64).softmax(1)
+    for reduction in ('mean', 'sum', 'none'):
+        for target in (t, p):
+            kw = dict(reduction=reduction, z_loss=0.03, label_smoothing=0.1, backend=backend)
+            z_ref = _z_reference(logits, target, 0.03, reduction)
+            for fn, args in ((cross_entropy, (logits, target)), (linear_cross_entropy, (x, W, target))):
+                loss, z = fn(*args, return_z_loss=True, **kw)
+                _close(loss, fn(*args, **kw), 1e-13)
+                _close(z, z_ref, 1e-12)
+                assert not z.requires_grad
+                loss3, z3, lse = fn(*args, return_z_loss=True, return_lse=True, **kw)
+                _close(z3, z_ref, 1e-12); _close(lse.detach(), logits.logsumexp(1), 1e-12)
+            _close(cross_entropy(logits, target, return_z_loss=True, **dict(kw, z_loss=0.0))[1], torch.zeros_like(z_ref), 0)
+    loss, z = CrossEntropyLoss(z_loss=0.03, return_z_loss=True)(logits, t)
+    _close(z, _z_reference(logits, t, 0.03, 'mean'), 1e-12)
+
+@needs_torch_lce
+def test_linear_loss_module_matches_pytorchs():
+    """LinearCrossEntropyLoss has nn.LinearCrossEntropyLoss's constructor and state_dict: each loads the other's
+    weights and gives the same loss and gradients (K-dim with bias and class weights, and the plain head)."""
+    for kw in [dict(out_features=(3,), bias=True, weight=torch.rand(7, dtype=torch.float64), label_smoothing=0.1),
+               dict(reduction='sum', ignore_index=2, options=nn.LinearCrossEntropyOptions())]:
+        torch.manual_seed(24)
+        theirs = nn.LinearCrossEntropyLoss(5, 7, dtype=torch.float64, **kw)
+        ours = LinearCrossEntropyLoss(5, 7, dtype=torch.float64, **kw)
+        assert list(ours.state_dict()) == list(theirs.state_dict())
+        ours.load_state_dict(theirs.state_dict())
+        x = torch.randn(6, 5, dtype=torch.float64)
+        t = torch.randint(0, 7, (6,) + kw.get('out_features', ()))
+        res = []
+        for m in (theirs, ours):
+            loss = m(x, t)
+            res.append([loss.detach()] + list(torch.autograd.grad(loss, list(m.linear.parameters()))))
+        for a, r in zip(res[1], res[0]): _close(a, r, 1e-12)
+        theirs.load_state_dict(ours.state_dict())
 
 def _vocab_parallel_worker(rank, world, init_file, out_dir):
     import torch.distributed as dist
@@ -316,7 +467,8 @@ def test_vocab_parallel_needs_a_process_group():
 
 def test_bench_quick_rows():
     rows = ce.bench_cross_entropy(quick=True)
-    assert [r['op'] for r in rows] == ['cross_entropy fwd+bwd', 'linear_cross_entropy fwd+bwd']
+    linear = ['linear_cross_entropy fwd+bwd'] * (2 if hasattr(F, 'linear_cross_entropy') else 1)
+    assert [r['op'] for r in rows] == ['cross_entropy fwd+bwd'] + linear
     assert all(set(r) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'} and r['ours_ms'] > 0 for r in rows)
 
 @pytest.mark.parametrize('backend', ['cpu', 'cuda'])
