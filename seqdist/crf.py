@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from .core import semiring, Log, Max, SequenceDist
 from . import sparse, ctc_simple
-from .utils import load_kernel
+from .utils import load_kernel, resource_budget
 
 # %% ../nbs/05_crf.ipynb #8dd5ae47
 def kmer_transitions(state_len, n_base):
@@ -25,6 +25,8 @@ def kmer_transitions(state_len, n_base):
 
 _add_at_columns_kernels = {dtype: load_kernel('crf.cu', 'add_at_columns', FLOAT=ctype)
                            for dtype, ctype in ((torch.float32, 'float'), (torch.float64, 'double'))}
+resource_budget(_add_at_columns_kernels.values(), block=256, min_threads=1024,   # as add_sorted_runs_op launches it
+                why="a memory-bound scatter, one thread per (t, n, j): half the SM's threads in flight")
 
 def add_at_columns(out, cols, values, sorted_runs=None):
     """out[t, n, cols[n, j]] += values[t, n, j] for out (T, N, C) contiguous, cols (N, J), values (T, N, J). On the CPU

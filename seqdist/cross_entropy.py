@@ -185,6 +185,9 @@ _ce_kernels = {dtype: {name: load_kernel('cross_entropy.cu', name, **{'FLOAT': f
                for dtype, (f, s, ld, st, _) in _STORAGE.items()}
 CUDA_BLOCK = 256      # threads per row (a multiple of 32; the tests lower it so that a row spans several loops)
 CUDA_MAX_BLOCKS = 65535
+from .utils import resource_budget
+resource_budget([k for ks in _ce_kernels.values() for k in ks.values()], block=CUDA_BLOCK, min_threads=1024,
+                why="memory-bound passes over the (M, C) logits, one block per row: half the SM's threads in flight")
 
 # %% ../nbs/08_cross_entropy.ipynb #6e0e153e
 def _compute_dtype(dtype): return torch.float64 if dtype == torch.float64 else torch.float32

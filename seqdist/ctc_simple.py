@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn.functional import pad
 from .core import semiring, Log, Max, semiring_sum2
 from .utils import load_kernel, on_host, require, to_device, eager_function, apply_op
+from .utils import resource_budget, EMULATOR_MAX_SHARED_MEM
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
@@ -116,6 +117,13 @@ _simple_posterior_kernels = {dtype: load_kernel('ctc_simple.cu', 'simple_posteri
 cupy_funcs = _simple_kernels    # seqdist 0.0.3's names: its kernels too ran both recursions, on grid (N, 2)
 cupy_funcs_loop = cupy_funcs                                                     # (one kernel now loops over any L)
 CUDA_MAX_THREADS = 1024
+POSTERIOR_THREADS = 128     # per (frame, sequence) block of the posterior kernel (a power of two)
+# How the glue below launches them (the recursion's shared memory, 2 L values, as large as a block may have: L is
+# not bounded otherwise), and the resident threads each needs:
+resource_budget(_simple_kernels.values(), block=CUDA_MAX_THREADS, shared_mem=EMULATOR_MAX_SHARED_MEM, min_threads=CUDA_MAX_THREADS,
+                why="a latency-bound recursion, one block per sequence and direction: its largest block stays resident")
+resource_budget(_simple_posterior_kernels.values(), block=POSTERIOR_THREADS, shared_mem=POSTERIOR_THREADS * 8, min_threads=1024,
+                why="a memory-bound pass, one block per (frame, sequence): half the SM's threads in flight")
 
 def check_simple_inputs(stay_scores, move_scores, target_lengths):
     "stay (T, N, L), move (T, N, L-1) of one float dtype and device, target_lengths (N,) in [1, L]; returns int64 lengths."
@@ -155,8 +163,6 @@ def _scores_cuda(stay, move, lengths, use_max):
     mv, lengths = move.contiguous() if L > 1 else stay.new_empty(T, N, 1), to_device(lengths, stay.device)
     k((N, 2), (block,), (stay.contiguous(), mv, lengths, alpha, beta, T, N, L), shared_mem=shared)
     return alpha, beta
-
-POSTERIOR_THREADS = 128     # per (frame, sequence) block of the posterior kernel (a power of two)
 
 def _posteriors_cuda(stay, move, alpha, beta, logz):
     "The Log semiring's edge posteriors, normalised per frame, in the scores' dtype: one kernel, one pass."

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from .core import bits_as_float64, LOG2E, LN2_HI, LN2_LO
-from .utils import load_kernel
+from .utils import load_kernel, resource_budget
 
 # %% ../nbs/07_gru.ipynb #e4bbda4c
 def gru_layer_reference(x, h0, w_ih, w_hh, b_ih=None, b_hh=None, lengths=None, reverse=False):
@@ -132,6 +132,8 @@ _GATE_KERNELS = {dtype: {name: load_kernel('gru.cu', name, FLOAT={torch.float32:
                          for name in ('gru_gates_forward', 'gru_gates_backward')}
                  for dtype in (torch.float32, torch.float64)}
 CUDA_BLOCK = 256   # threads per block of the gate kernels: one thread per (sequence, hidden unit)
+resource_budget([k for ks in _GATE_KERNELS.values() for k in ks.values()], block=CUDA_BLOCK, min_threads=1024,
+                why="memory-bound elementwise gates, one thread per (sequence, hidden unit): half the SM's threads in flight")
 
 class _CPUGates:
     "The numba gate kernels on numpy views of the layer's buffers (made once per call, not per step)."

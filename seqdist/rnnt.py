@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2
 from .utils import load_kernel, empty_large, on_host, require, to_device, check_labels, eager_function, apply_op
+from .utils import resource_budget
 from .sparse import fast_exp, fast_exp8
 
 # %% ../nbs/06_rnnt.ipynb #4423443e
@@ -265,6 +266,16 @@ _NAMES = {Log: ('rnnt_lse', 'rnnt_alpha_beta', 'rnnt_grad', 'rnnt_edges', 'rnnt_
           Max: ('rnnt_alpha_beta', 'rnnt_backtrack')}
 _rnnt_kernels = {(dtype, S, name): load_kernel('rnnt.cu', name, **S.cuda_macros(dtype))
                  for dtype in (torch.float32, torch.float64) for S in (Log, Max) for name in _NAMES[S]}
+_named = lambda *names: [k for (_, _, name), k in _rnnt_kernels.items() if name in names]
+# How the glue below launches them (its largest blocks; no dynamic shared memory), and the resident threads each needs:
+resource_budget(_named('rnnt_alpha_beta'), block=RNNT_MAX_THREADS, min_threads=RNNT_MAX_THREADS,
+                why="a latency-bound recursion, one block per utterance and direction: its largest block stays resident")
+resource_budget(_named('rnnt_lse', 'rnnt_grad', 'rnnt_edges'), block=256, min_threads=1024,
+                why="memory-bound passes over the logits' rows or the nodes: half the SM's threads in flight")
+resource_budget(_named('rnnt_backtrack'), block=32, min_threads=32,
+                why="one thread per utterance walks its best path back: B threads in all, more residency cannot help")
+resource_budget(_named('rnnt_row_offsets'), block=32, min_threads=32,
+                why="the tests' check of the 64-bit offsets, on no op's path")
 
 def _threads(n): return min(RNNT_MAX_THREADS, 32 * math.ceil(max(n, 1) / 32))
 

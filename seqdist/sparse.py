@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2, bits_as_float64, LOG2E, LN2_HI, LN2_LO
 from .utils import load_kernel, empty_large, tensor_cached, eager_function, apply_op
+from .utils import resource_budget, EMULATOR_MAX_SHARED_MEM
 from .ctc import interleave_blanks
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
@@ -383,6 +384,12 @@ _sparse_kernels = {(dtype, S): {name: load_kernel('sparse.cu', name, **S.cuda_ma
                                 for name in ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd', 'sparse_posteriors')}
                    for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 cupy_funcs = {key: k['sparse_fwd'] for key, k in _sparse_kernels.items()}   # seqdist 0.0.3: the scan kernels
+for ks in _sparse_kernels.values():   # how the glue below launches them, and the resident threads each needs
+    # the recursions: `_threads` gives at most 1024 threads; two frames of C values, as large as a block may have
+    resource_budget([ks[n] for n in ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd')], block=1024, shared_mem=EMULATOR_MAX_SHARED_MEM,
+                    min_threads=1024, why="a latency-bound recursion, one block per sequence (and direction): its largest block stays resident")
+    resource_budget([ks['sparse_posteriors']], block=256, shared_mem=256 * (8 + 4), min_threads=1024,
+                    why="a memory-bound pass, one block per (frame, sequence): half the SM's threads in flight")
 
 def cupy_func(func_name, dtype, S, NZ, K):
     "seqdist 0.0.3's kernel lookup: 'logZ_fwd' / 'fwd_scores' -> sparse_fwd, 'bwd_scores' -> sparse_bwd (NZ, K are now launch arguments)."

@@ -790,7 +790,7 @@ def format_resource_table(rows):
                      f"{res.stack:>5} {res.smem:>5} {res.barriers:>3} {launch}  {'FAIL' if r['problems'] else 'ok'}")
     return '\n'.join(lines)
 
-resource_budget(_sum_rows.values(), block=128, shared_mem=128 // 32 * 8, min_threads=1024,
+resource_budget(_sum_rows.values(), block=1024, shared_mem=1024 // 32 * 8, min_threads=1024,   # semiring_sum's largest block
                 why="a memory-bound reduction, one block per row: half the SM's threads hide the loads' latency")
 
 # %% ../nbs/01_utils.ipynb #4fdff71b

@@ -1,4 +1,4 @@
-import os, pathlib, pytest, torch
+import contextlib, os, pathlib, pytest, torch
 
 KERNELS = pathlib.Path(__file__).parent / 'kernels'
 
@@ -6,6 +6,38 @@ KERNELS = pathlib.Path(__file__).parent / 'kernels'
 def _threads_and_seed():
     torch.set_num_threads(2)
     torch.manual_seed(0)
+
+_overruns = []   # Kernel.__call__ as it was, then the lists of the active `budget_overruns` blocks (the innermost last)
+
+@contextlib.contextmanager
+def budget_overruns():
+    """Yields the list of the launches made within it of a kernel with a resource budget (`resource_budget`, next to
+    the kernels in their notebook) that exceed its declared block or dynamic shared memory."""
+    from seqdist import utils
+    if not _overruns:
+        launch = utils.Kernel.__call__
+        def checked(self, grid, block, args, *, shared_mem=0):
+            out = launch(self, grid, block, args, shared_mem=shared_mem)
+            b = getattr(self, 'budget', None)
+            if b is not None and len(_overruns) > 1:
+                bx, by, bz = utils._dims(block, 'block', self.name)
+                if bx * by * bz > b.block or shared_mem > b.shared_mem:
+                    _overruns[-1].append(f"{self.name} ({self.path.name} {utils._short_macros(self)}) launched with block={block}, "
+                                         f"shared_mem={shared_mem}: its budget declares block {b.block}, {b.shared_mem} bytes")
+            return out
+        _overruns.append(launch)          # the bottom of the stack: the launch to restore
+        utils.Kernel.__call__ = checked
+    _overruns.append([])
+    try: yield _overruns[-1]
+    finally:
+        _overruns.pop()
+        if len(_overruns) == 1: utils.Kernel.__call__ = _overruns.pop()
+
+@pytest.fixture(autouse=True)
+def _launches_within_budget():
+    "Every launch a test makes stays within its kernel's budget: `seqdist-compile-check`'s occupancy is that of real launches."
+    with budget_overruns() as over: yield
+    assert not over, "launches beyond their kernel's declared resource budget:\n" + "\n".join(dict.fromkeys(over))
 
 from hypothesis import settings
 settings.register_profile('seqdist', derandomize=True, deadline=None)  # the same examples on every CI run

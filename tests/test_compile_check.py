@@ -3,7 +3,7 @@ only the emulator's host compiler accepts as a failure."""
 import re, pytest, torch
 from seqdist.core import Log, Max
 from seqdist.utils import (gpu_compiler, check_gpu_compile, package_kernels, load_kernel, parse_ptxas_log, Resources,
-                           resident_threads, resource_rows, Budget, format_resource_table)
+                           resident_threads, resource_rows, Budget, format_resource_table, EMULATOR_MAX_SHARED_MEM, cuda_dir)
 from conftest import KERNELS as KDIR
 
 name, compile_fn = gpu_compiler()
@@ -101,3 +101,28 @@ def test_every_package_kernel_declaring_a_budget_meets_it():
     ks = [k for k in package_kernels() if k.path.name == 'ctc.cu']
     assert all(getattr(k, 'budget', None) for k in ks)
     assert check_gpu_compile(ks) == []
+
+def test_every_package_kernel_declares_a_budget():
+    "A kernel cannot join the package without a resource budget (`resource_budget` next to its instantiation)."
+    ks = [k for k in package_kernels() if k.path.resolve().parent == cuda_dir().resolve()]   # not the tests' own kernels
+    assert {k.path.name for k in ks} >= {'ctc.cu', 'ctc_simple.cu', 'sparse.cu', 'crf.cu', 'rnnt.cu', 'gru.cu', 'cross_entropy.cu'}
+    missing = sorted({f"{k.path.name}:{k.name}" for k in ks if getattr(k, 'budget', None) is None})
+    assert not missing, f"kernels without a resource_budget: {missing}"
+    for k in ks:
+        b = k.budget
+        assert 32 <= b.block <= 1024 and b.block % 32 == 0 and 0 <= b.shared_mem <= EMULATOR_MAX_SHARED_MEM, (k, b)
+        assert 0 < b.min_threads <= 2048 and b.why, (k, b)
+
+def test_a_launch_beyond_its_budget_is_caught():
+    "conftest's check, which every test runs under: a launch larger than its kernel's budget is reported."
+    from seqdist.utils import semiring_sum, _sum_rows, resource_budget
+    from conftest import budget_overruns
+    k = _sum_rows[(torch.float64, Log)]
+    b, x = k.budget, torch.randn(2, 100, dtype=torch.float64)
+    try:
+        resource_budget([k], block=64, shared_mem=b.shared_mem, min_threads=b.min_threads, why=b.why)
+        with budget_overruns() as over: semiring_sum(x, Log, block=64)
+        assert over == []
+        with budget_overruns() as over: semiring_sum(x, Log, block=128)
+        assert len(over) == 1 and 'semiring_sum_rows' in over[0] and 'its budget declares block 64' in over[0]
+    finally: k.budget = b
