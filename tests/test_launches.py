@@ -90,13 +90,15 @@ def test_rnnt_and_cross_entropy_check_gpu_values_on_the_device(monkeypatch):
     with pytest.raises(RuntimeError, match="target class index out of range"): ce._check_targets(t + 1, 7, -100)
 
 def test_forced_align_budget():
-    "One Viterbi launch, whose last thread walks the path back on the device (no argmin over state posteriors)."
+    """One Viterbi launch, whose last thread walks the path back on the device (no argmin over state posteriors). The
+    ops: ~50 of preparation and gather, and 13 of the check that every target fits its frames (`check_alignable`:
+    a best path must exist; checked on the device for GPU-resident values, without a host read)."""
     import seqdist.ctc as ctc
     torch.manual_seed(0)
     lp, targets = torch.randn(1, 30, 8).log_softmax(2), torch.randint(1, 8, (1, 6))
     launches, ops = budget(lambda: ctc.forced_align(lp, targets, backend='cuda'))
     assert launches == {'ctc_viterbi': 1}
-    assert ops.total <= 50, ops.ops
+    assert ops.total <= 63, ops.ops
 
 def test_add_at_columns_budget():
     "CTC_CRF's deterministic scatter on a GPU: a small sort of the (N, J) columns, then one launch over the values."
