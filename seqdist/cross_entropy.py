@@ -21,6 +21,7 @@ from .utils import load_kernel, empty_large, on_host, require, to_device
 
 _CACHE = __name__ != "__main__"  # numba caches compiled kernels for the package, not for notebook cells
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+from .timing import paired_median_ms, alternated_median_ms
 
 # %% ../nbs/08_cross_entropy.ipynb #31cc1eb8
 def softcap_logits(x, softcap=None):
@@ -892,7 +893,6 @@ def _linear_anchors():
 def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES):
     """seqdist-bench rows: cross_entropy vs F.cross_entropy; linear_cross_entropy vs F.linear_cross_entropy's reference
     and chunked paths (all three called in turn, so one row per anchor with our time from the same rounds). fwd+bwd, CPU."""
-    from seqdist.bench import paired_median_ms, alternated_median_ms
     warmup, reps = (1, 3) if quick else (2, 7)
     rows = []
     for N, V in ([(256, 4096)] if quick else ce_shapes):

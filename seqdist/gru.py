@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from .core import bits_as_float64, LOG2E, LN2_HI, LN2_LO
 from .utils import load_kernel, resource_budget
+from .timing import paired_median_ms
 
 # %% ../nbs/07_gru.ipynb #e4bbda4c
 def gru_layer_reference(x, h0, w_ih, w_hh, b_ih=None, b_hh=None, lengths=None, reverse=False):
@@ -437,7 +438,6 @@ GRU_GPU_SHAPES = [(200, 32, 256, 256, 1, torch.float32), (1000, 64, 1024, 1024, 
 def bench_gru(quick=False, device='cpu', shapes=None, warmup=2, reps=7):
     """fwd+bwd (output.sum().backward(), gradients of the input and the weights) of `GRU` against `torch.nn.GRU`
     (cuDNN on a GPU) with the same weights and inputs, called alternately; rows as `seqdist.bench`'s."""
-    from seqdist.bench import paired_median_ms
     if quick: shapes, warmup, reps = [(20, 4, 16, 32, 2)], 1, 3
     elif shapes is None: shapes = GRU_CPU_SHAPES if device == 'cpu' else GRU_GPU_SHAPES
     rows = []

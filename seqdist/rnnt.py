@@ -17,10 +17,10 @@ import numba
 import torch
 import torch.nn as nn
 from torch import Tensor
-from .core import semiring, Log, Max, semiring_sum2
+from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
 from .utils import load_kernel, empty_large, on_host, require, to_device, check_labels, eager_function, apply_op
 from .utils import resource_budget
-from .sparse import fast_exp, fast_exp8
+from .timing import paired_median_ms, load_torchaudio
 
 # %% ../nbs/06_rnnt.ipynb #4423443e
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -533,7 +533,6 @@ def rnnt_inputs_for(B, T, U, V, device='cpu', seed=0, dtype=torch.float32):
 
 def bench_rnnt(quick=False, shapes=None, device='cpu'):
     "fwd+bwd of `rnnt_loss` against torchaudio's `rnnt_loss`, timed alternately in one run; rows like seqdist.bench's."
-    from seqdist.bench import paired_median_ms, load_torchaudio
     torchaudio = load_torchaudio()
     if torchaudio is None: raise RuntimeError("bench_rnnt needs torchaudio (put ../shared/anchors on sys.path for its CPU stubs)")
     shapes = shapes or ([(2, 20, 5, 16)] if quick else RNNT_SHAPES)
@@ -562,7 +561,6 @@ torch.set_num_threads(2)
 B, T, U, V = map(int, sys.argv[1:5])
 from seqdist.rnnt import rnnt_loss, rnnt_inputs_for
 if sys.argv[5] == 'torchaudio':
-    from seqdist.bench import load_torchaudio
     f = load_torchaudio().functional.rnnt_loss
 else: f = rnnt_loss
 x, y, il, tl = rnnt_inputs_for(2, 64, 63, 128)       # warm-up: libraries loaded, worker threads started
@@ -595,7 +593,6 @@ def sweep_rnnt(shapes=((4, 50, 10, 64), (4, 100, 20, 128), (4, 200, 40, 256), (4
     return rows
 
 def _quick_row(B, T, U, V, reps):
-    from seqdist.bench import paired_median_ms, load_torchaudio
     ta = load_torchaudio().functional.rnnt_loss
     logits, targets, ll, tl = rnnt_inputs_for(B, T, U, V)
     run = lambda f: torch.autograd.grad(f(logits, targets, ll, tl, blank=0), logits)

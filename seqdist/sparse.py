@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['device', 'LANES', 'cupy_funcs', 'logZ_bwd_cupy', 'ctc_loss_scan_py', 'ctc_loss_scan', 'ctc_loss', 'Mv_scan_py',
-           'logZ_scan_py', 'logZ_reference', 'bwd_scores_py', 'fast_exp', 'fast_exp8', 'check_sparse_inputs',
-           'cupy_func', 'sparse_logz_compute', 'sparse_logz_op', 'sparse_logz_backward_op', 'logZ', 'fwd_scores_cupy',
-           'bwd_scores_cupy', 'logZ_fwd_cupy', 'Mv_scan_cupy', 'logZ_scan']
+           'logZ_scan_py', 'logZ_reference', 'bwd_scores_py', 'check_sparse_inputs', 'cupy_func', 'sparse_logz_compute',
+           'sparse_logz_op', 'sparse_logz_backward_op', 'logZ', 'fwd_scores_cupy', 'bwd_scores_cupy', 'logZ_fwd_cupy',
+           'Mv_scan_cupy', 'logZ_scan']
 
 # %% ../nbs/04_sparse.ipynb #1dffb7b6
 import math, threading
@@ -16,7 +16,7 @@ import numpy as np
 import numba
 import torch
 from torch import Tensor
-from .core import semiring, Log, Max, semiring_sum2, bits_as_float64, LOG2E, LN2_HI, LN2_LO
+from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
 from .utils import load_kernel, empty_large, tensor_cached, eager_function, apply_op
 from .utils import resource_budget, EMULATOR_MAX_SHARED_MEM
 from .ctc import interleave_blanks
@@ -75,37 +75,7 @@ def bwd_scores_py(Ms, idx, vT, S:semiring=Log):
     return beta
 
 # %% ../nbs/04_sparse.ipynb #11f2034c
-_as_float64, _LOG2E, _LN2_HI, _LN2_LO = bits_as_float64, LOG2E, LN2_HI, LN2_LO    # from seqdist.core
-_EXP_TAYLOR = tuple(1.0 / math.factorial(i) for i in range(14))
 _W_RANGE = 300.0   # a frame whose scores span more than this goes to log space; so every weight is >= e^-300
-
-@numba.njit(inline='always', fastmath={'contract'})
-def _exp_reduce(x):
-    "x = k ln2 + r with |r| <= ln2 / 2 (Cody-Waite: ln2 in two parts, so r is exact); x below -301 (NaN too) is read as -301."
-    x = x if x > -_W_RANGE - 1.0 else -_W_RANGE - 1.0
-    k = np.floor(x * _LOG2E + 0.5)
-    return k, (x - k * _LN2_HI) - k * _LN2_LO
-
-@numba.njit(inline='always', fastmath={'contract'})
-def fast_exp(x):
-    """exp(x) in float64 for x in [-300, 0]: a degree-13 Taylor polynomial for exp(r) (relative error < 2e-16) times
-    2^k, built from its bits. Plain arithmetic, so the loops that call it vectorise; numba's `np.exp` is a scalar
-    libm call."""
-    k, r = _exp_reduce(x)
-    c = _EXP_TAYLOR
-    p = c[13]
-    p = p * r + c[12]; p = p * r + c[11]; p = p * r + c[10]; p = p * r + c[9]; p = p * r + c[8]; p = p * r + c[7]
-    p = p * r + c[6]; p = p * r + c[5]; p = p * r + c[4]; p = p * r + c[3]; p = p * r + c[2]; p = p * r + c[1]
-    return (p * r + c[0]) * _as_float64((np.int64(k) + 1023) << 52)
-
-@numba.njit(inline='always', fastmath={'contract'})
-def fast_exp8(x):
-    "fast_exp with a degree-8 polynomial (relative error < 3e-10): for float32 scores, 200x finer than their own precision."
-    k, r = _exp_reduce(x)
-    c = _EXP_TAYLOR
-    p = c[8]
-    p = p * r + c[7]; p = p * r + c[6]; p = p * r + c[5]; p = p * r + c[4]; p = p * r + c[3]; p = p * r + c[2]; p = p * r + c[1]
-    return (p * r + c[0]) * _as_float64((np.int64(k) + 1023) << 52)
 
 # %% ../nbs/04_sparse.ipynb #8e8440dc
 LANES = 4         # sequences one thread advances together (the width of an AVX2 register of float64)

@@ -53,7 +53,7 @@ def _torchaudio(items):
     """Tests marked `torchaudio` compare with torchaudio: they are skipped, visibly, where it cannot be loaded, except
     under `make test` (SEQDIST_REQUIRE_TORCHAUDIO=1), which installs it and where its absence is a failure."""
     if not any('torchaudio' in item.keywords for item in items): return
-    from seqdist.bench import load_torchaudio
+    from seqdist.timing import load_torchaudio
     if load_torchaudio() is not None: return
     if os.environ.get('SEQDIST_REQUIRE_TORCHAUDIO') == '1':
         raise pytest.UsageError("torchaudio does not load, but SEQDIST_REQUIRE_TORCHAUDIO=1: run `make install`")

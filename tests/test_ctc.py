@@ -289,7 +289,7 @@ def test_torch_compile_inductor_fullgraph():
 @pytest.mark.torchaudio
 @pytest.mark.parametrize('seed', range(4))
 def test_forced_align_equals_torchaudio(seed):
-    from seqdist.bench import load_torchaudio
+    from seqdist.timing import load_torchaudio
     fa = load_torchaudio().functional.forced_align
     g = torch.Generator().manual_seed(seed)
     N, T, C = 6, 40, 7

@@ -179,7 +179,7 @@ def test_agrees_with_torchaudio_on_randomised_cases(dtype):
     """210 cases (float32; 60 in float16): variable lengths, clamp, every reduction, blank first or last, fused or not.
     float32: ours is within float32 rounding (1e-6) of the float64 truth, and differs from torchaudio by no more than
     torchaudio's own error against that truth plus 1e-6."""
-    from seqdist.bench import load_torchaudio
+    from seqdist.timing import load_torchaudio
     torchaudio = load_torchaudio()
     assert torchaudio is not None, "torchaudio does not import (put ../shared/anchors on sys.path for its CPU stubs)"
     ta = torchaudio.functional.rnnt_loss

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the libraries that let PyPI's torchaudio wheel (a CUDA 13 build) load next to a CPU-only torch, into $1.
-# seqdist.bench.load_torchaudio preloads them from <venv>/cuda-stubs. Tests and benchmarks only.
+# seqdist.timing.load_torchaudio preloads them from <venv>/cuda-stubs. Tests and benchmarks only.
 set -euo pipefail
 mkdir -p "$1"; out=$(cd "$1" && pwd); cd "$(dirname "$0")"
 gcc -shared -fPIC -o "$out/libcudart.so.13" -Wl,-soname,libcudart.so.13 -Wl,--version-script=cudart.map cudart.c
