@@ -300,11 +300,13 @@ def _families(quick, device, gpu=None):
         return [('ctc', lambda: bench_ctc_gpu([(200, 16, 20, 30, 40)], device, **q)),
                 ('ctc_crf', lambda: bench_crf_gpu(device, [(100, 4, 3)], [(100, 4, 20)], [(100, 4, 12)], **q)),
                 ('forced_align', lambda: bench_forced_align_gpu(100, 50, 10, device, **q)),
-                ('rnnt', lambda: bench_rnnt(shapes=[(2, 50, 10, 64)], device=device)), ('gru', lambda: bench_gru(quick=True, device=device))]
+                ('rnnt', lambda: bench_rnnt(shapes=[(2, 50, 10, 64)], device=device)), ('gru', lambda: bench_gru(quick=True, device=device)),
+                ('cross_entropy', lambda: bench_cross_entropy(quick=True, device=device))]
     return [('ctc', lambda: bench_ctc_gpu(device=device)), ('ctc_crf', lambda: bench_crf_gpu(device)),
             ('forced_align', lambda: bench_forced_align_gpu(device=device)),
             ('rnnt', lambda: bench_rnnt(shapes=[(4, 300, 80, 1024), (32, 500, 100, 1024)], device=device)),
-            ('gru', lambda: bench_gru(device=device))]
+            ('gru', lambda: bench_gru(device=device)),
+            ('cross_entropy', lambda: bench_cross_entropy(ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[(4096, 1024, 32768)], device=device))]
 
 def run_benchmarks(quick=False, device='cpu', progress=True):
     """Every family's benchmark against its anchor on `device` (cross-entropy: CPU only so far); `quick` uses small

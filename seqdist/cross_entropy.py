@@ -890,13 +890,15 @@ def _linear_anchors():
             'F.linear_cross_entropy (options=LinearCrossEntropyOptions())':
                 lambda h, W, t: F.linear_cross_entropy(h, W, t, options=nn.LinearCrossEntropyOptions())}
 
-def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES):
+def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES, device='cpu'):
     """seqdist-bench rows: cross_entropy vs F.cross_entropy; linear_cross_entropy vs F.linear_cross_entropy's reference
-    and chunked paths (all three called in turn, so one row per anchor with our time from the same rounds). fwd+bwd, CPU."""
+    and chunked paths (all three called in turn, so one row per anchor with our time from the same rounds). fwd+bwd,
+    on `device` (the inputs are made on the CPU, then moved)."""
     warmup, reps = (1, 3) if quick else (2, 7)
+    on = lambda *xs: [x.detach().to(device).requires_grad_(x.requires_grad) for x in xs]
     rows = []
     for N, V in ([(256, 4096)] if quick else ce_shapes):
-        x, t = _ce_case(N, V)
+        x, t = on(*_ce_case(N, V))
         def run(f):
             loss = f(x, t)
             return loss.detach(), torch.autograd.grad(loss, x)[0]
@@ -907,7 +909,7 @@ def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES)
         rows.append(dict(op='cross_entropy fwd+bwd', shape=f"N={N} V={V} fp32", anchor='torch.nn.functional.cross_entropy',
                          anchor_ms=t0, ours_ms=t1, ratio=t0 / t1, check=check))
     for N, H, V in ([(256, 64, 4096)] if quick else lce_shapes):
-        h, W, t = _ce_case(N, V, H)
+        h, W, t = on(*_ce_case(N, V, H))
         def run(f):
             loss = f(h, W, t)
             return loss.detach(), torch.autograd.grad(loss, (h, W))
