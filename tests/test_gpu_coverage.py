@@ -30,3 +30,10 @@ def test_every_public_entry_point_is_called_by_a_gpu_test():
     for name in g.PUBLIC:
         call = name.split('.')[-1]
         assert re.search(rf"\b{re.escape(call)}\(", src), f"{name} is not called in tests/test_gpu.py"
+
+def test_gpu_benchmark_covers_every_family_with_a_cuda_kernel():
+    "`seqdist-bench --device cuda` (make gpu-bench) has a row group for every family whose op runs a CUDA kernel."
+    from seqdist.bench import _families
+    for quick in (True, False):
+        names = [name for name, _ in _families(quick, 'cuda', gpu=True)]
+        assert set(names) >= {'ctc', 'forced_align', 'ctc_crf', 'rnnt', 'gru', 'cross_entropy'}, (quick, names)
