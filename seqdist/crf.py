@@ -45,7 +45,10 @@ def add_at_columns(out, cols, values, sorted_runs=None):
     add_sorted_runs_op(out, order, sc.contiguous(), start, values.to(out.dtype).contiguous())
     return out
 
-@torch.library.custom_op('seqdist::add_sorted_runs', mutates_args=('out',))
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
+
+@torch.library.custom_op(f'{_OPS}::add_sorted_runs', mutates_args=('out',))
 def add_sorted_runs_op(out: Tensor, order: Tensor, sorted_cols: Tensor, start: Tensor, values: Tensor) -> None:
     "The `add_at_columns` kernel as an op (opaque to torch.compile, which traces the backward pass that calls it)."
     (T, N, C), J = out.shape, order.shape[1]

@@ -282,7 +282,10 @@ def _rows_cuda(x, target, weight, ignore_index, eps, cap, grads=None, out=None):
 _ROWS = {'cpu': _rows_cpu, 'cuda': _rows_cuda, 'reference': _rows_reference}
 
 # %% ../nbs/08_cross_entropy.ipynb #9b876a9b
-@torch.library.custom_op('seqdist::cross_entropy', mutates_args=())
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
+
+@torch.library.custom_op(f'{_OPS}::cross_entropy', mutates_args=())
 def ce_op(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int, label_smoothing: float,
           softcap: float, backend: str) -> Tuple[Tensor, Tensor]:
     "Per-row (ce, lse) of logits (M, C) and targets (M,); softcap 0 means none. Differentiable w.r.t. the logits."
@@ -308,7 +311,7 @@ def _ce_backward(ctx, g_ce, g_lse):
     grad = ce_grad_op(logits, target, weight, lse, g_ce, g_lse, ignore_index, eps, cap, backend)
     return grad, None, None, None, None, None, None
 
-@torch.library.custom_op('seqdist::cross_entropy_grad', mutates_args=())
+@torch.library.custom_op(f'{_OPS}::cross_entropy_grad', mutates_args=())
 def ce_grad_op(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Tensor, g_ce: Tensor, g_lse: Tensor,
                ignore_index: int, label_smoothing: float, softcap: float, backend: str) -> Tensor:
     "The gradient (M, C) of sum_i g_ce[i] ce[i] + g_lse[i] lse[i] w.r.t. the logits, in their dtype."
@@ -319,7 +322,7 @@ def ce_grad_op(logits: Tensor, target: Tensor, weight: Optional[Tensor], lse: Te
 def _(logits, target, weight, lse, g_ce, g_lse, ignore_index, label_smoothing, softcap, backend):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
-torch.library.register_autograd('seqdist::cross_entropy', _ce_backward, setup_context=_ce_setup_context)
+torch.library.register_autograd(f'{_OPS}::cross_entropy', _ce_backward, setup_context=_ce_setup_context)
 
 # %% ../nbs/08_cross_entropy.ipynb #947c7b90
 def _check_inputs(input, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
@@ -573,7 +576,7 @@ def _row_coefficients(keep, wt, reduction, z_loss, dt):
         g_ce, zc = torch.ones_like(wt), z_loss * keep.to(dt)
     return g_ce.contiguous(), zc.contiguous()
 
-@torch.library.custom_op('seqdist::linear_cross_entropy', mutates_args=())
+@torch.library.custom_op(f'{_OPS}::linear_cross_entropy', mutates_args=())
 def lce_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ce_weight: Optional[Tensor],
            ignore_index: int, label_smoothing: float, z_loss: float, softcap: float, reduction: str, chunk_size: int,
            want_grad: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -602,7 +605,7 @@ def _(hidden, weight, bias, target, ce_weight, ignore_index, label_smoothing, z_
     db = torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
     return loss, hidden.new_empty(R, dtype=dt), torch.empty_like(hidden), torch.empty_like(weight), db
 
-@torch.library.custom_op('seqdist::linear_cross_entropy_grad', mutates_args=())
+@torch.library.custom_op(f'{_OPS}::linear_cross_entropy_grad', mutates_args=())
 def lce_grad_op(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, ce_weight: Optional[Tensor],
                 grad_loss: Tensor, ignore_index: int, label_smoothing: float, z_loss: float, softcap: float,
                 chunk_size: int, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
@@ -641,7 +644,7 @@ def _lce_backward(ctx, g_loss, g_lse, g_dh, g_dw, g_db):
             dh, dw, db = dh * g_loss.to(dh.dtype), dw * g_loss.to(dw.dtype), db * g_loss.to(db.dtype)
     return dh, dw, (db if ctx.has_bias else None), None, None, None, None, None, None, None, None, None, None
 
-torch.library.register_autograd('seqdist::linear_cross_entropy', _lce_backward, setup_context=_lce_setup_context)
+torch.library.register_autograd(f'{_OPS}::linear_cross_entropy', _lce_backward, setup_context=_lce_setup_context)
 
 # %% ../nbs/08_cross_entropy.ipynb #79d6397b
 class _LinearArgs(NamedTuple):

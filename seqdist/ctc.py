@@ -574,7 +574,10 @@ def ctc_compute(log_probs, targets, input_lengths, target_lengths, blank, use_ma
                                  blank, use_max, want)
     return logz.to(lp.dtype), P.to(lp.dtype)
 
-@torch.library.custom_op('seqdist::ctc', mutates_args=())
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
+
+@torch.library.custom_op(f'{_OPS}::ctc', mutates_args=())
 def ctc_op(log_probs: Tensor, targets: Tensor, input_lengths: Tensor, target_lengths: Tensor, blank: int,
            use_max: bool, want: int, zero_infinity: bool, torch_grad: bool, backend: str) -> Tuple[Tensor, Tensor]:
     "`ctc_compute` as a custom op (kernel backends), differentiable w.r.t. log_probs when want=1."
@@ -623,7 +626,7 @@ def _label_grad_torch(lp, P, ext, il, tl, scale, want, torch_grad):
         grad.scatter_add_(2, ext[None].expand(lp.shape[0], -1, -1), P)       # sequential on the CPU: deterministic
     return grad.mul_(scale[..., None])
 
-@torch.library.custom_op('seqdist::ctc_label_grad', mutates_args=())
+@torch.library.custom_op(f'{_OPS}::ctc_label_grad', mutates_args=())
 def ctc_label_grad_op(lp: Tensor, P: Tensor, ext: Optional[Tensor], il: Tensor, tl: Tensor, scale: Tensor, want: int,
                       torch_grad: bool) -> Tensor:
     """The same by kernels: one pass over (T, N, C) for the labels, and for state posteriors one thread per frame that
@@ -642,7 +645,7 @@ def ctc_label_grad_op(lp: Tensor, P: Tensor, ext: Optional[Tensor], il: Tensor, 
 @ctc_label_grad_op.register_fake
 def _(lp, P, ext, il, tl, scale, want, torch_grad): return lp.new_empty(lp.shape, dtype=P.dtype)
 
-torch.library.register_autograd('seqdist::ctc', _ctc_backward, setup_context=_ctc_setup_context)
+torch.library.register_autograd(f'{_OPS}::ctc', _ctc_backward, setup_context=_ctc_setup_context)
 
 # eager calls and the reference backend: the same functions without the op's dispatch (see `utils.eager_function`)
 _CTCFunction = eager_function('_CTCFunction', lambda *inputs: ctc_compute(*inputs[:7], backend=inputs[-1]),

@@ -218,7 +218,10 @@ def simple_compute(stay_scores, move_scores, target_lengths, use_max, want, back
     return logz.to(stay.dtype), gs.to(stay.dtype), gm.to(stay.dtype)
 
 # %% ../nbs/03_ctc_simple.ipynb #fe96acb6
-@torch.library.custom_op('seqdist::ctc_simple', mutates_args=())
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
+
+@torch.library.custom_op(f'{_OPS}::ctc_simple', mutates_args=())
 def simple_op(stay_scores: Tensor, move_scores: Tensor, target_lengths: Tensor, use_max: bool, want: bool,
               backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     "`simple_compute` as a custom op, differentiable w.r.t. the stay and move scores when want."
@@ -240,7 +243,7 @@ def _simple_backward(ctx, grad_logz, grad_s, grad_m):
     g = grad_logz[None, :, None]
     return gs * g.to(gs.dtype), gm * g.to(gm.dtype), None, None, None, None
 
-torch.library.register_autograd('seqdist::ctc_simple', _simple_backward, setup_context=_simple_setup)
+torch.library.register_autograd(f'{_OPS}::ctc_simple', _simple_backward, setup_context=_simple_setup)
 
 _SimpleFunction = eager_function('_SimpleFunction', simple_compute, _simple_setup, _simple_backward)   # eager calls
 

@@ -211,7 +211,10 @@ _BACKENDS = ('cpu', 'cuda')
 
 def _device_for(backend, x): return torch.device('cpu') if backend == 'cpu' else x.device
 
-@torch.library.custom_op('seqdist::gru_layer', mutates_args=())
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
+
+@torch.library.custom_op(f'{_OPS}::gru_layer', mutates_args=())
 def gru_layer_op(x: Tensor, h0: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor],
                  lengths: Tensor, reverse: bool, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     "`gru_layer_forward` as a custom op: (Hb, G, ghn)."
@@ -226,7 +229,7 @@ def _(x, h0, w_ih, w_hh, b_ih, b_hh, lengths, reverse, backend):
     H = w_hh.shape[1]
     return x.new_empty(T + 1, N, H), x.new_empty(T, N, 3 * H), x.new_empty(T, N, H)
 
-@torch.library.custom_op('seqdist::gru_layer_backward', mutates_args=())
+@torch.library.custom_op(f'{_OPS}::gru_layer_backward', mutates_args=())
 def gru_layer_backward_op(dHb: Tensor, x: Tensor, w_ih: Tensor, w_hh: Tensor, Hb: Tensor, G: Tensor, ghn: Tensor,
                           lengths: Tensor, reverse: bool, has_bias: bool, need_dx: bool, backend: str
                           ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -258,7 +261,7 @@ def _gru_backward(ctx, dHb, dG, dghn):
     return (dx if ctx.needs_input_grad[0] else None, dh0, dw_ih, dw_hh, db_ih if ctx.has_bias else None,
             db_hh if ctx.has_bias else None, None, None, None)
 
-torch.library.register_autograd('seqdist::gru_layer', _gru_backward, setup_context=_gru_setup_context)
+torch.library.register_autograd(f'{_OPS}::gru_layer', _gru_backward, setup_context=_gru_setup_context)
 
 # %% ../nbs/07_gru.ipynb #18cea9b6
 def gru_layer(x, h0, w_ih, w_hh, b_ih=None, b_hh=None, lengths=None, reverse=False, backend='auto'):

@@ -407,7 +407,10 @@ def rnnt_edges(logits, targets, logit_lengths, target_lengths, blank, use_max=Fa
     return torch.from_numpy(logz).to(x.dtype), edges
 
 # %% ../nbs/06_rnnt.ipynb #f1dc6b09
-@torch.library.custom_op('seqdist::rnnt', mutates_args=())
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
+
+@torch.library.custom_op(f'{_OPS}::rnnt', mutates_args=())
 def rnnt_op(logits: Tensor, targets: Tensor, logit_lengths: Tensor, target_lengths: Tensor, blank: int,
             fused_log_softmax: bool, clamp: float, fastemit_lambda: float, backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     "`rnnt_forward` as a custom op: costs (B,), lse, saved state; differentiable w.r.t. logits."
@@ -423,7 +426,7 @@ def _(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax, 
     return (logits.new_empty(B, dtype=torch.float64), logits.new_empty(B, T, U1, dtype=torch.float64),
             logits.new_empty(2, B, T, U1, dtype=torch.float64))
 
-@torch.library.custom_op('seqdist::rnnt_grad', mutates_args=())
+@torch.library.custom_op(f'{_OPS}::rnnt_grad', mutates_args=())
 def rnnt_grad_op(logits: Tensor, targets: Tensor, logit_lengths: Tensor, target_lengths: Tensor, blank: int,
                  fused_log_softmax: bool, costs: Tensor, lse: Tensor, saved: Tensor, g: Tensor, clamp: float,
                  fastemit_lambda: float, backend: str) -> Tensor:
@@ -452,7 +455,7 @@ def _rnnt_backward(ctx, g_costs, g_lse, g_saved):
                             clamp, lam, backend)
     return grad, None, None, None, None, None, None, None, None
 
-torch.library.register_autograd('seqdist::rnnt', _rnnt_backward, setup_context=_rnnt_setup_context)
+torch.library.register_autograd(f'{_OPS}::rnnt', _rnnt_backward, setup_context=_rnnt_setup_context)
 
 # eager calls and the reference backend: the same functions without the op's dispatch (see `utils.eager_function`)
 _RNNTFunction = eager_function('_RNNTFunction', lambda *inputs: rnnt_forward(*inputs[:6], backend=inputs[-1]),

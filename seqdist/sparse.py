@@ -521,7 +521,10 @@ def sparse_logz_compute(Ms, idx, v0, vT, use_max, want, backend='auto', K=1):
     return logz, (backward(torch.ones_like(logz), Ms, idx, v0, vT, logz, *saved, use_max, K) if want else Ms.new_empty(0))
 
 # %% ../nbs/04_sparse.ipynb #fbaa4a33
-@torch.library.custom_op('seqdist::sparse_logz', mutates_args=())
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
+
+@torch.library.custom_op(f'{_OPS}::sparse_logz', mutates_args=())
 def sparse_logz_op(Ms: Tensor, idx: Tensor, v0: Tensor, vT: Tensor, use_max: bool, want: bool, backend: str, K: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """logZ (N,) by a kernel backend and, if want, what its backward pass needs (alpha, per-frame shifts and scales,
     which sequences the scaled kernel did exactly); differentiable w.r.t. Ms."""
@@ -540,7 +543,7 @@ def _(Ms, idx, v0, vT, use_max, want, backend, K):
     frames = Ms.new_empty((2, T + 1, N) if want and on_cpu else (0,), dtype=torch.float64)
     return Ms.new_empty(N), alpha, frames, Ms.new_empty(N, dtype=torch.bool)
 
-@torch.library.custom_op('seqdist::sparse_logz_backward', mutates_args=())
+@torch.library.custom_op(f'{_OPS}::sparse_logz_backward', mutates_args=())
 def sparse_logz_backward_op(g: Tensor, Ms: Tensor, idx: Tensor, v0: Tensor, vT: Tensor, logz: Tensor, alpha: Tensor, frames: Tensor,
                             ok: Tensor, use_max: bool, backend: str, K: int) -> Tensor:
     "g (N,) times the gradient of logZ w.r.t. Ms, from what `seqdist::sparse_logz` saved: a fresh (T, N, C, NZ) tensor."
@@ -566,7 +569,7 @@ def _sparse_backward_formula(ctx, grad_logz, *unused, backward=sparse_logz_backw
     grad = backward(grad_logz, Ms, idx, v0, vT, logz, alpha, frames, ok, ctx.use_max, ctx.backend, ctx.K)
     return grad, None, None, None, None, None, None, None
 
-torch.library.register_autograd('seqdist::sparse_logz', _sparse_backward_formula, setup_context=_sparse_setup)
+torch.library.register_autograd(f'{_OPS}::sparse_logz', _sparse_backward_formula, setup_context=_sparse_setup)
 
 _SparseFunction = eager_function('_SparseFunction', _sparse_forward, _sparse_setup,     # eager calls: the two ops' bodies
                                  lambda ctx, g, *unused: _sparse_backward_formula(ctx, g, backward=_sparse_backward))

@@ -6,13 +6,13 @@
 __all__ = ['LARGE_POOL', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS',
            'Resources', 'GPU_LIMITS', 'Budget', 'to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed',
            'benchmark_fwd_bwd', 'report', 'release_large_buffers', 'empty_large', 'tensor_cached', 'on_host', 'require',
-           'check_labels', 'to_device', 'eager_function', 'apply_op', 'cuda_dir', 'find_source', 'Param',
-           'kernel_params', 'KernelLaunchError', 'KernelCompileError', 'count_launches', 'Kernel', 'KernelModule',
-           'load_kernel', 'load_cupy_func', 'load_cupy_module', 'emulator_options', 'rewrite_dynamic_shared',
-           'emulator_source', 'emulator_library', 'GuardedCopy', 'asan_environment', 'run_under_asan', 'semiring_sum',
-           'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc', 'parse_ptxas_log', 'resident_threads',
-           'resource_budget', 'resource_rows', 'format_resource_table', 'gpu_compiler', 'package_kernels',
-           'check_gpu_compile', 'compile_check_cli', 'selfcheck_cli']
+           'check_labels', 'to_device', 'op_namespace', 'eager_function', 'apply_op', 'cuda_dir', 'find_source',
+           'Param', 'kernel_params', 'KernelLaunchError', 'KernelCompileError', 'count_launches', 'Kernel',
+           'KernelModule', 'load_kernel', 'load_cupy_func', 'load_cupy_module', 'emulator_options',
+           'rewrite_dynamic_shared', 'emulator_source', 'emulator_library', 'GuardedCopy', 'asan_environment',
+           'run_under_asan', 'semiring_sum', 'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc',
+           'parse_ptxas_log', 'resident_threads', 'resource_budget', 'resource_rows', 'format_resource_table',
+           'gpu_compiler', 'package_kernels', 'check_gpu_compile', 'compile_check_cli', 'selfcheck_cli']
 
 # %% ../nbs/01_utils.ipynb #2e6efacb
 import ctypes, ctypes.util, collections, hashlib, math, mmap, os, re, shutil, subprocess, sys, tempfile, threading, time, weakref
@@ -178,6 +178,14 @@ def to_device(x, device):
     return x.to(device)
 
 # %% ../nbs/01_utils.ipynb #3ab659e3
+def op_namespace(module_name):
+    """The torch.library namespace of a module's custom ops: 'seqdist' in the package, 'seqdist_notebook' in a
+    notebook's own cells (which run as `__main__`). A notebook that also imports the package (the one-line switch of
+    its first example, checks through the package) then never registers one op name twice: a second registration
+    replaces the first, and the first's library, once collected, unregisters the name, so that the op called next has
+    no schema (a crash whose form depends on when the collector runs)."""
+    return 'seqdist' if module_name != '__main__' else 'seqdist_notebook'
+
 def eager_function(name, forward, setup_context, backward):
     "An `autograd.Function` named `name` from an op's functions: forward(*inputs), setup_context(ctx, inputs, output), backward."
     def fwd(ctx, *inputs):
