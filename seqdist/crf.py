@@ -13,6 +13,8 @@ from torch import Tensor
 from .core import semiring, Log, Max, SequenceDist
 from . import sparse, ctc_simple
 from .utils import load_kernel, resource_budget
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/05_crf.ipynb #8dd5ae47
 def kmer_transitions(state_len, n_base):
@@ -44,9 +46,6 @@ def add_at_columns(out, cols, values, sorted_runs=None):
     start = torch.where(first, torch.arange(J, device=cols.device), 0).cummax(1).values
     add_sorted_runs_op(out, order, sc.contiguous(), start, values.to(out.dtype).contiguous())
     return out
-
-from .utils import op_namespace
-_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 @torch.library.custom_op(f'{_OPS}::add_sorted_runs', mutates_args=('out',))
 def add_sorted_runs_op(out: Tensor, order: Tensor, sorted_cols: Tensor, start: Tensor, values: Tensor) -> None:

@@ -18,10 +18,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from .utils import load_kernel, empty_large, on_host, require, to_device
-
+from .timing import paired_median_ms, alternated_median_ms
 _CACHE = __name__ != "__main__"  # numba caches compiled kernels for the package, not for notebook cells
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-from .timing import paired_median_ms, alternated_median_ms
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/08_cross_entropy.ipynb #31cc1eb8
 def softcap_logits(x, softcap=None):
@@ -282,9 +283,6 @@ def _rows_cuda(x, target, weight, ignore_index, eps, cap, grads=None, out=None):
 _ROWS = {'cpu': _rows_cpu, 'cuda': _rows_cuda, 'reference': _rows_reference}
 
 # %% ../nbs/08_cross_entropy.ipynb #9b876a9b
-from .utils import op_namespace
-_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
-
 @torch.library.custom_op(f'{_OPS}::cross_entropy', mutates_args=())
 def ce_op(logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int, label_smoothing: float,
           softcap: float, backend: str) -> Tuple[Tensor, Tensor]:

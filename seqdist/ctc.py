@@ -22,6 +22,8 @@ from .utils import load_kernel, to_device, on_host, require, check_labels, EMULA
 from .utils import resource_budget
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/02_ctc.ipynb #30579401
 def interleave_blanks(targets, blank_idx: int):
@@ -573,9 +575,6 @@ def ctc_compute(log_probs, targets, input_lengths, target_lengths, blank, use_ma
     logz, P = _BACKENDS[backend](lp, ext, to_device(input_lengths, where).contiguous(), to_device(target_lengths, where).contiguous(),
                                  blank, use_max, want)
     return logz.to(lp.dtype), P.to(lp.dtype)
-
-from .utils import op_namespace
-_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 @torch.library.custom_op(f'{_OPS}::ctc', mutates_args=())
 def ctc_op(log_probs: Tensor, targets: Tensor, input_lengths: Tensor, target_lengths: Tensor, blank: int,

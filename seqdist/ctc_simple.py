@@ -21,6 +21,8 @@ from .utils import resource_budget, EMULATOR_MAX_SHARED_MEM
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/03_ctc_simple.ipynb #51894336
 def generate_sample_inputs(T, N, L_min, L_max, device=device):
@@ -218,9 +220,6 @@ def simple_compute(stay_scores, move_scores, target_lengths, use_max, want, back
     return logz.to(stay.dtype), gs.to(stay.dtype), gm.to(stay.dtype)
 
 # %% ../nbs/03_ctc_simple.ipynb #fe96acb6
-from .utils import op_namespace
-_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
-
 @torch.library.custom_op(f'{_OPS}::ctc_simple', mutates_args=())
 def simple_op(stay_scores: Tensor, move_scores: Tensor, target_lengths: Tensor, use_max: bool, want: bool,
               backend: str) -> Tuple[Tensor, Tensor, Tensor]:

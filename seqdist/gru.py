@@ -19,6 +19,8 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from .core import bits_as_float64, LOG2E, LN2_HI, LN2_LO
 from .utils import load_kernel, resource_budget
 from .timing import paired_median_ms
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/07_gru.ipynb #e4bbda4c
 def gru_layer_reference(x, h0, w_ih, w_hh, b_ih=None, b_hh=None, lengths=None, reverse=False):
@@ -210,9 +212,6 @@ def gru_layer_backward(dHb, x, w_ih, w_hh, Hb, G, ghn, lengths, reverse, has_bia
 _BACKENDS = ('cpu', 'cuda')
 
 def _device_for(backend, x): return torch.device('cpu') if backend == 'cpu' else x.device
-
-from .utils import op_namespace
-_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 @torch.library.custom_op(f'{_OPS}::gru_layer', mutates_args=())
 def gru_layer_op(x: Tensor, h0: Tensor, w_ih: Tensor, w_hh: Tensor, b_ih: Optional[Tensor], b_hh: Optional[Tensor],

@@ -21,6 +21,8 @@ from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
 from .utils import load_kernel, empty_large, on_host, require, to_device, check_labels, eager_function, apply_op
 from .utils import resource_budget
 from .timing import paired_median_ms, load_torchaudio
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/06_rnnt.ipynb #4423443e
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -407,9 +409,6 @@ def rnnt_edges(logits, targets, logit_lengths, target_lengths, blank, use_max=Fa
     return torch.from_numpy(logz).to(x.dtype), edges
 
 # %% ../nbs/06_rnnt.ipynb #f1dc6b09
-from .utils import op_namespace
-_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
-
 @torch.library.custom_op(f'{_OPS}::rnnt', mutates_args=())
 def rnnt_op(logits: Tensor, targets: Tensor, logit_lengths: Tensor, target_lengths: Tensor, blank: int,
             fused_log_softmax: bool, clamp: float, fastemit_lambda: float, backend: str) -> Tuple[Tensor, Tensor, Tensor]:

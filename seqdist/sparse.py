@@ -23,6 +23,8 @@ from .ctc import interleave_blanks
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
+from .utils import op_namespace
+_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/04_sparse.ipynb #5e7f492f
 def Mv_scan_py(Ms, idx, v0, S:semiring=Log):
@@ -521,9 +523,6 @@ def sparse_logz_compute(Ms, idx, v0, vT, use_max, want, backend='auto', K=1):
     return logz, (backward(torch.ones_like(logz), Ms, idx, v0, vT, logz, *saved, use_max, K) if want else Ms.new_empty(0))
 
 # %% ../nbs/04_sparse.ipynb #fbaa4a33
-from .utils import op_namespace
-_OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
-
 @torch.library.custom_op(f'{_OPS}::sparse_logz', mutates_args=())
 def sparse_logz_op(Ms: Tensor, idx: Tensor, v0: Tensor, vT: Tensor, use_max: bool, want: bool, backend: str, K: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """logZ (N,) by a kernel backend and, if want, what its backward pass needs (alpha, per-frame shifts and scales,
