@@ -128,6 +128,7 @@ class Op:
         for k, i in enumerate(self._tensor): args[i] = saved[k]
         *inputs, backend = args
         outs = saved[len(self._tensor):]
+        grads = [None if i in self._residual_idx else g for i, g in enumerate(grads)]   # as eagerly: none for residuals
         grad = iter(self.backward_op(*inputs, *outs, *grads, backend))
         by_name = {n: next(grad) for n in self.differentiable}
         return (*(by_name.get(n) if ctx.needs_input_grad[i] else None for i, n in enumerate(self.inputs)), None)
@@ -136,6 +137,7 @@ class Op:
         n = len(self.inputs)
         inputs, outs, grads, backend = args[:n], args[n:n + len(self.outputs)], args[n + len(self.outputs):-1], args[-1]
         a = self._ns(inputs)
+        grads = [torch.zeros_like(outs[i]) if g is None and i in self._output_idx else g for i, g in enumerate(grads)]
         state = self.prepare(a, backend, False)
         state.grad_wanted = set(self.differentiable)
         g = self.backward[backend](state, outs, grads)

@@ -1,0 +1,125 @@
+"""The op layer (seqdist.ops): what every family's op relies on. A toy op (row log-sum-exp, with a residual output)
+declared as the families declare theirs, checked for backend resolution, gradients on every path (eager, compiled,
+reference by autograd), the state handed from the forward to the backward (prepared and checked once), and the
+declaration's own errors."""
+import collections, itertools
+from types import SimpleNamespace
+import pytest, torch
+from seqdist.ops import Op, AUTOGRAD, launch_limits, max_threads, resolve_backend
+
+_names = (f'seqdist_test::toy{i}' for i in itertools.count())
+CALLS = collections.Counter()          # (backend, check) -> prepare calls; ('backward', backend) -> backward calls
+
+def toy_op(name=None, residuals=('argmax',)):
+    """lse (N,) and argmax (N,) of each row of x (N, D), times a scale; differentiable w.r.t. x and scale."""
+    def prepare(a, backend, check):
+        CALLS[backend, check] += 1
+        if check and a.x.dim() != 2: raise ValueError(f"x must be (N, D), got {tuple(a.x.shape)}")
+        x = a.x if backend == 'reference' else a.x.detach()
+        return SimpleNamespace(x=x, scale=a.scale if backend == 'reference' else a.scale.detach(), rows=a.x.shape[0])
+    def forward(s):
+        lse = torch.logsumexp(s.x, 1)
+        return lse * s.scale, s.x.argmax(1)
+    def backward(s, outputs, grads):
+        CALLS['backward', s.backend if hasattr(s, 'backend') else 'kernel'] += 1
+        (out, argmax), (g, g_argmax) = outputs, grads
+        assert g_argmax is None, "a residual's gradient is None"
+        lse = out / s.scale
+        wanted = {}
+        if 'x' in s.grad_wanted: wanted['x'] = torch.softmax(s.x, 1) * (g * s.scale)[:, None]
+        if 'scale' in s.grad_wanted: wanted['scale'] = (g * lse).sum().reshape(s.scale.shape)
+        return wanted
+    return Op(name or next(_names), '(Tensor x, Tensor scale) -> (Tensor lse, Tensor argmax)', prepare=prepare,
+              forward={'cpu': forward, 'cuda': forward, 'reference': forward},
+              backward={'cpu': backward, 'cuda': backward, 'reference': AUTOGRAD},
+              fake=lambda a, backend: (a.x.new_empty(a.x.shape[0]), a.x.new_empty(a.x.shape[0], dtype=torch.long)),
+              differentiable=('x', 'scale'), residuals=residuals)
+
+TOY = toy_op()
+
+def expected(x, scale):
+    x, scale = x.detach().requires_grad_(), scale.detach().requires_grad_()
+    lse = torch.logsumexp(x, 1) * scale
+    return lse.detach(), torch.autograd.grad(lse.sum(), (x, scale))
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference', 'auto'])
+def test_values_and_gradients_on_every_backend(backend):
+    x = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+    lse, argmax = TOY(x, scale, backend=backend)
+    assert not argmax.requires_grad
+    want, (gx, gs) = expected(x, scale)
+    torch.testing.assert_close(lse, want)
+    got = torch.autograd.grad(lse.sum(), (x, scale))
+    torch.testing.assert_close(got[0], gx)
+    torch.testing.assert_close(got[1], gs)
+    assert torch.autograd.gradcheck(lambda x, s: TOY(x, s, backend=backend)[0], (x, scale))
+
+def test_prepared_and_checked_once_per_forward_and_backward():
+    "Eagerly, the backward gets the forward's state: `prepare` runs once, with its checks, per forward+backward."
+    x = torch.randn(4, 3, requires_grad=True)
+    for backend in ('cpu', 'cuda', 'reference'):
+        CALLS.clear()
+        TOY(x, torch.tensor(2.0), backend=backend)[0].sum().backward()
+        assert CALLS[backend, True] == 1 and CALLS[backend, False] == 0, (backend, CALLS)
+
+def test_compiled_matches_eager_and_checks_once():
+    "Under torch.compile the custom op and its backward op run; the backward prepares again, without checks."
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    scale = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    f = torch.compile(lambda x, s: TOY(x, s)[0].sum(), fullgraph=True, backend='aot_eager')
+    f(x, scale)                                            # traced (the fake runs), then run
+    CALLS.clear()
+    gx, gs = torch.autograd.grad(f(x, scale), (x, scale))
+    want, (ex, es) = expected(x, scale)
+    torch.testing.assert_close(gx, ex); torch.testing.assert_close(gs, es)
+    assert CALLS['cpu', True] == 1 and CALLS['cpu', False] == 1, CALLS
+
+def test_only_wanted_gradients_are_computed():
+    x = torch.randn(3, 4, requires_grad=True)
+    scale = torch.tensor(2.0)                              # no gradient wanted
+    lse, _ = TOY(x, scale, backend='cpu')
+    gx, = torch.autograd.grad(lse.sum(), x)
+    torch.testing.assert_close(gx, torch.softmax(x, 1) * 2)
+
+def test_unused_output_and_no_grad():
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.no_grad():
+        lse, argmax = TOY(x, torch.tensor(1.0))
+    assert not lse.requires_grad
+    lse, argmax = TOY.compute(x, torch.tensor(1.0))
+    assert not lse.requires_grad and torch.equal(argmax, x.argmax(1))
+
+@pytest.mark.parametrize('backend, message', [
+    ('gpu', "backend must be 'auto', 'cpu', 'cuda' or 'reference', got 'gpu'"),
+    ('', "backend must be 'auto', 'cpu', 'cuda' or 'reference', got ''")])
+def test_bad_backend(backend, message):
+    with pytest.raises(ValueError, match=message): TOY(torch.randn(2, 2), torch.tensor(1.0), backend=backend)
+
+def test_bad_input_checked_in_prepare():
+    with pytest.raises(ValueError, match=r"x must be \(N, D\), got \(3,\)"): TOY(torch.randn(3), torch.tensor(1.0))
+    with pytest.raises(TypeError, match="takes 2 inputs"): TOY(torch.randn(3, 2))
+
+def test_resolve_backend():
+    x = torch.zeros(1)
+    assert resolve_backend('auto', x) == 'cpu'
+    assert resolve_backend('cuda', x) == 'cuda'        # the CUDA source, emulated on CPU tensors
+    with pytest.raises(ValueError, match="backend must be 'auto', 'cpu' or 'cuda', got 'reference'"):
+        resolve_backend('reference', x, ('cpu', 'cuda'))
+
+def test_declaration_errors():
+    with pytest.raises(ValueError, match="no backward for the backends"):
+        Op(next(_names), '(Tensor x) -> Tensor y', prepare=None, forward={'cpu': None}, backward={}, fake=None)
+    with pytest.raises(ValueError, match="differentiable names"):
+        Op(next(_names), '(Tensor x) -> Tensor y', prepare=None, forward={'cpu': None}, backward={'cpu': None},
+           fake=None, differentiable=('z',))
+    with pytest.raises(ValueError, match="cannot be optional"):
+        Op(next(_names), '(Tensor? x) -> Tensor y', prepare=None, forward={'cpu': None}, backward={'cpu': None}, fake=None)
+
+def test_launch_limits():
+    assert max_threads(1024) == 1024
+    with launch_limits(max_threads=64):
+        assert max_threads(1024) == 64 and max_threads(32) == 32
+        with launch_limits(max_threads=128): assert max_threads(1024) == 128
+        assert max_threads(1024) == 64
+    assert max_threads(1024) == 1024
