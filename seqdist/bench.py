@@ -5,9 +5,8 @@
 # %% auto #0
 __all__ = ['CTC_SHAPES', 'GPU_CTC_SHAPES', 'GPU_SPARSE_SHAPES', 'GPU_SIMPLE_SHAPES', 'GPU_CRF_SHAPES', 'ctc_inputs_for',
            'bench_ctc', 'bench_forced_align', 'sweep_ctc', 'bench_sparse', 'bench_ctc_crf', 'load_seqdist003',
-           'timed_pair', 'peak_extra_mb', 'compare_row', 'value_and_grad', 'bench_ctc_gpu', 'BonitoCTC_CRF',
-           'bench_crf_gpu', 'bench_forced_align_gpu', 'run_benchmarks', 'run_gpu_benchmarks', 'bench_cli',
-           'plot_speedups']
+           'timed_pair', 'compare_row', 'value_and_grad', 'bench_ctc_gpu', 'BonitoCTC_CRF', 'bench_crf_gpu',
+           'bench_forced_align_gpu', 'run_benchmarks', 'run_gpu_benchmarks', 'bench_cli', 'plot_speedups']
 
 # %% ../nbs/10_bench.ipynb #2e89983f
 import argparse, json, os, sys, time
@@ -19,7 +18,7 @@ from .ctc import ctc_loss, forced_align
 from .rnnt import bench_rnnt
 from .gru import bench_gru
 from .cross_entropy import bench_cross_entropy
-from .timing import median_ms, alternated_median_ms, paired_median_ms, load_torchaudio, markdown_table   # (also bench's names)
+from .timing import median_ms, alternated_median_ms, paired_median_ms, load_torchaudio, peak_gpu_mb, markdown_table   # (also bench's names)
 
 # %% ../nbs/10_bench.ipynb #fa7ed2ec
 CTC_SHAPES = [(500, 128, 20, 80, 100), (200, 32, 1000, 40, 60), (2000, 8, 5, 400, 500)]   # T, N, C, L_min, L_max
@@ -139,14 +138,6 @@ def timed_pair(fn_a, fn_b, device, warmup=2, reps=7):
             ts.append((time.perf_counter() - start) * 1e3)
     return float(np.median(times[0])), float(np.median(times[1]))
 
-def peak_extra_mb(fn, device):
-    "Peak GPU memory (MB) that one call of `fn` adds above what was allocated before it; NaN off a GPU."
-    if torch.device(device).type != 'cuda': return float('nan')
-    _sync(device); torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn(); _sync(device)
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
-
 def compare_row(op, shape, anchor, theirs, ours, device, warmup=2, reps=7, check=''):
     """A benchmark row: `theirs` and `ours` (each () -> (value, gradient)) timed alternately, their peak memory, and
     the largest differences of their values and gradients; `theirs` None: an anchor that is not installed."""
@@ -154,12 +145,12 @@ def compare_row(op, shape, anchor, theirs, ours, device, warmup=2, reps=7, check
     if theirs is None:
         t_ours, _ = timed_pair(ours, ours, device, warmup, reps)
         return dict(row, anchor=anchor + ' (not installed)', anchor_ms=float('nan'), ours_ms=t_ours, ratio=float('nan'),
-                    anchor_mb=float('nan'), ours_mb=peak_extra_mb(ours, device), check='-')
+                    anchor_mb=float('nan'), ours_mb=peak_gpu_mb(ours, device), check='-')
     (v0, g0), (v1, g1) = theirs(), ours()
     t0, t1 = timed_pair(theirs, ours, device, warmup, reps)
     diff = lambda a, b: (a.double() - b.double()).abs().max().item()
-    return dict(row, anchor_ms=t0, ours_ms=t1, ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs, device),
-                ours_mb=peak_extra_mb(ours, device), check=check or f"value diff {diff(v0, v1):.1e}, grad diff {diff(g0, g1):.1e}")
+    return dict(row, anchor_ms=t0, ours_ms=t1, ratio=t0 / t1, anchor_mb=peak_gpu_mb(theirs, device),
+                ours_mb=peak_gpu_mb(ours, device), check=check or f"value diff {diff(v0, v1):.1e}, grad diff {diff(g0, g1):.1e}")
 
 def value_and_grad(f, x):
     "() -> (f(x) detached, d f(x).sum() / dx), for `compare_row`."
