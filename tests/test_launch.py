@@ -108,7 +108,7 @@ class FakeCuPy:
         self.RawModule, self.cuda = RawModule, cuda
 
 def test_cupy_launch_path_with_a_fake_cupy(monkeypatch):
-    import seqdist.utils as U
+    import seqdist.kernel as U
     fake = FakeCuPy()
     monkeypatch.setattr(U, '_import_cupy', lambda: fake)
     monkeypatch.setattr(U, '_current_stream', lambda idx: U._RawStream(1234 + idx))
