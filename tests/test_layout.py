@@ -46,3 +46,4 @@ def test_every_name_of_utils_still_imports_from_it():
     namespace = {}
     exec('from seqdist.utils import *', namespace)
     assert not [n for n in NAMES if n not in namespace]
+    assert utils.MAX_SHARED_MEM_PER_BLOCK == utils.EMULATOR_MAX_SHARED_MEM == min(l['smem_block'] for l in utils.GPU_LIMITS.values())
