@@ -198,7 +198,8 @@ def count_launches():
     finally: _launch_counts.remove(counts)
 
 class Kernel:
-    "CUDA kernel `name` of source `fname`, specialised by `macros`; call it as a CuPy RawKernel: `kernel(grid, block, args, shared_mem=0)`."
+    """CUDA kernel `name` of source `fname`, specialised by `macros`. Call it as a CuPy RawKernel,
+    `kernel(grid, block, args, shared_mem=0)`, or with its arguments by parameter name: `kernel(grid, block, x=x, n=n)`."""
     def __init__(self, fname, name, macros=None, **more_macros):
         self.path, self.name = find_source(fname), name
         self.macros = {k: str(v) for k, v in {**(macros or {}), **more_macros}.items()}
@@ -233,7 +234,8 @@ class Kernel:
         if self._specs is None: self._specs = _param_specs(self.params)
         return self._specs
 
-    def __call__(self, grid, block, args, *, shared_mem=0):
+    def __call__(self, grid, block, args=None, *, shared_mem=0, **named):
+        if args is None or named: args = self._args_by_name(args, named)
         grid, block, args = _dims(grid, 'grid', self.name), _dims(block, 'block', self.name), tuple(args)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device('cpu'))
         values = _marshal(self, args, device)
@@ -243,6 +245,20 @@ class Kernel:
             _check_launch(self.name, grid, block, shared_mem, MAX_SHARED_MEM_PER_BLOCK)
             return _launch_emulator(self, grid, block, values, shared_mem)
         raise ValueError(f"kernel {self.name}: tensors on {device}; kernels run on CUDA devices or, emulated, on the CPU")
+
+    def _args_by_name(self, args, named):
+        "The argument tuple of a launch by parameter name, in the order of the kernel's parameters."
+        if args is not None:
+            raise TypeError(f"kernel {self.name}: pass its arguments as a tuple or by name, not both (got args and {', '.join(named)})")
+        names = [p.name for p in self.params]
+        for k in named:
+            if k not in names:
+                raise TypeError(f"kernel {self.name} has no parameter '{k}' (its parameters: {', '.join(map(repr, self.params))})")
+        for p in self.params:
+            if p.name not in named:
+                why = " (a launch setting's name: pass the arguments as a tuple)" if p.name in ('grid', 'block', 'args', 'shared_mem') else ""
+                raise TypeError(f"kernel {self.name}: missing argument '{p.name}' ({p!r}){why}")
+        return tuple(named[n] for n in names)
 
 class KernelModule:
     "The kernels of one source specialised by one set of macros (what 0.0.3's `load_cupy_module` returned)."

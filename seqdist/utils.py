@@ -114,8 +114,8 @@ def semiring_sum(x, S=Log, block=128):
     x = x.detach().contiguous()
     out = x.new_empty(x.shape[0])
     if x.shape[0]:
-        _sum_rows[(x.dtype, S)](grid=(x.shape[0],), block=(block,), args=(x, out, x.shape[0], x.shape[1]),
-                                shared_mem=block // 32 * x.element_size())
+        _sum_rows[(x.dtype, S)]((x.shape[0],), (block,), x=x, out=out, rows=x.shape[0], cols=x.shape[1],
+                                shared_mem=block // 32 * x.element_size())   # one block per row, a value per warp
     return out
 
 # %% ../nbs/01_utils.ipynb #db393db6

@@ -58,6 +58,24 @@ def test_legacy_loaders_and_the_registry():
     m((3,), (64,), (x, y, 3, 100), shared_mem=2 * 8)
     torch.testing.assert_close(y, torch.logsumexp(x, 1))
 
+def test_launch_by_parameter_name():
+    "`kernel(grid, block, name=value, ...)` is the launch of the positional tuple; a missing or unknown name is a TypeError."
+    by_tuple, by_name = torch.empty(2), torch.empty(2)
+    reduce((2,), (32,), (x, by_tuple, 8))
+    reduce((2,), (32,), cols=8, out=by_name, x=x)                   # in any order
+    assert torch.equal(by_tuple, by_name)
+    torch.testing.assert_close(by_name, x.sum(1))
+    with pytest.raises(TypeError, match=r"kernel block_sum: missing argument 'cols' \(int cols\)"):
+        reduce((2,), (32,), x=x, out=by_name)
+    with pytest.raises(TypeError, match=r"kernel block_sum has no parameter 'rows' \(its parameters: float\* x, float\* out, int cols\)"):
+        reduce((2,), (32,), x=x, out=by_name, cols=8, rows=2)
+    with pytest.raises(TypeError, match=r"kernel block_sum: pass its arguments as a tuple or by name, not both"):
+        reduce((2,), (32,), (x, by_name), cols=8)
+    with pytest.raises(TypeError, match=r"kernel block_sum: missing argument 'x'"):
+        reduce((2,), (32,))
+    with pytest.raises(TypeError, match=r"argument 'x' \(float\* x\) takes a torch.float32 tensor, got torch.float64"):
+        reduce((2,), (32,), x=x.double(), out=by_name, cols=8)      # named arguments are checked as positional ones
+
 def test_cuda_tensors_need_cupy_or_a_gpu():
     if torch.cuda.is_available(): pytest.skip("a GPU is present: the CUDA path is exercised by the notebooks' cuda cells")
     # Without a GPU, torch refuses CUDA tensors before our code runs; the launcher itself is covered by the emulator.
