@@ -204,7 +204,9 @@ class Kernel:
         self.path, self.name = find_source(fname), name
         self.macros = {k: str(v) for k, v in {**(macros or {}), **more_macros}.items()}
         self._params, self._specs, self._source, self._compiled = None, None, None, {}  # read and built once, at first use
-        KERNELS[(str(self.path), name, tuple(self.macros.items()))] = self
+        key = (str(self.path), name, tuple(self.macros.items()))
+        if hasattr(KERNELS.get(key), 'budget'): self.budget = KERNELS[key].budget   # declared for the instantiation
+        KERNELS[key] = self
 
     def __repr__(self):
         return f"Kernel({self.path.name!r}, {self.name!r}, {', '.join(f'{k}={v}' for k, v in self.macros.items())})"

@@ -53,6 +53,7 @@ def test_legacy_loaders_and_the_registry():
     assert k.path == find_source('semiring_reduce.cu')
     m = load_cupy_module('semiring_reduce.cu', **Log.cuda_macros(torch.float64)).get_function('semiring_sum_rows')
     assert (str(m.path), 'semiring_sum_rows', tuple(m.macros.items())) in KERNELS
+    assert KERNELS[(str(m.path), 'semiring_sum_rows', tuple(m.macros.items()))] is m and m.budget and k.budget   # budgets carry over
     x = torch.randn(3, 100, dtype=torch.float64)
     y = torch.empty(3, dtype=torch.float64)
     m((3,), (64,), (x, y, 3, 100), shared_mem=2 * 8)
