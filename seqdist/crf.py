@@ -12,7 +12,8 @@ import torch
 from torch import Tensor
 from .core import semiring, Log, Max, SequenceDist
 from . import sparse, ctc_simple
-from .utils import load_kernel, resource_budget
+from .kernel import load_kernel
+from .compile_check import resource_budget
 from .utils import op_namespace
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 

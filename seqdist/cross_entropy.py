@@ -17,7 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from .utils import load_kernel, empty_large, on_host, require, to_device
+from .kernel import load_kernel
+from .memory import empty_large
+from .checks import on_host, require, to_device
 from .timing import paired_median_ms, alternated_median_ms
 _CACHE = __name__ != "__main__"  # numba caches compiled kernels for the package, not for notebook cells
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -18,8 +18,10 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, grad, max_grad, SequenceDist, semiring_sum2
-from .utils import load_kernel, to_device, on_host, require, check_labels, EMULATOR_MAX_SHARED_MEM, eager_function, apply_op
-from .utils import resource_budget
+from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
+from .checks import to_device, on_host, require, check_labels
+from .utils import eager_function, apply_op
+from .compile_check import resource_budget
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 from .utils import op_namespace

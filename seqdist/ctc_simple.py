@@ -16,8 +16,11 @@ import torch
 from torch import Tensor
 from torch.nn.functional import pad
 from .core import semiring, Log, Max, semiring_sum2
-from .utils import load_kernel, on_host, require, to_device, eager_function, apply_op
-from .utils import resource_budget, EMULATOR_MAX_SHARED_MEM
+from .kernel import load_kernel
+from .checks import on_host, require, to_device
+from .utils import eager_function, apply_op
+from .compile_check import resource_budget
+from .kernel import EMULATOR_MAX_SHARED_MEM
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"

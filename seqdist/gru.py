@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 from .core import bits_as_float64, LOG2E, LN2_HI, LN2_LO
-from .utils import load_kernel, resource_budget
+from .kernel import load_kernel
+from .compile_check import resource_budget
 from .timing import paired_median_ms
 from .utils import op_namespace
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells

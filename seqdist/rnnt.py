@@ -18,8 +18,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
-from .utils import load_kernel, empty_large, on_host, require, to_device, check_labels, eager_function, apply_op
-from .utils import resource_budget
+from .kernel import load_kernel
+from .memory import empty_large
+from .checks import on_host, require, to_device, check_labels
+from .utils import eager_function, apply_op
+from .compile_check import resource_budget
 from .timing import paired_median_ms, load_torchaudio
 from .utils import op_namespace
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells

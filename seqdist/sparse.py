@@ -17,8 +17,11 @@ import numba
 import torch
 from torch import Tensor
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
-from .utils import load_kernel, empty_large, tensor_cached, eager_function, apply_op
-from .utils import resource_budget, EMULATOR_MAX_SHARED_MEM
+from .kernel import load_kernel
+from .memory import empty_large, tensor_cached
+from .utils import eager_function, apply_op
+from .compile_check import resource_budget
+from .kernel import EMULATOR_MAX_SHARED_MEM
 from .ctc import interleave_blanks
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')

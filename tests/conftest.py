@@ -13,25 +13,26 @@ _overruns = []   # Kernel.__call__ as it was, then the lists of the active `budg
 def budget_overruns():
     """Yields the list of the launches made within it of a kernel with a resource budget (`resource_budget`, next to
     the kernels in their notebook) that exceed its declared block or dynamic shared memory."""
-    from seqdist import utils
+    from seqdist.kernel import Kernel, _dims
+    from seqdist.compile_check import _short_macros
     if not _overruns:
-        launch = utils.Kernel.__call__
-        def checked(self, grid, block, args, *, shared_mem=0):
-            out = launch(self, grid, block, args, shared_mem=shared_mem)
+        launch = Kernel.__call__
+        def checked(self, grid, block, args=None, *, shared_mem=0, **named):
+            out = launch(self, grid, block, args, shared_mem=shared_mem, **named)
             b = getattr(self, 'budget', None)
             if b is not None and len(_overruns) > 1:
-                bx, by, bz = utils._dims(block, 'block', self.name)
+                bx, by, bz = _dims(block, 'block', self.name)
                 if bx * by * bz > b.block or shared_mem > b.shared_mem:
-                    _overruns[-1].append(f"{self.name} ({self.path.name} {utils._short_macros(self)}) launched with block={block}, "
+                    _overruns[-1].append(f"{self.name} ({self.path.name} {_short_macros(self)}) launched with block={block}, "
                                          f"shared_mem={shared_mem}: its budget declares block {b.block}, {b.shared_mem} bytes")
             return out
         _overruns.append(launch)          # the bottom of the stack: the launch to restore
-        utils.Kernel.__call__ = checked
+        Kernel.__call__ = checked
     _overruns.append([])
     try: yield _overruns[-1]
     finally:
         _overruns.pop()
-        if len(_overruns) == 1: utils.Kernel.__call__ = _overruns.pop()
+        if len(_overruns) == 1: Kernel.__call__ = _overruns.pop()
 
 @pytest.fixture(autouse=True)
 def _launches_within_budget():

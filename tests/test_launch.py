@@ -53,10 +53,29 @@ def test_legacy_loaders_and_the_registry():
     assert k.path == find_source('semiring_reduce.cu')
     m = load_cupy_module('semiring_reduce.cu', **Log.cuda_macros(torch.float64)).get_function('semiring_sum_rows')
     assert (str(m.path), 'semiring_sum_rows', tuple(m.macros.items())) in KERNELS
+    assert KERNELS[(str(m.path), 'semiring_sum_rows', tuple(m.macros.items()))] is m and m.budget and k.budget   # budgets carry over
     x = torch.randn(3, 100, dtype=torch.float64)
     y = torch.empty(3, dtype=torch.float64)
     m((3,), (64,), (x, y, 3, 100), shared_mem=2 * 8)
     torch.testing.assert_close(y, torch.logsumexp(x, 1))
+
+def test_launch_by_parameter_name():
+    "`kernel(grid, block, name=value, ...)` is the launch of the positional tuple; a missing or unknown name is a TypeError."
+    by_tuple, by_name = torch.empty(2), torch.empty(2)
+    reduce((2,), (32,), (x, by_tuple, 8))
+    reduce((2,), (32,), cols=8, out=by_name, x=x)                   # in any order
+    assert torch.equal(by_tuple, by_name)
+    torch.testing.assert_close(by_name, x.sum(1))
+    with pytest.raises(TypeError, match=r"kernel block_sum: missing argument 'cols' \(int cols\)"):
+        reduce((2,), (32,), x=x, out=by_name)
+    with pytest.raises(TypeError, match=r"kernel block_sum has no parameter 'rows' \(its parameters: float\* x, float\* out, int cols\)"):
+        reduce((2,), (32,), x=x, out=by_name, cols=8, rows=2)
+    with pytest.raises(TypeError, match=r"kernel block_sum: pass its arguments as a tuple or by name, not both"):
+        reduce((2,), (32,), (x, by_name), cols=8)
+    with pytest.raises(TypeError, match=r"kernel block_sum: missing argument 'x'"):
+        reduce((2,), (32,))
+    with pytest.raises(TypeError, match=r"argument 'x' \(float\* x\) takes a torch.float32 tensor, got torch.float64"):
+        reduce((2,), (32,), x=x.double(), out=by_name, cols=8)      # named arguments are checked as positional ones
 
 def test_cuda_tensors_need_cupy_or_a_gpu():
     if torch.cuda.is_available(): pytest.skip("a GPU is present: the CUDA path is exercised by the notebooks' cuda cells")
@@ -108,7 +127,7 @@ class FakeCuPy:
         self.RawModule, self.cuda = RawModule, cuda
 
 def test_cupy_launch_path_with_a_fake_cupy(monkeypatch):
-    import seqdist.utils as U
+    import seqdist.kernel as U
     fake = FakeCuPy()
     monkeypatch.setattr(U, '_import_cupy', lambda: fake)
     monkeypatch.setattr(U, '_current_stream', lambda idx: U._RawStream(1234 + idx))

@@ -1,0 +1,50 @@
+"""The toolchain's modules (made by nbs/01_utils.ipynb) import only the ones below them, each imports on its own, and
+seqdist.utils names everything they define, as it did when it was one module."""
+import ast, pathlib, subprocess, sys, pytest
+import seqdist.utils as utils
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ORDER = ['core', 'memory', 'checks', 'emulator', 'kernel', 'compile_check', 'utils', 'timing', 'ops']   # each imports only earlier ones
+TOOLCHAIN = ORDER[1:ORDER.index('utils')]          # the modules utils was split into
+
+def seqdist_imports(module):
+    "The seqdist modules that `module` imports anywhere in its source (in functions too)."
+    out = set()
+    for n in ast.walk(ast.parse((ROOT / 'seqdist' / f'{module}.py').read_text())):
+        if isinstance(n, ast.ImportFrom) and n.level: out.add((n.module or '').split('.')[0])
+        elif isinstance(n, ast.ImportFrom) and (n.module or '').startswith('seqdist.'): out.add(n.module.split('.')[1])
+        elif isinstance(n, ast.Import): out |= {a.name.split('.')[1] for a in n.names if a.name.startswith('seqdist.')}
+    return out - {''}
+
+@pytest.mark.parametrize('module', ORDER)
+def test_a_module_imports_only_earlier_ones(module):
+    later = seqdist_imports(module) & set(ORDER[ORDER.index(module):])
+    assert not later, f"seqdist.{module} imports {sorted(later)}, which come after it in {ORDER}"
+
+@pytest.mark.parametrize('module', ORDER[1:])
+def test_a_module_imports_on_its_own(module):
+    r = subprocess.run([sys.executable, '-c', f'import seqdist.{module}'], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+def test_utils_names_everything_the_toolchain_defines():
+    import importlib
+    for module in TOOLCHAIN:
+        m = importlib.import_module(f'seqdist.{module}')
+        for name in m.__all__:
+            assert getattr(utils, name, None) is getattr(m, name) and name in utils.__all__, (module, name)
+
+# seqdist.utils.__all__ before the toolchain had modules of its own (seqdist 0.0.3's names among them)
+NAMES = """LARGE_POOL MAX_BLOCK_DIMS MAX_THREADS_PER_BLOCK MAX_GRID_DIMS EMULATOR_MAX_SHARED_MEM KERNELS Resources GPU_LIMITS
+Budget to_np zero_grad float64 compare_fwd_bwd timed benchmark_fwd_bwd report release_large_buffers empty_large
+tensor_cached on_host require check_labels to_device op_namespace eager_function apply_op cuda_dir find_source Param
+kernel_params KernelLaunchError KernelCompileError count_launches Kernel KernelModule load_kernel load_cupy_func
+load_cupy_module emulator_options rewrite_dynamic_shared emulator_source emulator_library GuardedCopy asan_environment
+run_under_asan semiring_sum nvrtc_library compile_with_nvrtc compile_with_nvcc parse_ptxas_log resident_threads
+resource_budget resource_rows format_resource_table gpu_compiler package_kernels check_gpu_compile compile_check_cli
+selfcheck_cli""".split()
+
+def test_every_name_of_utils_still_imports_from_it():
+    namespace = {}
+    exec('from seqdist.utils import *', namespace)
+    assert not [n for n in NAMES if n not in namespace]
+    assert utils.MAX_SHARED_MEM_PER_BLOCK == utils.EMULATOR_MAX_SHARED_MEM == min(l['smem_block'] for l in utils.GPU_LIMITS.values())
