@@ -94,7 +94,8 @@ def _build_emulator_library(kernel):
                 raise KernelCompileError(f"the CUDA emulator could not compile {kernel!r}:\n{r.stderr[-6000:]}")
             os.replace(Path(tmp)/'kernel.so', path)
     lib = ctypes.CDLL(str(path))
-    lib.__emu_launch.argtypes = [ctypes.POINTER(_LaunchCfg), ctypes.POINTER(ctypes.c_void_p)]
+    lib.__emu_launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]   # (the config by address: a notebook
+    # that also imports the package has two _LaunchCfg classes, and a library loaded by one is launched by the other)
     lib.__emu_error.restype, lib.__emu_fault.restype = ctypes.c_char_p, ctypes.c_ulonglong
     sizes = (ctypes.c_int * 256)()
     n = lib.__emu_signature(sizes, 256)
@@ -164,7 +165,7 @@ def _launch_emulator(kernel, grid, block, values, shared_mem):
                 else: cells.append(p.ctypes_type(v.item()))
             argv = (ctypes.c_void_p * max(1, len(cells)))(*[ctypes.addressof(c) for c in cells])
             cfg = _LaunchCfg((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem, _emulator['seed'])
-            rc = lib.__emu_launch(ctypes.byref(cfg), argv)
+            rc = lib.__emu_launch(ctypes.addressof(cfg), argv)
             if rc:
                 msg = lib.__emu_error().decode(errors='replace')
                 if rc == 2:
