@@ -59,12 +59,13 @@ class Op:
     - `backward`: {backend: fn(state, outputs, grads) -> {input name: gradient}}; the grads of the residuals are
       None (those of the other outputs are zeros where an output was not used), and `state.grad_wanted` names the inputs whose gradients are needed; or `AUTOGRAD` for a forward written in differentiable PyTorch (the reference).
     - `fake(a, backend)`: outputs with the right shapes and dtypes (for torch.compile).
-    - `differentiable`: names of the tensor inputs that get gradients; `residuals`: names of outputs that are not
-      differentiable (kept for the backward, or side results).
+    - `differentiable`: names of the tensor inputs that get gradients (none: an op for `compute` only, e.g.
+      alignments, with no backward); `residuals`: names of outputs that are not differentiable (kept for the
+      backward, or side results).
     `op(*inputs, backend='auto')` resolves the backend once, then runs the forward: eagerly through one
     autograd.Function (no dispatcher: host time matters for small calls), or, while torch.compile traces, through the
     registered custom op and its backward op. The reference backend always runs eagerly, around the custom op."""
-    def __init__(self, name, schema, *, prepare, forward, backward, fake, differentiable=(), residuals=()):
+    def __init__(self, name, schema, *, prepare, forward, fake, backward=None, differentiable=(), residuals=()):
         self.name, self.prepare, self.forward, self.backward, self.fake = name, prepare, forward, backward, fake
         self.backends = tuple(forward)
         parsed = torch._C.parse_schema(name + schema)
@@ -75,16 +76,20 @@ class Op:
             raise ValueError(f"{name}: the first tensor input decides the device, so it cannot be optional: {schema}")
         for what, names, among in (('differentiable', differentiable, self.inputs), ('residuals', residuals, self.outputs)):
             if unknown := set(names) - set(among): raise ValueError(f"{name}: {what} names {sorted(unknown)}, not in {schema}")
+        if backward is None and differentiable: raise ValueError(f"{name}: differentiable inputs {differentiable} need a backward")
+        if backward is None: backward = {b: None for b in self.backends}     # nothing to differentiate
         if missing := set(self.backends) - set(backward):
             raise ValueError(f"{name}: no backward for the backends {sorted(missing)}")
+        self.backward = backward
         self.differentiable, self.residuals = tuple(differentiable), tuple(residuals)
         self._residual_idx = tuple(self.outputs.index(r) for r in residuals)
         self._output_idx = tuple(i for i in range(len(self.outputs)) if i not in self._residual_idx)
-        self._kernel_backends = tuple(b for b in self.backends if backward[b] is not AUTOGRAD)
+        self._kernel_backends = tuple(b for b in self.backends if b != 'reference' and backward[b] is not AUTOGRAD)
         args, rets = schema.split(') ->', 1)
         schema = f"{args}, str backend) ->{rets}" if args.strip() != '(' else f"(str backend) ->{rets}"
         self.custom_op = torch.library.custom_op(name, self._op_forward, mutates_args=(), schema=schema)
         self.custom_op.register_fake(lambda *args: self._one(self.fake(self._ns(args[:-1]), args[-1])))
+        if not self.differentiable: return
         self.custom_op.register_autograd(self._op_backward, setup_context=self._op_setup_context)
         grads = ', '.join(f'Tensor? grad_{o}' for o in self.outputs)
         outs = ', '.join(f'Tensor out_{o}' for o in self.outputs)
@@ -109,9 +114,13 @@ class Op:
         return _Eager.apply(self, backend, *args)
 
     def compute(self, *args, backend='auto'):
-        "The outputs without autograd (the forward alone), e.g. for posteriors and alignments."
+        "The outputs without autograd (the forward alone), e.g. for posteriors and alignments; traceable by torch.compile."
         backend = resolve_backend(backend, args[self._tensor[0]], self.backends, self.inputs[self._tensor[0]])
-        with torch.no_grad(): return tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))
+        with torch.no_grad():
+            if backend in self._kernel_backends and torch.compiler.is_compiling():
+                out = self.custom_op(*args, backend)
+                return (out,) if len(self.outputs) == 1 else tuple(out)
+            return tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))
 
     # the compiled path: the custom op, its autograd formula and its backward op
     def _op_forward(self, *args):
@@ -163,7 +172,7 @@ class _Eager(torch.autograd.Function):
             ctx.state = op.prepare(op._ns(args), backend, True)
             outs = tuple(op.forward[backend](ctx.state))
             ctx.save_for_backward(*outs)
-        ctx.mark_non_differentiable(*(outs[i] for i in op._residual_idx))
+        ctx.mark_non_differentiable(*(outs[i] for i in (op._residual_idx if op.differentiable else range(len(outs)))))
         return outs
 
     @staticmethod

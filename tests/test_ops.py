@@ -123,3 +123,28 @@ def test_launch_limits():
         with launch_limits(max_threads=128): assert max_threads(1024) == 128
         assert max_threads(1024) == 64
     assert max_threads(1024) == 1024
+
+def test_an_op_without_gradients_for_compute():
+    "An op with no differentiable input (alignments) declares no backward; its outputs never require grad."
+    op = Op(next(_names), '(Tensor x) -> Tensor best', prepare=lambda a, backend, check: a,
+            forward={'cpu': lambda s: (s.x.argmax(1),), 'reference': lambda s: (s.x.argmax(1),)},
+            fake=lambda a, backend: (a.x.new_empty(a.x.shape[0], dtype=torch.long),))
+    x = torch.randn(3, 4, requires_grad=True)
+    best, = op(x)
+    assert not best.requires_grad and torch.equal(best, x.argmax(1))
+    f = torch.compile(lambda x: op.compute(x)[0], fullgraph=True, backend='aot_eager')
+    assert torch.equal(f(x), x.argmax(1))
+
+def test_the_reference_runs_eagerly_when_compiled():
+    "A reference with a backward of its own (not AUTOGRAD) may differentiate by autograd inside it: never in the op."
+    def prepare(a, backend, check): return SimpleNamespace(x=a.x.detach())
+    def backward(s, outputs, grads):
+        with torch.enable_grad():
+            x = s.x.requires_grad_()
+            return {'x': torch.autograd.grad(torch.logsumexp(x, 1), x, grads[0])[0]}
+    op = Op(next(_names), '(Tensor x) -> Tensor lse', prepare=prepare, forward={'reference': lambda s: (torch.logsumexp(s.x, 1),)},
+            backward={'reference': backward}, fake=lambda a, backend: (a.x.new_empty(a.x.shape[0]),), differentiable=('x',))
+    x = torch.randn(3, 4, requires_grad=True)
+    f = torch.compile(lambda x: op(x, backend='reference')[0].sum(), backend='aot_eager')
+    g, = torch.autograd.grad(f(x), x)
+    torch.testing.assert_close(g, torch.softmax(x, 1))
