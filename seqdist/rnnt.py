@@ -388,11 +388,11 @@ _SEMIRINGS = {S.name: S for S in (Log, Max)}
 
 def _edges_cpu(s):
     B, T, U1, V = s.x.shape
-    use_max = _SEMIRINGS[s.semiring] is Max
+    args = *_numba_args(s), _SEMIRINGS[s.semiring] is Max
     edges = torch.zeros(B, T, U1, 2, dtype=s.x.dtype)
     with _numba_threads(s.x):
-        logz = _rnnt_forward_cpu(*_numba_args(s), use_max)
-        _rnnt_edges_cpu(*_numba_args(s), use_max, logz, edges.numpy())
+        logz = _rnnt_forward_cpu(*args)
+        _rnnt_edges_cpu(*args, logz, edges.numpy())
     return torch.from_numpy(logz).to(s.x.dtype), edges
 
 def _edges_cuda(s): return _cuda_edges(s.x, s.y, s.il, s.tl, s.blank, s.fused_log_softmax, _SEMIRINGS[s.semiring])
