@@ -362,7 +362,8 @@ def test_gpu_peak_memory_within_bound(family, record):
 # Every registered op and every public entry point has a GPU test here: the ops by the families that run them.
 OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_label_grad': 'ctc', 'seqdist::ctc_simple': 'ctc_simple',
              'seqdist::sparse_logz': 'sparse', 'seqdist::sparse_logz_backward': 'sparse', 'seqdist::add_sorted_runs': 'crf',
-             'seqdist::rnnt': 'rnnt', 'seqdist::rnnt_grad': 'rnnt', 'seqdist::gru_layer': 'gru',
+             'seqdist::rnnt': 'rnnt', 'seqdist::rnnt_backward': 'rnnt', 'seqdist::rnnt_edges': 'rnnt',
+             'seqdist::rnnt_edges_backward': 'rnnt', 'seqdist::gru_layer': 'gru',
              'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy': 'cross_entropy',
              'seqdist::cross_entropy_grad': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
              'seqdist::linear_cross_entropy_grad': 'linear_cross_entropy'}

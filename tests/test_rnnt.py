@@ -4,9 +4,14 @@ randomised cases; edge cases, bad inputs, torch.compile, low precision, 64-bit o
 import math, random, pytest, torch
 import seqdist.rnnt as rnnt
 from seqdist.core import Log, Max
-from seqdist.rnnt import (rnnt_loss, RNNTLoss, rnnt_edges, posteriors, viterbi_alignments, best_path, edge_log_probs,
-                          logz_reference, logz_brute_force, clean_targets, row_offsets)
+from seqdist.rnnt import (rnnt_loss, RNNTLoss, rnnt_op, rnnt_edges_op, posteriors, viterbi_alignments, best_path,
+                          edge_log_probs, logz_reference, logz_brute_force, clean_targets, row_offsets)
+from seqdist.ops import launch_limits
 from seqdist.utils import emulator_options
+
+def edges(x, y, il, tl, blank, S, fused, backend):
+    "log Z (B,) and the edges (B, T, U+1, 2) in semiring S by `backend`."
+    return rnnt_edges_op.compute(x, y, il, tl, blank, fused, S.name, backend=backend)
 
 def random_case(rng, dtype=torch.float64, max_B=4, max_T=8, max_U=5, max_V=7, full=False):
     "Random logits, targets with garbage padding, lengths (full: max lengths = the tensor's, as torchaudio wants)."
@@ -91,7 +96,7 @@ def test_fastemit_equals_its_formula(backend):
             xg = xx.detach().requires_grad_()
             yc, ilc, tlc = clean_targets(xg, y, il, tl, blank % V)
             bl, em = edge_log_probs(xg, yc, blank % V, fused)
-            pe = rnnt_edges(xx, y, il, tl, blank % V, False, fused, 'reference')[1][..., 1]
+            pe = edges(xx, y, il, tl, blank % V, Log, fused, 'reference')[1][..., 1]
             surrogate = -logz_reference(bl, em, ilc, tlc).sum() - lam * (pe * em).sum()
             torch.testing.assert_close(g1, torch.autograd.grad(surrogate, xg)[0], rtol=1e-9, atol=1e-11)
 
@@ -126,19 +131,18 @@ def test_three_paths_agree_on_random_cases(dtype):
 
 @pytest.mark.parametrize('dtype,max_threads', [(torch.float64, 1024), (torch.float32, 1024), (torch.float64, 32)])
 @pytest.mark.parametrize('S', [Log, Max])                # 32 threads for U+1 = 37 nodes and V = 40: the looping paths
-def test_posteriors_agree_on_every_path(dtype, S, max_threads, monkeypatch):
-    monkeypatch.setattr(rnnt, 'RNNT_MAX_THREADS', max_threads)
+def test_posteriors_agree_on_every_path(dtype, S, max_threads):
     torch.manual_seed(5)
     B, T, U, V = 3, 4, 36, 40
     x = torch.randn(B, T, U + 1, V, dtype=dtype) * 2
     y = torch.randint(1, V, (B, U))
     il, tl = torch.tensor([4, 2, 1]), torch.tensor([36, 20, 0])
-    ref = rnnt_edges(x.double(), y, il, tl, 0, S is Max, True, 'reference')
+    ref = edges(x.double(), y, il, tl, 0, S, True, 'reference')
     for seed in (0, 1):
-        with emulator_options(seed=seed):
+        with emulator_options(seed=seed), launch_limits(max_threads=max_threads):
             for backend in ('reference', 'cpu', 'cuda'):
                 tol = TOL64 if dtype == torch.float64 else TOL32_REF if backend == 'reference' else TOL32
-                out = rnnt_edges(x, y, il, tl, 0, S is Max, True, backend)
+                out = edges(x, y, il, tl, 0, S, True, backend)
                 assert out[1].dtype == dtype
                 assert_same(out[0], ref[0], **tol); assert_same(out[1], ref[1], **tol)
     if S is Log:      # each frame's occupancy is 1 + the labels it emits; every label is emitted once
@@ -146,7 +150,7 @@ def test_posteriors_agree_on_every_path(dtype, S, max_threads, monkeypatch):
         assert_same(post[..., 1].sum((1, 2)), tl.to(dtype), rtol=1e-5, atol=1e-5)
         assert_same(post[..., 0].sum((1, 2)), il.to(dtype), rtol=1e-5, atol=1e-5)
     if max_threads == 32:      # the loss and gradient through the looping kernels too
-        with emulator_options(seed=2):
+        with emulator_options(seed=2), launch_limits(max_threads=max_threads):
             three_paths(x[:2], y[:2], il[:2], tl[:2], 0, reduction='none')
 
 def test_best_path_is_the_best_of_brute_force():
@@ -297,6 +301,18 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.autograd.grad(comp, x)[0], torch.autograd.grad(eager, x)[0], rtol=1e-5, atol=1e-7)
 
+def test_torch_compile_of_the_reference():
+    """The reference compiles with graph breaks around it (it checks values on the host, so not fullgraph), and its
+    gradient (closed form from edge posteriors found by autograd) is the eager one: it runs eagerly, around the op."""
+    torch.manual_seed(15)
+    x = torch.randn(2, 4, 3, 5, dtype=torch.float64, requires_grad=True)
+    y, il, tl = torch.tensor([[1, 2], [3, 1]]), torch.tensor([4, 3]), torch.tensor([2, 1])
+    f = lambda x: rnnt_loss(x, y, il, tl, 0, clamp=0.1, backend='reference')
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(fx_graph_cache=False):
+        grad = torch.autograd.grad(torch.compile(f)(x), x)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(f(x), x)[0])
+
 def test_row_offsets_are_64_bit():
     "The kernels' row offset at (B, T, U+1, V) = (16, 1000, 151, 4096): 9.9e9 logits, past 2^31 and 2^32."
     B, T, U1, V = 16, 1000, 151, 4096
@@ -350,7 +366,8 @@ def test_bad_input_is_a_clear_error(bad, error, message):
 
 def test_peak_extra_memory_is_about_one_gradient():
     "fwd+bwd in a fresh process (the anchors' method): the gradient is the only logits-sized allocation."
-    extra, logits_mb = rnnt.peak_extra_mb(8, 100, 30, 64)
+    B, T, U, V = 8, 100, 30, 64
+    extra, logits_mb = rnnt.rnnt_peak_mb(B, T, U, V), B * T * (U + 1) * V * 4 / 2**20
     assert extra <= 1.05 * logits_mb, f"peak extra {extra:.2f} MB for {logits_mb:.2f} MB of logits"
 
 def test_cuda_path_launches_three_kernels_per_fwd_bwd(monkeypatch):
@@ -367,12 +384,24 @@ def test_cuda_path_launches_three_kernels_per_fwd_bwd(monkeypatch):
     assert names == ['rnnt_lse', 'rnnt_alpha_beta', 'rnnt_grad']
 
 @pytest.mark.parametrize('backend', ['cpu', 'cuda'])
-def test_the_op_passes_opcheck(backend):
+def test_the_ops_pass_opcheck(backend):
     "Eager calls go through an autograd.Function (less host time); torch.compile traces the op: check it as an op."
-    from seqdist.rnnt import rnnt_op
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 4, 6, dtype=torch.float64, requires_grad=True)
     # full lengths: the CUDA path's saved lattice is left unwritten past a sequence's lengths (never read), and
     # opcheck compares every output element between eager and traced calls
     targets, ll, tl = torch.tensor([[1, 2, 3], [4, 5, 1]]), torch.tensor([5, 5]), torch.tensor([3, 3])
-    torch.library.opcheck(rnnt_op, (logits, targets, ll, tl, 0, True, -1.0, 0.0, backend))
+    torch.library.opcheck(rnnt_op.custom_op, (logits, targets, ll, tl, 0, True, -1.0, 0.0, backend))
+    for S in (Log, Max):
+        torch.library.opcheck(rnnt_edges_op.custom_op, (logits.detach(), targets, ll, tl, 0, True, S.name, backend))
+
+def test_inputs_are_checked_and_cleaned_once_per_forward_and_backward(monkeypatch):
+    "The backward takes the forward's state: the targets are cleaned (and their values checked) once per fwd+bwd."
+    calls, clean = [], rnnt.clean_targets
+    monkeypatch.setattr(rnnt, 'clean_targets', lambda *args: calls.append(args[-1]) or clean(*args))
+    x = torch.randn(2, 4, 3, 5, requires_grad=True)
+    y, il, tl = torch.tensor([[1, 2], [3, 1]]), torch.tensor([4, 3]), torch.tensor([2, 1])
+    for backend in ('cpu', 'cuda', 'reference'):
+        calls.clear()
+        torch.autograd.grad(rnnt_loss(x, y, il, tl, 0, backend=backend), x)
+        assert calls == [True], (backend, calls)
