@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['MAX_DURATIONS', 'tdt_op', 'check_durations', 'tdt_inputs', 'multiblank_inputs', 'tdt_edges', 'multiblank_edges',
            'edge_table', 'delay_offsets', 'edge_scores', 'logz_reference', 'tdt_brute_force', 'multiblank_brute_force',
-           'grad_from_edges', 'tdt_loss', 'multiblank_rnnt_loss', 'TDTLoss', 'MultiblankRNNTLoss']
+           'grad_from_edges', 'tdt_loss', 'multiblank_rnnt_loss', 'TDTLoss', 'MultiblankRNNTLoss', 'lattice_edges',
+           'tdt_alignments', 'multiblank_alignments', 'tdt_best_path']
 
 # %% ../nbs/09_tdt.ipynb #e1e4e656
 import math
@@ -18,9 +19,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .core import semiring, Log, Max, fast_exp, fast_exp8
 from .utils import load_kernel, empty_large, on_host, require, to_device, resource_budget
-from .ops import Op, op_namespace, max_threads
-from .rnnt import rnnt_inputs, clean_targets, _row_lse, _numba_threads, _number, _compute_dtype, _POOLED
-from .timing import paired_median_ms, peak_rss_mb, markdown_table
+from .ops import Op, op_namespace, max_threads, resolve_backend
+from .rnnt import rnnt_loss, rnnt_inputs, clean_targets, _row_lse, _numba_threads, _number, _compute_dtype, _POOLED
+from .timing import alternated_median_ms, peak_rss_mb, markdown_table
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/09_tdt.ipynb #20826b8e
@@ -430,19 +431,7 @@ def _cpu_backward(s, outputs, grads):
                       grads[0].detach().double().contiguous().numpy(), float(s.clamp), float(s.lam), grad.numpy())
     return {'logits': grad.to(s.dtype)}
 
-# %% ../nbs/09_tdt.ipynb #78c2e2bc
-def _fake(a, backend):
-    return a.logits.new_empty(a.logits.shape[0], dtype=torch.float64), a.logits.new_empty(0, dtype=torch.float64)
-
-tdt_op = Op(f'{_OPS}::tdt',
-            "(Tensor logits, Tensor targets, Tensor logit_lengths, Tensor target_lengths, int[] durations, "
-            "int[] big_blank_durations, int blank, float sigma, float omega, float clamp, float fastemit_lambda, "
-            "float delay_penalty) -> (Tensor costs, Tensor lattice)",
-            prepare=_prepare, forward={'cpu': _cpu_forward, 'reference': _ref_forward},
-            backward={'cpu': _cpu_backward, 'reference': _ref_backward}, fake=_fake,
-            differentiable=('logits',), residuals=('lattice',))
-
-# %% ../nbs/09_tdt.ipynb #91ef94db
+# %% ../nbs/09_tdt.ipynb #39c513e2
 _REDUCTIONS = ('none', 'sum', 'mean', 'mean_volume')
 
 def _options(reduction, sigma, clamp, fastemit_lambda, delay_penalty, omega=0.0):
@@ -506,3 +495,176 @@ class MultiblankRNNTLoss(nn.Module):
     def forward(self, logits, targets, logit_lengths, target_lengths):
         return multiblank_rnnt_loss(logits, targets, logit_lengths, target_lengths, self.big_blank_durations, self.blank,
                                     self.sigma, self.clamp, self.fastemit_lambda, self.delay_penalty, self.reduction)
+
+# %% ../nbs/09_tdt.ipynb #becd97d9
+_NAMES = {Log: ('tdt_lse', 'tdt_alpha_beta', 'tdt_grad', 'tdt_edges'), Max: ('tdt_alpha_beta', 'tdt_backtrack')}
+_tdt_kernels = {(dtype, S, name): load_kernel('tdt.cu', name, **S.cuda_macros(dtype))
+                for dtype in (torch.float32, torch.float64) for S in (Log, Max) for name in _NAMES[S]}
+_named = lambda *names: [k for (_, _, name), k in _tdt_kernels.items() if name in names]
+_BLOCK = 1024       # the largest block of the recursion; the row passes use at most 256 threads
+resource_budget(_named('tdt_alpha_beta'), block=_BLOCK, min_threads=_BLOCK,
+                why="a latency-bound recursion, one block per utterance, lattice and direction: its largest block stays resident")
+resource_budget(_named('tdt_lse', 'tdt_grad', 'tdt_edges'), block=256, min_threads=1024,
+                why="memory-bound passes over the logits' rows or the nodes: half the SM's threads in flight")
+resource_budget(_named('tdt_backtrack'), block=32, min_threads=32,
+                why="one thread per utterance walks its best path back: B threads in all, more residency cannot help")
+
+def _threads(n, bound=_BLOCK): return max_threads(min(bound, 32 * math.ceil(max(n, 1) / 32)))
+
+_device_tables = {}
+
+def _device_table(table, device):
+    "The edge table as an int32 tensor on `device`, made once per table and device (no host-device wait after that)."
+    key = (table.tobytes(), str(device))
+    if key not in _device_tables: _device_tables[key] = to_device(torch.tensor(table, dtype=torch.int32).flatten(), device)
+    return _device_tables[key]
+
+def _cuda_lattice(s, S=Log, lattices=None):
+    """One buffer (float64) with the rows' lse (B, T, U+1, 2), alpha and beta (L, B, T, U+1) and log Z (L, B) of the
+    lattices, by the CUDA kernels; returns it and its views."""
+    x = s.x
+    B, T, U1, W = x.shape
+    L = s.L if lattices is None else lattices
+    nodes = B * T * U1
+    buf = x.new_empty(nodes * (2 + 2 * L) + L * B, dtype=torch.float64)
+    lse, alpha, beta, logz = buf.split([2 * nodes, L * nodes, L * nodes, L * B])
+    table = _device_table(s.table, x.device)
+    _tdt_kernels[(x.dtype, Log, 'tdt_lse')]((nodes,), (_threads(W, 256),), (x, s.il, s.tl, lse, T, U1, s.V, W))
+    grid = (B, 2 * L) if S is Log else (B, 1)
+    _tdt_kernels[(x.dtype, S, 'tdt_alpha_beta')](grid, (_threads(U1),), (x, lse, s.y, s.il, s.tl, table, len(s.table),
+        alpha, beta, logz, B, T, U1, s.V, W, float(s.sigmas[0]), float(s.sigmas[1]), float(s.dp)))
+    return buf, (lse, alpha, beta, logz, table)
+
+def _cuda_forward(s):
+    buf, (_, _, _, logz, _) = _cuda_lattice(s)
+    return _costs(Log.exact_zero(logz.view(s.L, -1)), s.weights), buf
+
+def _cuda_backward(s, outputs, grads):
+    x = s.x
+    B, T, U1, W = x.shape
+    nodes, L = B * T * U1, s.L
+    lse, alpha, beta, logz = outputs[1].split([2 * nodes, L * nodes, L * nodes, L * B])
+    grad = x.new_empty(x.shape)
+    _tdt_kernels[(x.dtype, Log, 'tdt_grad')]((nodes,), (_threads(W, 256),), (x, lse, s.y, s.il, s.tl,
+        _device_table(s.table, x.device), len(s.table), alpha, beta, logz, grads[0].detach().to(x.dtype).contiguous(),
+        grad, B, T, U1, s.V, W, L, float(s.sigmas[0]), float(s.sigmas[1]), float(s.weights[0]), float(s.weights[1]),
+        float(s.dp), float(s.clamp), float(s.lam)))
+    return {'logits': grad.to(s.dtype)}
+
+# %% ../nbs/09_tdt.ipynb #6e025ce4
+def _fake(a, backend):
+    B, T, U1, _ = a.logits.shape
+    L = 2 if 0 < a.omega < 1 else 1
+    n = B * T * U1 * (2 + 2 * L) + L * B if backend == 'cuda' else 0
+    return a.logits.new_empty(B, dtype=torch.float64), a.logits.new_empty(n, dtype=torch.float64)
+
+tdt_op = Op(f'{_OPS}::tdt',
+            "(Tensor logits, Tensor targets, Tensor logit_lengths, Tensor target_lengths, int[] durations, "
+            "int[] big_blank_durations, int blank, float sigma, float omega, float clamp, float fastemit_lambda, "
+            "float delay_penalty) -> (Tensor costs, Tensor lattice)",
+            prepare=_prepare, forward={'cpu': _cpu_forward, 'cuda': _cuda_forward, 'reference': _ref_forward},
+            backward={'cpu': _cpu_backward, 'cuda': _cuda_backward, 'reference': _ref_backward}, fake=_fake,
+            differentiable=('logits',), residuals=('lattice',))
+
+# %% ../nbs/09_tdt.ipynb #12392235
+@numba.njit(parallel=True, cache=_CACHE)
+def _tdt_edges_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, logz, edges):
+    "edges[b, t, u, k]: the posterior of edge k (lattice 0) leaving (t, u) (Log), or the best path as 0/1 (Max)."
+    B, K = x.shape[0], table.shape[0]
+    for b in numba.prange(B):
+        Tb, Ub = Tl[b], Ul[b]
+        if logz[b] == -np.inf: continue
+        E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
+        A, cand = np.empty((1, Tb, Ub + 1)), np.empty(K)
+        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse)
+        _alpha(E, Tb, Ub, table, 0, use_max, A[0], cand)
+        if use_max:                                     # from the end, the incoming edge that gave each alpha
+            t, u = Tb, Ub
+            while t > 0 or u > 0:
+                best, bk = -np.inf, -1
+                for k in range(K):
+                    ts, us = t - table[k, 2], u - table[k, 1]
+                    if table[k, 0] != 0 or ts < 0 or us < 0 or (table[k, 1] and t >= Tb): continue
+                    v = A[0, ts, us] + E[ts, us, k]
+                    if v > best: best, bk = v, k
+                if bk < 0: break
+                t, u = t - table[bk, 2], u - table[bk, 1]
+                edges[b, t, u, bk] = 1.0
+            continue
+        Bt, P = np.empty((1, Tb, Ub + 1)), np.empty(K)
+        _beta(E, Tb, Ub, table, 0, Bt[0], cand)
+        z = np.empty(1)
+        z[0] = logz[b]
+        for t in range(Tb):
+            for u in range(Ub + 1):
+                _posteriors(E, A, Bt, z, t, u, Tb, Ub, table, np.ones(1), P)
+                for k in range(K): edges[b, t, u, k] = P[k]
+
+def lattice_edges(logits, targets, logit_lengths, target_lengths, durations, big_blank_durations, blank, sigma=0.0,
+                  delay_penalty=0.0, S:semiring=Log, backend='auto'):
+    """log Z (B,) in semiring S of the TDT (or multi-blank) lattice and its edges (B, T, U+1, K) in `edge_table` order:
+    posteriors (Log) or the best path as 0/1 (Max). Arguments as `tdt_op`'s, checked by the caller."""
+    if S not in (Log, Max): raise ValueError(f"S must be Log or Max, got {S!r}")
+    a = SimpleNamespace(logits=logits, targets=targets, logit_lengths=logit_lengths, target_lengths=target_lengths,
+                        durations=list(durations), big_blank_durations=list(big_blank_durations), blank=blank,
+                        sigma=sigma, omega=0.0, clamp=-1.0, fastemit_lambda=0.0, delay_penalty=delay_penalty)
+    backend = resolve_backend(backend, logits, tdt_op.backends, 'logits')
+    with torch.no_grad():
+        s = _prepare(a, backend, True)
+        B, T, U1, W = s.x.shape
+        K = len(s.table)
+        if backend == 'reference':
+            logz, post = _ref_lattices(s, S, True)
+            return logz[0].to(s.x.dtype), post.to(s.x.dtype)
+        if backend == 'cpu':
+            logz = _cpu_logz(s, S is Max)[0]
+            edges = torch.zeros(B, T, U1, K, dtype=s.x.dtype)
+            with _numba_threads(s.x):
+                _tdt_edges_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, S is Max, logz.numpy(), edges.numpy())
+            return logz.to(s.x.dtype), edges
+        _, (lse, alpha, beta, logz, table) = _cuda_lattice(s, S)
+        edges = s.x.new_zeros(B, T, U1, K)
+        args = (s.x, lse, s.y, s.il, s.tl, table, K, alpha)
+        if S is Max:
+            _tdt_kernels[(s.x.dtype, Max, 'tdt_backtrack')]((math.ceil(B / 32),), (32,), (*args, logz, edges, B, T, U1,
+                s.V, W, float(s.sigmas[0]), float(s.dp)))
+        else:
+            _tdt_kernels[(s.x.dtype, Log, 'tdt_edges')]((math.ceil(B * T * U1 / 256),), (256,), (*args, beta, logz,
+                edges, B, T, U1, s.V, W, float(s.sigmas[0]), float(s.dp)))
+        return Log.exact_zero(logz).to(s.x.dtype), edges
+
+def tdt_alignments(logits, targets, logit_lengths, target_lengths, durations=(0, 1, 2, 3, 4), blank=-1, sigma=0.0,
+                   delay_penalty=0.0, S:semiring=Log, backend='auto'):
+    """The edges (B, T, U+1, 2, D) leaving each node: [..., 0, i] the blank, [..., 1, i] the label of duration
+    durations[i]; posteriors (S=Log) or the best path as 0/1 (S=Max). Zero outside each sequence's lattice."""
+    durations, V, blank = tdt_inputs(logits, targets, logit_lengths, target_lengths, durations, blank)
+    _, edges = lattice_edges(logits, targets, logit_lengths, target_lengths, durations, (), blank,
+                             _number(sigma, 'sigma'), _number(delay_penalty, 'delay_penalty'), S, backend)
+    table = edge_table(durations, (), blank, False)
+    out = edges.new_zeros(*edges.shape[:3], 2, len(durations))
+    out[..., table[:, 1], table[:, 4]] = edges
+    return out
+
+def multiblank_alignments(logits, targets, logit_lengths, target_lengths, big_blank_durations, blank=-1, sigma=0.0,
+                          delay_penalty=0.0, S:semiring=Log, backend='auto'):
+    """The edges (B, T, U+1, 2 + n_big) leaving each node: the blank, big blank i (at 1 + i), the label (last);
+    posteriors (S=Log) or the best path as 0/1 (S=Max)."""
+    big, blank = multiblank_inputs(logits, targets, logit_lengths, target_lengths, big_blank_durations, blank)
+    return lattice_edges(logits, targets, logit_lengths, target_lengths, (), big, blank, _number(sigma, 'sigma'),
+                         _number(delay_penalty, 'delay_penalty'), S, backend)[1]
+
+def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 1, 2, 3, 4), blank=-1, sigma=0.0,
+                  delay_penalty=0.0, backend='auto'):
+    """Timestamps of the best (Viterbi) path: the frame (B, U) where each label is emitted and its duration (B, U)
+    (-1 past the target length), and the path's log-probability (B,) (-inf if no path)."""
+    durations, V, blank = tdt_inputs(logits, targets, logit_lengths, target_lengths, durations, blank)
+    score, edges = lattice_edges(logits, targets, logit_lengths, target_lengths, durations, (), blank,
+                                 _number(sigma, 'sigma'), _number(delay_penalty, 'delay_penalty'), Max, backend)
+    table = edge_table(durations, (), blank, False)
+    labels = [k for k in range(len(table)) if table[k, 1]]
+    emit = edges[:, :, :-1, labels]                                   # (B, T, U, D): label u leaves (t, u) with duration i
+    hit = emit.sum((1, 3)) > 0
+    frames = torch.where(hit, emit.sum(3).argmax(1), -1)
+    d = torch.tensor([int(table[k, 2]) for k in labels], device=edges.device)
+    dur = torch.where(hit, d[emit.sum(1).argmax(2)], -1)
+    return frames, dur, score

@@ -159,7 +159,7 @@ from seqdist.tdt import tdt_loss, multiblank_rnnt_loss, TDTLoss, MultiblankRNNTL
 from seqdist.rnnt import rnnt_loss
 from seqdist.utils import emulator_options
 
-BACKENDS = ['reference', 'cpu']
+BACKENDS = ['reference', 'cpu', 'cuda']
 
 def loss_and_grad(f, x, *args, **kw):
     x = x.detach().requires_grad_()
@@ -209,8 +209,8 @@ def test_multiblank_three_paths_agree_on_random_cases(dtype):
 def test_gradcheck(backend):
     if backend not in BACKENDS: pytest.skip(f"{backend} not built yet")
     torch.manual_seed(0)
-    x = torch.randn(2, 4, 3, 5 + 3, dtype=torch.float64, requires_grad=True)
-    y, il, tl = torch.tensor([[1, 2], [3, 0]]), torch.tensor([4, 3]), torch.tensor([2, 1])
+    x = torch.randn(2, 3, 3, 5 + 3, dtype=torch.float64, requires_grad=True)
+    y, il, tl = torch.tensor([[1, 2], [3, 0]]), torch.tensor([3, 2]), torch.tensor([2, 1])
     for kw in (dict(sigma=0.1, omega=0.4, delay_penalty=0.3),):
         assert torch.autograd.gradcheck(lambda x: tdt_loss(x, y, il, tl, (0, 1, 2), 4, reduction='none', backend=backend, **kw), (x,))
     xm = x[..., :6].detach().requires_grad_()
@@ -442,7 +442,7 @@ BAD_MULTIBLANK = [
     (dict(blank=1), ValueError, r"blank must be >= len\(big_blank_durations\) = 2, got 1"),
     (dict(targets=torch.tensor([[1, 8], [3, 4]])), ValueError, r"targets contain big blanks \[8\] \(tokens 7..8\) within their target_lengths"),
     (dict(targets=torch.tensor([[1, 9], [3, 4]])), ValueError, r"targets contain the blank label 9"),
-    (dict(targets=torch.tensor([[1, 6], [3, 7]])), ValueError, r"targets contain big blanks \[7\]"),    # (6 is a label)
+    (dict(targets=torch.tensor([[6, 7], [3, 4]])), ValueError, r"targets contain big blanks \[7\]"),    # (6 is a label)
 ]
 
 @pytest.mark.parametrize('bad,error,message', BAD_MULTIBLANK)
@@ -450,3 +450,60 @@ def test_multiblank_bad_input_is_a_clear_error(bad, error, message):
     args = dict(logits=x0, targets=y0, logit_lengths=il0, target_lengths=tl0, big_blank_durations=[2, 4])
     args.update(bad)
     with pytest.raises(error, match=message): multiblank_rnnt_loss(**args)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Alignments
+from seqdist.tdt import tdt_alignments, multiblank_alignments, tdt_best_path
+from seqdist.ops import launch_limits
+
+def tdt_paths(T, U, durations):
+    "Every path of a TDT lattice: lists of (t, u, label?, duration) edges."
+    out = []
+    def walk(t, u, path):
+        if t == T: out.append(path); return
+        for d in durations:
+            if d > 0 and (t + d < T or (t + d == T and u == U)): walk(t + d, u, path + [(t, u, 0, d)])
+            if u < U and t + d < T: walk(t + d, u + 1, path + [(t, u, 1, d)])
+    walk(0, 0, [])
+    return out
+
+def test_best_path_is_the_best_of_brute_force():
+    rng = random.Random(30)
+    for _ in range(12):
+        x, y, il, tl, durations, blank = random_tdt(rng, rng.choice([(0, 1, 2), (0, 1, 2, 3)]), max_T=5, max_U=3)
+        lp, dlp, yc, ilc, tlc, b = tdt_parts(x, y, il, tl, durations, blank)
+        for backend in BACKENDS:
+            frames, dur, score = tdt_best_path(x, y, il, tl, durations, blank, backend=backend)
+            for i in range(x.shape[0]):
+                Tb, Ub = int(il[i]), int(tl[i])
+                paths = tdt_paths(Tb, Ub, durations)
+                if not paths: assert score[i] == -math.inf; continue
+                val = lambda p: sum(float((lp[i, t, u, yc[i, u]] if lab else lp[i, t, u, b]) + dlp[i, t, u, durations.index(d)])
+                                    for t, u, lab, d in p)
+                best = max(paths, key=val)
+                assert abs(score[i].item() - val(best)) < 1e-9
+                emits = [(t, d) for t, u, lab, d in best if lab]
+                assert frames[i, :Ub].tolist() == [t for t, _ in emits] and dur[i, :Ub].tolist() == [d for _, d in emits]
+                assert (frames[i, Ub:] == -1).all() and (dur[i, Ub:] == -1).all()
+
+@pytest.mark.parametrize('S', [Log, Max])
+@pytest.mark.parametrize('max_threads', [1024, 32])        # 32: U + 1 = 37 nodes and rows of 40 + 5, the looping paths
+def test_alignments_agree_on_every_path(S, max_threads):
+    torch.manual_seed(31)
+    B, T, U, V = 3, 5, 36, 40
+    x = torch.randn(B, T, U + 1, V + 3, dtype=torch.float64) * 2
+    y = torch.randint(1, V, (B, U))
+    il, tl = torch.tensor([5, 3, 1]), torch.tensor([36, 20, 0])
+    with launch_limits(max_threads=max_threads):
+        ref = tdt_alignments(x, y, il, tl, (0, 1, 2), 0, sigma=0.05, delay_penalty=0.1, S=S, backend='reference')
+        refm = multiblank_alignments(x, y, il, tl, (2, 3), 42, S=S, backend='reference')
+        for backend in ('cpu', 'cuda'):
+            with emulator_options(seed=1):
+                assert_same(tdt_alignments(x, y, il, tl, (0, 1, 2), 0, sigma=0.05, delay_penalty=0.1, S=S, backend=backend), ref, **TOL64)
+                assert_same(multiblank_alignments(x, y, il, tl, (2, 3), 42, S=S, backend=backend), refm, **TOL64)
+        if max_threads == 32:
+            with emulator_options(seed=2):
+                three_paths(tdt_loss, x[:2, :, :, :43], y[:2], il[:2], tl[:2], (0, 1, 2), 0, reduction='none', omega=0.2)
+    if S is Log:            # every label is emitted once
+        assert_same(ref[..., 1, :].sum((1, 2, 3)), tl.double(), rtol=1e-9, atol=1e-9)
+        assert_same(refm[..., -1].sum((1, 2)), tl.double(), rtol=1e-9, atol=1e-9)
