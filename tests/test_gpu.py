@@ -210,6 +210,31 @@ def _rnnt_case(size, dtype, device, seed=0):
     return Case('rnnt_loss', logits, lambda x: (rnnt_loss(x, targets, ll, tl, reduction='sum'),),
                 bound=lambda: 1.1 * logits.numel() * logits.element_size() + (1 << 20))   # the RNN-T issue's bound
 
+def _tdt_parts(size, seed, V_extra):
+    B, T, U, V = dict(small=(3, 30, 12, 20), long=(2, 40, 1500, 5))[size]         # long: more nodes than threads
+    g = _gen(seed)
+    logits = torch.randn(B, T, U + 1, V + V_extra, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, V - 3, (B, U), generator=g, dtype=torch.int32)      # (below blank V-1 and 2 big blanks)
+    ll = torch.randint(T // 2, T + 1, (B,), generator=g, dtype=torch.int32); ll[0] = T
+    tl = torch.randint(U // 2, U + 1, (B,), generator=g, dtype=torch.int32); tl[0] = U
+    return logits, targets, ll, tl, V
+
+def _tdt_case(size, dtype, device, seed=0):
+    from seqdist.tdt import tdt_loss
+    logits, targets, ll, tl, V = _tdt_parts(size, seed, 5)
+    logits, targets, ll, tl = logits.to(device, dtype), targets.to(device), ll.to(device), tl.to(device)
+    return Case('tdt_loss', logits, lambda x: (tdt_loss(x, targets, ll, tl, (0, 1, 2, 3, 4), sigma=0.05, omega=0.1,
+                                                        fastemit_lambda=0.01, reduction='sum'),),
+                bound=lambda: 1.1 * logits.numel() * logits.element_size() + (1 << 20))   # the issue's bound
+
+def _multiblank_case(size, dtype, device, seed=0):
+    from seqdist.tdt import multiblank_rnnt_loss
+    logits, targets, ll, tl, V = _tdt_parts(size, seed, 0)
+    logits, targets, ll, tl = logits.to(device, dtype), targets.to(device), ll.to(device), tl.to(device)
+    return Case('multiblank_rnnt_loss', logits, lambda x: (multiblank_rnnt_loss(x, targets, ll, tl, (2, 4), sigma=0.05,
+                                                                                delay_penalty=0.01, reduction='sum'),),
+                bound=lambda: 1.1 * logits.numel() * logits.element_size() + (1 << 20))
+
 def _gru_case(size, dtype, device, seed=0):
     from seqdist.gru import GRU
     T, N, I, H = dict(small=(20, 4, 16, 32), long=(60, 3, 8, 300))[size]          # long: H past one block
@@ -248,7 +273,7 @@ def _linear_cross_entropy_case(size, dtype, device, seed=0):
 
 FAMILIES = {'ctc': _ctc_case, 'forced_align': _forced_align_case, 'ctc_simple': _ctc_simple_case, 'sparse': _sparse_case,
             'crf': _crf_case, 'rnnt': _rnnt_case, 'gru': _gru_case, 'cross_entropy': _cross_entropy_case,
-            'linear_cross_entropy': _linear_cross_entropy_case}
+            'linear_cross_entropy': _linear_cross_entropy_case, 'tdt': _tdt_case, 'multiblank': _multiblank_case}
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
 def _outputs(case, x=None):
@@ -366,6 +391,21 @@ OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_label_grad': 'ctc', 'seqdist::
              'seqdist::rnnt_edges_backward': 'rnnt', 'seqdist::gru_layer': 'gru',
              'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy': 'cross_entropy',
              'seqdist::cross_entropy_grad': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
-             'seqdist::linear_cross_entropy_grad': 'linear_cross_entropy'}
+             'seqdist::linear_cross_entropy_grad': 'linear_cross_entropy', 'seqdist::tdt': 'tdt', 'seqdist::tdt_backward': 'tdt'}
 PUBLIC = ['ctc_loss', 'forced_align', 'ctc_simple.logZ', 'sparse.logZ', 'CTC_CRF.ctc_loss', 'rnnt_loss', 'GRU',
-          'cross_entropy', 'linear_cross_entropy']
+          'cross_entropy', 'linear_cross_entropy', 'tdt_loss', 'multiblank_rnnt_loss', 'tdt_alignments', 'tdt_best_path',
+          'multiblank_alignments']
+
+@pytest.mark.parametrize('size', ['small', 'long'])
+def test_gpu_tdt_alignments_agree_with_cpu(size, record):
+    "TDT posteriors and timestamps, multi-blank best path: the GPU against the CPU in float64."
+    from seqdist.core import Max
+    from seqdist.tdt import tdt_alignments, tdt_best_path, multiblank_alignments
+    logits, targets, ll, tl, V = _tdt_parts(size, 0, 5)
+    args = lambda d: (logits.to(d), targets.to(d), ll.to(d), tl.to(d))
+    _compare([tdt_alignments(*args('cuda'), (0, 1, 2, 3, 4))], [tdt_alignments(*args('cpu'), (0, 1, 2, 3, 4))], TOL[torch.float64], 'tdt_alignments')
+    got, want = tdt_best_path(*args('cuda'), (0, 1, 2, 3, 4)), tdt_best_path(*args('cpu'), (0, 1, 2, 3, 4))
+    err = _compare(got, want, TOL[torch.float64], 'tdt_best_path')
+    mb = lambda d: multiblank_alignments(args(d)[0][..., :V], *args(d)[1:], (2, 4), S=Max)
+    _compare([mb('cuda')], [mb('cpu')], TOL[torch.float64], 'multiblank_alignments')
+    record('tdt', error=err)

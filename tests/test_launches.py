@@ -107,3 +107,19 @@ def test_add_at_columns_budget():
     launches, ops = budget(lambda: add_at_columns(out, cols, values, sorted_runs=True))
     assert launches == {'add_at_columns': 1}
     assert ops.total <= 14 and ops.host_reads == 0, ops.ops
+
+def test_tdt_budget_and_no_host_reads_with_gpu_resident_values(monkeypatch):
+    """TDT (with omega: two lattices) fwd+bwd: three launches (the rows' lse; alpha and beta of both lattices in one;
+    the gradient). With the lengths and labels GPU-resident (`on_host` false) nothing is read by the host."""
+    import seqdist.rnnt as rnnt, seqdist.tdt as tdt
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 4, 6 + 5, requires_grad=True)
+    y, il, tl = torch.randint(0, 5, (3, 3)), torch.tensor([7, 5, 2]), torch.tensor([3, 1, 0])
+    f = lambda: torch.autograd.grad(tdt.tdt_loss(x, y, il, tl, sigma=0.05, omega=0.1, backend='cuda'), x)
+    launches, ops = budget(f)
+    assert launches == {'tdt_lse': 1, 'tdt_alpha_beta': 1, 'tdt_grad': 1}
+    assert ops.total <= 60, ops.ops
+    monkeypatch.setattr(rnnt, 'on_host', lambda *xs: False)
+    monkeypatch.setattr(tdt, 'on_host', lambda *xs: False)
+    launches, ops = budget(f)
+    assert ops.host_reads == 0, ops.ops
