@@ -116,11 +116,12 @@ class Op:
     def compute(self, *args, backend='auto'):
         "The outputs without autograd (the forward alone), e.g. for posteriors and alignments; traceable by torch.compile."
         backend = resolve_backend(backend, args[self._tensor[0]], self.backends, self.inputs[self._tensor[0]])
-        with torch.no_grad():
-            if backend in self._kernel_backends and torch.compiler.is_compiling():
-                out = self.custom_op(*args, backend)
-                return (out,) if len(self.outputs) == 1 else tuple(out)
-            return tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))
+        if backend in self._kernel_backends and torch.compiler.is_compiling():
+            with torch.no_grad(): out = self.custom_op(*args, backend)
+            return (out,) if len(self.outputs) == 1 else tuple(out)
+        if torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self._tensor):
+            with torch.no_grad(): return tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))
+        return tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))   # (no_grad costs 4 us)
 
     # the compiled path: the custom op, its autograd formula and its backward op
     def _op_forward(self, *args):
@@ -187,10 +188,11 @@ class _Eager(torch.autograd.Function):
             g = dict(zip(leaves, got))
         else:
             outs = ctx.saved_tensors
-            if any(g is None for g in grads):   # zeros for the unused differentiable outputs; no gradient if none was used
+            if any(grads[i] is None for i in op._output_idx):   # zeros for unused outputs; nothing if none was used
                 if all(grads[i] is None for i in op._output_idx): return (None,) * (2 + len(op.inputs))
                 grads = tuple(torch.zeros_like(outs[i]) if grads[i] is None and i in op._output_idx else grads[i]
                               for i in range(len(grads)))
-            ctx.state.grad_wanted = {n for n, want in zip(op.inputs, ctx.needs_input_grad[2:]) if want}
+            ctx.state.grad_wanted = ({op.differentiable[0]} if len(op.differentiable) == 1 else
+                                     {n for n, want in zip(op.inputs, ctx.needs_input_grad[2:]) if want})
             g = op.backward[ctx.backend](ctx.state, outs, grads)
         return (None, None, *map(g.get, op.inputs))
