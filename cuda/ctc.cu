@@ -135,24 +135,24 @@ extern "C" __global__ void ctc_posteriors(
 }
 
 // The gradient of the labels, in the backward pass: grad[t, n, c] = scale[t, n] * (exp(lp[t, n, c]) (with torch_grad,
-// PyTorch's convention) + P[t, n, c] (label posteriors, if given)). One thread per element: one pass over (T, N, C),
-// where PyTorch ops (exp, add, mul) take three.
-extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* __restrict__ P,
+// PyTorch's convention) + minus_posteriors[t, n, c] (of the labels, if given)). One thread per element: one pass over
+// (T, N, C), where PyTorch ops (exp, add, mul) take three.
+extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* __restrict__ minus_posteriors,
                                     const FLOAT* __restrict__ scale, FLOAT* __restrict__ grad, long long rows, int C,
                                     int torch_grad)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * C) return;
     FLOAT v = torch_grad ? exp(lp[i]) : (FLOAT)0;
-    if (P) v += P[i];
+    if (minus_posteriors) v += minus_posteriors[i];
     grad[i] = scale[i / C] * v;
 }
 
-// out[t, n, label of s] += scale[t, n] * P[t, n, s] for the states s of each valid frame (the labels' share of the
-// states' posteriors), in state order: one thread per (t, n), so the sum is deterministic, where scatter_add_ on a
-// GPU adds with atomics in any order (every blank state adds into one element).
+// out[t, n, label of s] += scale[t, n] * minus_posteriors[t, n, s] for the states s of each valid frame (the labels'
+// share of the states' posteriors), in state order: one thread per (t, n), so the sum is deterministic, where
+// scatter_add_ on a GPU adds with atomics in any order (every blank state adds into one element).
 extern "C" __global__ void ctc_states_to_labels(
-    const FLOAT* __restrict__ P, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const FLOAT* __restrict__ minus_posteriors, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, const FLOAT* __restrict__ scale, FLOAT* __restrict__ out,
     int T_max, int N, int C, int S_max)
 {
@@ -161,7 +161,7 @@ extern "C" __global__ void ctc_states_to_labels(
     const int t = (int)(i / N), n = (int)(i % N);
     if (t >= input_lengths[n]) return;
     const int S = 2 * (int)target_lengths[n] + 1;
-    const FLOAT* p = P + i * S_max;
+    const FLOAT* p = minus_posteriors + i * S_max;
     const long long* e = ext + (long long)n * S_max;
     FLOAT* o = out + i * C;
     for (int s = 0; s < S; s++) o[e[s]] += scale[i] * p[s];

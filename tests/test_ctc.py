@@ -215,6 +215,9 @@ def test_seqdist_003_names():
     torch.testing.assert_close(CTCLoss(reduction='sum')(logits.log_softmax(2), targets, il, tl),
                                F.ctc_loss(logits.log_softmax(2), targets, il, tl, reduction='sum'))
     assert torch.equal(interleave_blanks(torch.tensor([[3, 4]]), 0), torch.tensor([[0, 3, 0, 4, 0]]))
+    # Prob: 0.0.3's probability-space semiring; its forward pass gives Z itself
+    z = ctc._logz_fwd(*ctc.prepare_inputs(logits.detach().softmax(2), targets, il, tl), ctc.Prob)
+    torch.testing.assert_close(z.log(), -loss_pytorch(logits.detach(), targets, il, tl, reduction='none'))
 
 def test_deterministic():
     torch.manual_seed(0)
