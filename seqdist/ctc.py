@@ -340,7 +340,7 @@ _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_
 _FORWARD, _BACKWARD = 1, 2    # ctc_alpha_beta's `recursions`, a bit set (the enum of ctc.cu): alpha, beta, or both at once
 
 def _recursion_launch(spts, width, elsize, n_recursions, threads_bound):
-    "(threads per recursion, states per thread) of a launch that runs `n_recursions` (1 or 2) at once, or None if they do not fit."
+    "(threads per recursion, states per thread) of a launch running `n_recursions` (1 or 2) at once; None if they do not fit."
     threads = min(threads_bound // n_recursions, 32 * math.ceil(width / 32))
     spt = next((m for m in spts if m * threads >= width), None)
     return None if spt is None or n_recursions * 2 * width * elsize > EMULATOR_MAX_SHARED_MEM else (threads, spt)
@@ -373,7 +373,7 @@ def _ctc_cuda(st):
     by_state = st.posteriors_of == 'states'
     minus_posteriors = lp.new_zeros(T, N, width if by_state else C)
     k['ctc_posteriors']((math.ceil(T * N / 256),), (256,), (w, ext, il, tl, logz, minus_posteriors, T, N,
-                                                            minus_posteriors.shape[2], width, int(by_state), int(st.use_max)))
+                         minus_posteriors.shape[2], width, int(by_state), int(st.use_max)))
     return logz, minus_posteriors
 
 def _label_grad_cuda(st, minus_posteriors, scale):
@@ -515,7 +515,7 @@ def check_alignable(padded, input_lengths, target_lengths):
 
 # %% ../nbs/02_ctc.ipynb #f5d24b42
 def _ctc_reference(st):
-    "The reference: logZ by `logz_reference`, and minus the posteriors, its gradient, by autograd."
+    "The reference: logZ by `logz_reference`, and minus the posteriors (the gradient of logZ) by autograd."
     S = Max if st.use_max else Log
     with torch.enable_grad():
         lp = st.lp.detach().requires_grad_()
@@ -533,9 +533,10 @@ def _ctc_numba(st):
     T, N, C = lp.shape
     width = C if st.posteriors_of == 'labels' else st.ext.shape[1]
     minus_posteriors = torch.zeros(T, N, width, dtype=lp.dtype) if posteriors else lp.new_empty(0)
-    logz = _ctc_cpu(lp.numpy(), st.ext.numpy(), st.input_lengths.numpy(), st.target_lengths.numpy(), st.blank, st.use_max,
-                    np.ones(N) if posteriors else np.zeros(0),
-                    minus_posteriors.numpy() if posteriors else np.zeros((0, 0, 0), lp.numpy().dtype), st.posteriors_of == 'states')
+    logz = _ctc_cpu(lp.numpy(), st.ext.numpy(), st.input_lengths.numpy(), st.target_lengths.numpy(), st.blank,
+                    st.use_max, np.ones(N) if posteriors else np.zeros(0),
+                    minus_posteriors.numpy() if posteriors else np.zeros((0, 0, 0), lp.numpy().dtype),
+                    st.posteriors_of == 'states')
     return torch.from_numpy(logz).to(lp.dtype), minus_posteriors
 
 def _label_grad_torch(st, minus_posteriors, scale):
@@ -543,21 +544,22 @@ def _label_grad_torch(st, minus_posteriors, scale):
     lp = st.lp                                 # (the op's gradient is contiguous, whatever the layout of log_probs)
     grad = torch.exp(lp).contiguous() if st.torch_grad else torch.zeros(lp.shape, dtype=lp.dtype, device=lp.device)
     if st.posteriors_of == 'labels': grad.add_(minus_posteriors)
-    else: grad.scatter_add_(2, st.ext[None].expand(lp.shape[0], -1, -1), minus_posteriors)   # sequential on the CPU: deterministic
+    else: grad.scatter_add_(2, st.ext[None].expand(lp.shape[0], -1, -1), minus_posteriors)   # sequential on a CPU
     return grad.mul_(scale[..., None])
 
 def _ctc_backward(st, outputs, grads):
-    """d loss / d log_probs from the posteriors the forward pass computed (of the labels, or of the states, which are
-    then added into their labels). With torch_grad, PyTorch's convention for ctc_loss: it also subtracts
-    exp(log_probs), which the log_softmax before a CTC loss cancels. A sequence with no path (logZ = -inf) gets NaN, or
-    0 with zero_infinity, as in PyTorch."""
+    """The gradient w.r.t. log_probs, from the posteriors the forward pass computed (of the labels, or of the states,
+    which are then added into their labels). With torch_grad, PyTorch's convention for ctc_loss: the gradient of logZ
+    also subtracts exp(log_probs), which the log_softmax before a CTC loss cancels. A sequence with no path
+    (logZ = -inf) gets NaN, or 0 with zero_infinity, as in PyTorch."""
     (logz, minus_posteriors), (grad_logz, _) = outputs, grads
-    if st.posteriors_of == 'none': raise RuntimeError(f"{ctc_op.name}: call it with posteriors_of='labels' or 'states' to differentiate logZ")
+    if st.posteriors_of == 'none':
+        raise RuntimeError(f"{ctc_op.name}: call it with posteriors_of='labels' or 'states' to differentiate logZ")
     lp = st.lp
     valid = torch.arange(lp.shape[0], device=lp.device)[:, None] < st.input_lengths[None]               # (T, N)
     g = torch.where(torch.isinf(logz), 0.0 if st.zero_infinity else math.nan, grad_logz)
-    scale = torch.where(valid, -g[None], 0.0).to(lp.dtype)                                        # (T, N): each frame's factor
-    label_grad = _label_grad_cuda if st.backend == 'cuda' or lp.is_cuda else _label_grad_torch   # kernels on a GPU: deterministic
+    scale = torch.where(valid, -g[None], 0.0).to(lp.dtype)                           # (T, N): each frame's factor
+    label_grad = _label_grad_cuda if st.backend == 'cuda' or lp.is_cuda else _label_grad_torch   # on a GPU: kernels
     return {'log_probs': label_grad(st, minus_posteriors, scale).to(st.log_probs.dtype)}
 
 # %% ../nbs/02_ctc.ipynb #ba002393
