@@ -24,18 +24,20 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // MAX_THREADS of them (64 at 1024 threads, 128 at 512), and the SPT emissions must fit in them without spilling
 // (ptxas's report in `seqdist-compile-check`): so the labels are re-read each step rather than held (`label` is
 // volatile, or the compiler hoists e[s] out of the time loop, two registers per state), the skip transitions are one
-// bit per state, and float64 (whose log and exp take many registers) runs 512-thread blocks. `recursions`: 3 both at once; 1 the forward one alone (it stores alpha: logZ only,
-// or the first of two launches for targets too long for four frames in shared memory); 2 the backward one alone
-// (it multiplies beta into the alpha that a forward launch stored).
+// bit per state, and float64 (whose log and exp take many registers) runs 512-thread blocks. `recursions`, a bit set:
+// FORWARD | BACKWARD both at once; FORWARD alone (it stores alpha: logZ only, or the first of two launches for targets
+// too long for four frames in shared memory); BACKWARD alone (it multiplies beta into the alpha that a forward launch
+// stored).
+enum { FORWARD = 1, BACKWARD = 2 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
     int N, int C, int S_max, int blank, int recursions)
 {
     extern __shared__ unsigned char smem[];
-    const bool both = recursions == 3;
+    const bool both = recursions == (FORWARD | BACKWARD);
     const int B = both ? blockDim.x / 2 : blockDim.x;
-    const bool backward = recursions == 2 || (both && threadIdx.x >= B);
+    const bool backward = recursions == BACKWARD || (both && threadIdx.x >= B);
     const int j = threadIdx.x - (both && backward ? B : 0);
     FLOAT* buf = (FLOAT*)smem + (both && backward ? 2 * S_max : 0);     // this recursion's two frames
     const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
@@ -93,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0 && recursions != 2) {
+    if (threadIdx.x == 0 && recursions != BACKWARD) {
         const FLOAT* last = buf + ((T + 1) % 2) * S_max;    // the forward recursion's frame T - 1
         const FLOAT z = T == 0 ? (S == 1 ? ONE : ZERO) : (S > 1 ? SUM(last[S - 1], last[S - 2]) : last[0]);
         logz[n] = z > (FLOAT)-1e30 ? z : -INFINITY;         // ZERO is finite (-1e38): infeasible
@@ -133,24 +135,24 @@ extern "C" __global__ void ctc_posteriors(
 }
 
 // The gradient of the labels, in the backward pass: grad[t, n, c] = scale[t, n] * (exp(lp[t, n, c]) (with torch_grad,
-// PyTorch's convention) + P[t, n, c] (label posteriors, if given)). One thread per element: one pass over (T, N, C),
-// where PyTorch ops (exp, add, mul) take three.
-extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* __restrict__ P,
+// PyTorch's convention) + minus_posteriors[t, n, c] (of the labels, if given)). One thread per element: one pass over
+// (T, N, C), where PyTorch ops (exp, add, mul) take three.
+extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* __restrict__ minus_posteriors,
                                     const FLOAT* __restrict__ scale, FLOAT* __restrict__ grad, long long rows, int C,
                                     int torch_grad)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * C) return;
     FLOAT v = torch_grad ? exp(lp[i]) : (FLOAT)0;
-    if (P) v += P[i];
+    if (minus_posteriors) v += minus_posteriors[i];
     grad[i] = scale[i / C] * v;
 }
 
-// out[t, n, label of s] += scale[t, n] * P[t, n, s] for the states s of each valid frame (the labels' share of the
-// states' posteriors), in state order: one thread per (t, n), so the sum is deterministic, where scatter_add_ on a
-// GPU adds with atomics in any order (every blank state adds into one element).
+// out[t, n, label of s] += scale[t, n] * minus_posteriors[t, n, s] for the states s of each valid frame (the labels'
+// share of the states' posteriors), in state order: one thread per (t, n), so the sum is deterministic, where
+// scatter_add_ on a GPU adds with atomics in any order (every blank state adds into one element).
 extern "C" __global__ void ctc_states_to_labels(
-    const FLOAT* __restrict__ P, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const FLOAT* __restrict__ minus_posteriors, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, const FLOAT* __restrict__ scale, FLOAT* __restrict__ out,
     int T_max, int N, int C, int S_max)
 {
@@ -159,7 +161,7 @@ extern "C" __global__ void ctc_states_to_labels(
     const int t = (int)(i / N), n = (int)(i % N);
     if (t >= input_lengths[n]) return;
     const int S = 2 * (int)target_lengths[n] + 1;
-    const FLOAT* p = P + i * S_max;
+    const FLOAT* p = minus_posteriors + i * S_max;
     const long long* e = ext + (long long)n * S_max;
     FLOAT* o = out + i * C;
     for (int s = 0; s < S; s++) o[e[s]] += scale[i] * p[s];

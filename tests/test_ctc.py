@@ -4,10 +4,15 @@ import math, random, subprocess, sys, pytest, torch
 import torch.nn.functional as F
 import seqdist.ctc as ctc
 from seqdist.core import Log, Max
-from seqdist.ctc import (ctc_loss, CTCLoss, ctc_compute, ctc_apply, posteriors, forced_align, viterbi_alignments,
+from seqdist.ctc import (ctc_loss, CTCLoss, ctc_op, posteriors, forced_align, viterbi_alignments,
                          soft_alignments, logz_brute_force, interleave_blanks, loss_basic, loss_py, loss_cupy,
                          loss_direct_cupy, loss_pytorch, generate_sample_inputs)
 from seqdist.utils import emulator_options
+from seqdist.ops import launch_limits
+
+def compute(lp, targets, il, tl, use_max=False, posteriors_of='labels', backend='auto', blank=0):
+    "logZ and minus the posteriors of the labels or states (posteriors_of): the op's forward alone, no autograd."
+    return ctc_op.compute(lp, targets, il, tl, blank, use_max, posteriors_of, False, False, False, backend=backend)
 
 def random_case(rng, dtype=torch.float64, max_T=30, max_N=4, max_C=8, device='cpu'):
     T, N, C = rng.randint(1, max_T), rng.randint(1, max_N), rng.randint(2, max_C)
@@ -82,7 +87,7 @@ def test_brute_force(S):
         for il in (T, 4):
             truth = logz_brute_force(lp[:il, 0], target, 0, S)
             for backend in ('reference', 'cpu', 'cuda'):
-                logz, _ = ctc_compute(lp, tg, torch.tensor([il]), torch.tensor([len(target)]), 0, S is Max, 0, backend)
+                logz, _ = compute(lp, tg, torch.tensor([il]), torch.tensor([len(target)]), S is Max, 'none', backend)
                 if truth == -math.inf: assert logz.item() == -math.inf, (backend, target)
                 else: torch.testing.assert_close(logz[0], truth, rtol=1e-12, atol=0)
 
@@ -98,15 +103,14 @@ def test_gradcheck_of_exact_logz():
     torch.manual_seed(0)
     lp = torch.randn(7, 2, 4, dtype=torch.float64, requires_grad=True)
     targets, il, tl = torch.tensor([[1, 2, 3], [2, 2, 0]]), torch.tensor([7, 6]), torch.tensor([3, 2])
-    f = lambda lp: ctc_apply(lp, targets, il, tl, 0, False, 1, False, False, 'cpu')[0]
+    f = lambda lp: ctc_op(lp, targets, il, tl, 0, False, 'labels', False, False, False, backend='cpu')[0]
     assert torch.autograd.gradcheck(f, (lp,))
 
 @pytest.mark.parametrize('S', [Log, Max])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('max_threads', [1024, 32])    # 32 threads for up to 61 states: the looping path
 @pytest.mark.parametrize('by_state', [False, True])
-def test_cuda_source_in_the_emulator_equals_the_reference(S, dtype, max_threads, by_state, monkeypatch):
-    monkeypatch.setattr(ctc, 'CUDA_MAX_THREADS', max_threads)
+def test_cuda_source_in_the_emulator_equals_the_reference(S, dtype, max_threads, by_state):
     torch.manual_seed(1)
     T, N, C = 14, 3, 6
     lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2).to(dtype)
@@ -114,14 +118,14 @@ def test_cuda_source_in_the_emulator_equals_the_reference(S, dtype, max_threads,
     il, tl = torch.tensor([14, 9, 0]), torch.tensor([6, 30 if by_state else 4, 0])
     il[1] = 14 if by_state else 9
     tl[1] = 6
-    want = 2 if by_state else 1
-    ref = ctc_compute(lp, targets, il, tl, 0, S is Max, want, 'reference')
+    posteriors_of = 'states' if by_state else 'labels'
+    ref = compute(lp, targets, il, tl, S is Max, posteriors_of, 'reference')
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
     for seed in (0, 1):
-        with emulator_options(seed=seed):
-            out = ctc_compute(lp, targets, il, tl, 0, S is Max, want, 'cuda')
+        with emulator_options(seed=seed), launch_limits(max_threads=max_threads):
+            out = compute(lp, targets, il, tl, S is Max, posteriors_of, 'cuda')
         torch.testing.assert_close(out[0], ref[0], **tol); torch.testing.assert_close(out[1], ref[1], **tol)
-    cpu = ctc_compute(lp, targets, il, tl, 0, S is Max, want, 'cpu')
+    cpu = compute(lp, targets, il, tl, S is Max, posteriors_of, 'cpu')
     torch.testing.assert_close(cpu[0], ref[0], **tol); torch.testing.assert_close(cpu[1], ref[1], **tol)
 
 @pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
@@ -197,7 +201,7 @@ def test_forced_align_is_the_best_path():
         collapsed = [c for i, c in enumerate(path) if c != 0 and (i == 0 or c != path[i - 1])]
         assert collapsed == targets[n, :tl[n]].tolist()
         best = logz_brute_force(lp[n, :il[n]], targets[n, :tl[n]].tolist(), 0, Max) if il[n] <= 9 else \
-            ctc_compute(lp[n:n+1].transpose(0, 1), targets[n:n+1], il[n:n+1], tl[n:n+1], 0, True, 0)[0][0]
+            compute(lp[n:n+1].transpose(0, 1), targets[n:n+1], il[n:n+1], tl[n:n+1], True, 'none')[0][0]
         torch.testing.assert_close(scores[n, :il[n]].sum(), best)
         assert (labels[n, il[n]:] == 0).all() and (scores[n, il[n]:] == 0).all()
 
@@ -211,6 +215,9 @@ def test_seqdist_003_names():
     torch.testing.assert_close(CTCLoss(reduction='sum')(logits.log_softmax(2), targets, il, tl),
                                F.ctc_loss(logits.log_softmax(2), targets, il, tl, reduction='sum'))
     assert torch.equal(interleave_blanks(torch.tensor([[3, 4]]), 0), torch.tensor([[0, 3, 0, 4, 0]]))
+    # Prob: 0.0.3's probability-space semiring; its forward pass gives Z itself
+    z = ctc._logz_fwd(*ctc.prepare_inputs(logits.detach().softmax(2), targets, il, tl), ctc.Prob)
+    torch.testing.assert_close(z.log(), -loss_pytorch(logits.detach(), targets, il, tl, reduction='none'))
 
 def test_deterministic():
     torch.manual_seed(0)
@@ -244,6 +251,16 @@ def test_torch_compile_fullgraph_gives_the_eager_result(backend, C):
     g_eager, = torch.autograd.grad(eager, lp)
     g_comp, = torch.autograd.grad(comp, lp)
     assert torch.equal(eager, comp) and torch.equal(g_eager, g_comp)
+
+def test_torch_compile_with_the_reference_backend():
+    "torch.compile (graph breaks allowed) around ctc_loss(backend='reference'), which ran eagerly inside compiled code."
+    torch.manual_seed(0)
+    lp = torch.randn(30, 4, 6).log_softmax(2).requires_grad_()
+    targets, il, tl = torch.randint(1, 6, (4, 8)), torch.tensor([30, 25, 30, 20]), torch.tensor([8, 5, 3, 0])
+    def f(lp): return ctc_loss(lp, targets, il, tl, backend='reference') * 2.0
+    eager, comp = f(lp), torch.compile(f, backend='aot_eager')(lp)
+    assert torch.equal(eager, comp)
+    assert torch.equal(torch.autograd.grad(eager, lp)[0], torch.autograd.grad(comp, lp)[0])
 
 lp0 = torch.randn(6, 2, 5).log_softmax(2)
 tg0, il0, tl0 = torch.tensor([[1, 2], [3, 4]]), torch.tensor([6, 6]), torch.tensor([2, 2])
@@ -311,37 +328,36 @@ def test_cuda_recursions_meet_at_every_length(max_threads, two_launches, monkeyp
     odd and even lengths (the backward half starts a step late for odd T), T = 1, lengths shorter than the batch's,
     and targets with more states than 4 per thread (the wider register variant). Or, when four frames do not fit
     in shared memory, one launch after the other."""
-    monkeypatch.setattr(ctc, 'CUDA_MAX_THREADS', max_threads)
     if two_launches: monkeypatch.setattr(ctc, 'EMULATOR_MAX_SHARED_MEM', 2 * 81 * 8)      # two frames of 81 states
-    torch.manual_seed(3)
-    T, N, C = 90, 8, 5
-    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2)
-    targets = torch.randint(1, C, (N, 40))
-    il, tl = torch.tensor([1, 2, 3, 4, 7, 8, 89, 90]), torch.tensor([0, 1, 1, 2, 3, 4, 40, 33])
-    for S in (Log, Max):
-        ref = ctc_compute(lp, targets, il, tl, 0, S is Max, 1, 'reference')
-        out = ctc_compute(lp, targets, il, tl, 0, S is Max, 1, 'cuda')
-        torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(out[1], ref[1], rtol=1e-12, atol=1e-12)
-        logz_only = ctc_compute(lp, targets, il, tl, 0, S is Max, 0, 'cuda')[0]      # the forward half alone
-        torch.testing.assert_close(logz_only, ref[0], rtol=1e-12, atol=1e-12)
-    from seqdist.utils import count_launches
-    with count_launches() as launches: ctc_compute(lp, targets, il, tl, 0, False, 1, 'cuda')
-    assert launches['ctc_alpha_beta'] == (2 if two_launches else 1)
+    with launch_limits(max_threads=max_threads):
+        torch.manual_seed(3)
+        T, N, C = 90, 8, 5
+        lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2)
+        targets = torch.randint(1, C, (N, 40))
+        il, tl = torch.tensor([1, 2, 3, 4, 7, 8, 89, 90]), torch.tensor([0, 1, 1, 2, 3, 4, 40, 33])
+        for S in (Log, Max):
+            ref = compute(lp, targets, il, tl, S is Max, 'labels', 'reference')
+            out = compute(lp, targets, il, tl, S is Max, 'labels', 'cuda')
+            torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(out[1], ref[1], rtol=1e-12, atol=1e-12)
+            logz_only = compute(lp, targets, il, tl, S is Max, 'none', 'cuda')[0]      # the forward half alone
+            torch.testing.assert_close(logz_only, ref[0], rtol=1e-12, atol=1e-12)
+        from seqdist.utils import count_launches
+        with count_launches() as launches: compute(lp, targets, il, tl, False, 'labels', 'cuda')
+        assert launches['ctc_alpha_beta'] == (2 if two_launches else 1)
 
 def test_cuda_targets_too_long_for_shared_memory():
     lp = torch.randn(22000, 1, 3).log_softmax(2)
     targets, il, tl = torch.ones(1, 10500, dtype=torch.long), torch.tensor([22000]), torch.tensor([10500])
     with pytest.raises(ValueError, match=r"targets of 10500 labels are longer than the CUDA kernel holds .*10431 labels in torch.float32"):
-        ctc_compute(lp, targets, il, tl, 0, False, 1, 'cuda')
+        compute(lp, targets, il, tl, False, 'labels', 'cuda')
 
 @pytest.mark.parametrize('max_threads', [1024, 32])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
-def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype, monkeypatch):
+def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype):
     """The CUDA Viterbi kernel (emulated) finds the CPU kernel's path: random scores, repeated labels, frames past the
     input length, a sequence that just fits its frames, and scores where every path ties (the same first-of-equals
     rule on both, and the same double sums)."""
-    monkeypatch.setattr(ctc, 'CUDA_MAX_THREADS', max_threads)
     g = torch.Generator().manual_seed(5)
     N, T, C = 6, 50, 6
     targets = torch.randint(1, C, (N, 24), generator=g)
@@ -349,7 +365,8 @@ def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype, monk
     il, tl = torch.tensor([50, 44, 30, 5, 50, 1]), torch.tensor([24, 10, 3, 3, 0, 1])   # sequence 3: 3 labels + 2 repeats in 5 frames
     for lp in (torch.randn(N, T, C, generator=g).log_softmax(2), torch.full((N, T, C), -math.log(C))):
         lp = lp.to(dtype)
-        cpu, cuda = (forced_align(lp, targets, il, tl, backend=b) for b in ('cpu', 'cuda'))
+        with launch_limits(max_threads=max_threads):
+            cpu, cuda = (forced_align(lp, targets, il, tl, backend=b) for b in ('cpu', 'cuda'))
         assert torch.equal(cpu[0], cuda[0]) and torch.equal(cpu[1], cuda[1])
     assert (cuda[0][3] != 0).sum() == 3
     with pytest.raises(ValueError, match="backend must be"): forced_align(lp, targets, il, tl, backend='numba')
@@ -380,15 +397,15 @@ def test_label_gradient_on_the_cuda_path(C, zero_infinity):
 @pytest.mark.parametrize('backend', ['cpu', 'cuda'])
 def test_the_ops_pass_opcheck(backend):
     "Eager calls go through an autograd.Function (less host time); torch.compile traces the ops: check them as ops."
-    from seqdist.ctc import ctc_op, ctc_label_grad_op
     torch.manual_seed(0)
     lp = torch.randn(12, 3, 9, dtype=torch.float64).log_softmax(2).requires_grad_()
     targets, il, tl = torch.randint(1, 9, (3, 3)), torch.tensor([12, 10, 12]), torch.tensor([3, 2, 0])
-    for want in (1, 2):
-        torch.library.opcheck(ctc_op, (lp, targets, il, tl, 0, False, want, False, True, backend))
-    P = torch.randn(12, 3, 7, dtype=torch.float64)
-    ext = torch.zeros(3, 7, dtype=torch.long)
-    torch.library.opcheck(ctc_label_grad_op, (lp.detach(), P, ext, il, tl, torch.randn(12, 3, dtype=torch.float64), 2, True))
+    for posteriors_of in ('labels', 'states'):
+        inputs = (lp, targets, il, tl, 0, False, posteriors_of, False, True, False)
+        torch.library.opcheck(ctc_op.custom_op, (*inputs, backend))
+        logz, minus_posteriors = ctc_op.compute(*inputs, backend=backend)      # the backward op (not differentiable)
+        torch.library.opcheck(ctc_op.backward_op, (lp.detach(), *inputs[1:], logz, minus_posteriors,
+                                                   torch.randn(3, dtype=torch.float64), None, backend))
 
 def test_cuda_float32_posteriors_are_more_accurate_than_pytorchs():
     """A long sequence in float32: alpha and beta reach thousands, so their rounding dominates exp(alpha + beta - logZ).
@@ -433,7 +450,7 @@ for seed in range(6):
                     lambda: ctc.posteriors(lpt, targets, il, tl, blank, Log, by_state, backend))
             for use_max in (False, True):        # the kernels themselves, no check before them: logZ = -inf, P = 0
                 results[seed, case, 'compute', backend, use_max] = outcome(
-                    lambda: ctc.ctc_compute(lpt, targets, il, tl, blank, use_max, 1, backend))
+                    lambda: ctc.ctc_op.compute(lpt, targets, il, tl, blank, use_max, 'labels', False, False, False, backend=backend))
             for zero_infinity in (False, True):
                 results[seed, case, 'loss', backend, zero_infinity] = outcome(lambda: ctc.ctc_loss(
                     lpt.detach().requires_grad_(), targets, il, tl, blank, 'none', zero_infinity, backend=backend).detach())

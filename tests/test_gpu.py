@@ -385,7 +385,7 @@ def test_gpu_peak_memory_within_bound(family, record):
     record(family, error=None)
 
 # Every registered op and every public entry point has a GPU test here: the ops by the families that run them.
-OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_label_grad': 'ctc', 'seqdist::ctc_simple': 'ctc_simple',
+OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_backward': 'ctc', 'seqdist::ctc_simple': 'ctc_simple',
              'seqdist::sparse_logz': 'sparse', 'seqdist::sparse_logz_backward': 'sparse', 'seqdist::add_sorted_runs': 'crf',
              'seqdist::rnnt': 'rnnt', 'seqdist::rnnt_backward': 'rnnt', 'seqdist::rnnt_edges': 'rnnt',
              'seqdist::rnnt_edges_backward': 'rnnt', 'seqdist::gru_layer': 'gru',

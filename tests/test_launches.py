@@ -6,7 +6,7 @@ cannot creep back unseen; lower a budget when you lower the count."""
 import collections, pytest, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from seqdist.utils import count_launches
-from seqdist.ctc import ctc_compute, ctc_inputs
+from seqdist.ctc import ctc_op, ctc_inputs
 from seqdist import sparse, ctc_simple
 from seqdist.crf import kmer_transitions
 
@@ -33,7 +33,7 @@ def test_ctc_budget():
     T, N, C = 20, 3, 6
     lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
                                    torch.tensor([5, 3, 4]))
-    launches, ops = budget(lambda: ctc_compute(lp, tg, il, tl, 0, False, 1, 'cuda'))
+    launches, ops = budget(lambda: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, backend='cuda'))
     assert launches == {'ctc_alpha_beta': 1, 'ctc_posteriors': 1}
     assert ops.total <= 36, ops.ops          # lengths and labels on the CPU are checked there (host reads, no GPU wait)
 
@@ -45,15 +45,16 @@ def test_ctc_with_lengths_on_the_gpu_reads_nothing_on_the_host(monkeypatch):
     T, N, C = 20, 3, 6
     lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
                                    torch.tensor([5, 3, 4]))
-    expected = ctc_compute(lp, tg, il, tl, 0, False, 1, 'cpu')
-    launches, ops = budget(lambda: ctc_compute(lp, tg, il, tl, 0, False, 1, 'cuda'))
+    compute = lambda lp, tg, il, tl, backend: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, backend=backend)
+    expected = compute(lp, tg, il, tl, 'cpu')
+    launches, ops = budget(lambda: compute(lp, tg, il, tl, 'cuda'))
     assert ops.host_reads == 0, ops.ops
-    for a, b in zip(ctc_compute(lp, tg, il, tl, 0, False, 1, 'cuda'), expected): torch.testing.assert_close(a, b)
+    for a, b in zip(compute(lp, tg, il, tl, 'cuda'), expected): torch.testing.assert_close(a, b)
     for bad, message in ((dict(il=il + 1), "input_lengths out of"), (dict(tl=tl - 4), "negative target_lengths"),
                          (dict(tl=tl + 1), "longer than the padded targets"), (dict(tg=tg * 0), "equal to blank")):
-        args = dict(lp=lp, tg=tg, il=il, tl=tl, blank=0, use_max=False, want=1, backend='cuda') | bad
+        args = dict(lp=lp, tg=tg, il=il, tl=tl) | bad
         with pytest.raises(RuntimeError, match=message):       # on a GPU: a device-side assertion, at the next sync
-            ctc_compute(args['lp'], args['tg'], args['il'], args['tl'], 0, False, 1, 'cuda')
+            compute(args['lp'], args['tg'], args['il'], args['tl'], 'cuda')
 
 def test_sparse_budget_no_host_reads_once_warm():
     torch.manual_seed(0)
