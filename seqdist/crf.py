@@ -61,14 +61,13 @@ gather_columns = Op(f'{_OPS}::gather_columns', "(Tensor scores, Tensor cols) -> 
     fake=lambda a, backend: (a.scores.new_empty(a.scores.shape[0], *a.cols.shape),), differentiable=('scores',))
 
 # %% ../nbs/05_crf.ipynb #05c9daeb
-_CRF_LATTICE = dict(semiring='Log', for_backward=True, K=1)      # logZ over all paths, free start and end states
-
 def _crf_inputs(scores, idx):
-    "The sparse op's inputs for the CRF: scores as Ms (T, N, C, NZ), start and end scores 0 for every state."
+    """The sparse op's inputs for the CRF's logZ (Log, kept for the backward pass): the scores as Ms (T, N, C, NZ), and
+    every state a start and an end."""
     T, N, _ = scores.shape
     Ms = scores.reshape(T, N, *idx.shape)
     ends = Ms.new_zeros(N, idx.shape[0])
-    return SimpleNamespace(Ms=Ms, idx=idx, v0=ends, vT=ends, **_CRF_LATTICE)
+    return SimpleNamespace(Ms=Ms, idx=idx, v0=ends, vT=ends, semiring='Log', for_backward=True, K=1)
 
 def _target_logp_prepare(a, backend, check):
     return SimpleNamespace(crf=sparse.sparse_logz.prepare(_crf_inputs(a.scores.detach(), a.idx), backend, check),

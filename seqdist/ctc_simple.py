@@ -83,10 +83,11 @@ def _edge_posteriors(stay, move, alpha, beta, logz, S):
 
 # %% ../nbs/03_ctc_simple.ipynb #198db700
 @numba.njit(parallel=True, cache=_CACHE)
-def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta):
+def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta, logz):
     """Forward and backward scores (T+1, N, L) of the stay/move lattice in log space, one thread per sequence:
     alpha[t+1, s] = stay[t, s] alpha[t, s] + move[t, s-1] alpha[t, s-1]; beta[t, s] = stay[t, s] beta[t+1, s]
-    + move[t, s] beta[t+1, s+1]. Paths start in state 0 and end in state lengths[n] - 1."""
+    + move[t, s] beta[t+1, s+1]. Paths start in state 0 and end in state lengths[n] - 1, so logz[n] = alpha[T, n,
+    lengths[n] - 1] (-inf where no path gets there)."""
     T, N, L = stay.shape
     for n in numba.prange(N):
         Ln = lengths[n]
@@ -97,6 +98,7 @@ def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta):
                 a = stay[t, n, s] + alpha[t, n, s] if s < Ln else -np.inf
                 if 0 < s < Ln: a = semiring_sum2(a, move[t, n, s - 1] + alpha[t, n, s - 1], use_max)
                 alpha[t + 1, n, s] = a
+        logz[n] = alpha[T, n, Ln - 1]
         for s in range(L): beta[T, n, s] = -np.inf
         beta[T, n, Ln - 1] = 0.0
         for t in range(T - 1, -1, -1):
@@ -114,12 +116,12 @@ RECURSION_THREADS = 1024    # at most, per block of the recursion kernel (fewer 
 POSTERIOR_THREADS = 128     # per (frame, sequence) block of the posterior kernel (a power of two)
 
 def _scores_numba(stay, move, lengths, S):
-    "The CPU kernel's forward and backward scores (T+1, N, L), float64."
+    "The CPU kernel's forward and backward scores (T+1, N, L) and logZ (N,), float64."
     T, N, L = stay.shape
-    alpha, beta = torch.empty(T + 1, N, L, dtype=torch.float64), torch.empty(T + 1, N, L, dtype=torch.float64)
+    alpha, beta, logz = torch.empty(T + 1, N, L, dtype=torch.float64), torch.empty(T + 1, N, L, dtype=torch.float64), torch.empty(N, dtype=torch.float64)
     mv = move.contiguous() if L > 1 else stay.new_empty(T, N, 1)
-    _simple_scores_cpu(stay.contiguous().numpy(), mv.numpy(), lengths.cpu().numpy(), S is Max, alpha.numpy(), beta.numpy())
-    return alpha, beta
+    _simple_scores_cpu(stay.contiguous().numpy(), mv.numpy(), lengths.cpu().numpy(), S is Max, alpha.numpy(), beta.numpy(), logz.numpy())
+    return alpha, beta, logz
 
 def _scores_cuda(stay, move, lengths, S):
     """The CUDA kernel's forward and backward scores: in the scores' dtype for the Log semiring (the posteriors are
@@ -174,17 +176,21 @@ def _simple_prepare(a, backend, check):
 
 def _logz(st, alpha):
     "logZ (N,): alpha_T at each sequence's last state, -inf where no path reaches it."
-    return st.S.exact_zero(alpha[-1].to(st.stay.device).gather(1, (st.lengths - 1)[:, None])[:, 0]).to(st.stay.dtype)
+    return st.S.exact_zero(alpha[-1].gather(1, (st.lengths - 1)[:, None])[:, 0])
 
-def _logz_and_posteriors(st, alpha, beta):
-    logz = _logz(st, alpha)
-    if not st.with_posteriors: return logz, st.stay.new_empty(0), st.stay.new_empty(0)
-    return logz, *_edge_posteriors(st.stay, st.move, alpha, beta, logz, st.S)
+def _logz_and_posteriors(st, alpha, beta, logz):
+    "logZ in the scores' dtype and, `with_posteriors`, the posteriors from the forward and backward scores."
+    if not st.with_posteriors: return logz.to(st.stay.dtype), st.stay.new_empty(0), st.stay.new_empty(0)
+    return logz.to(st.stay.dtype), *_edge_posteriors(st.stay, st.move, alpha, beta, logz, st.S)
+
+def _simple_reference(st):
+    alpha, beta = _scores_reference(st.stay, st.move, st.lengths, st.S)
+    return _logz_and_posteriors(st, alpha, beta, _logz(st, alpha))
 
 def _simple_cuda(st):
     "The recursions' kernel, then (Log) the posterior kernel."
     alpha, beta = _scores_cuda(st.stay, st.move, st.lengths, st.S)
-    if st.S is Max or not st.with_posteriors: return _logz_and_posteriors(st, alpha, beta)
+    if st.S is Max or not st.with_posteriors: return _logz_and_posteriors(st, alpha, beta, _logz(st, alpha))
     logz = _logz(st, alpha)
     return logz, *_posteriors_cuda(st.stay, st.move, alpha, beta, logz)
 
@@ -204,8 +210,7 @@ stay_move_logz = Op(f'{_OPS}::ctc_simple',
     " -> (Tensor logz, Tensor stay_posteriors, Tensor move_posteriors)",
     prepare=_simple_prepare,
     forward={'cpu': lambda st: _logz_and_posteriors(st, *_scores_numba(st.stay, st.move, st.lengths, st.S)),
-             'cuda': _simple_cuda,
-             'reference': lambda st: _logz_and_posteriors(st, *_scores_reference(st.stay, st.move, st.lengths, st.S))},
+             'cuda': _simple_cuda, 'reference': _simple_reference},
     backward={'cpu': _scaled_posteriors, 'cuda': _scaled_posteriors, 'reference': _scaled_posteriors},
     fake=_simple_fake, differentiable=('stay_scores', 'move_scores'), residuals=('stay_posteriors', 'move_posteriors'))
 

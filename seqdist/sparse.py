@@ -524,7 +524,7 @@ def bwd_scores_cupy(Ms, idx, vT, S:semiring=Log, K=4, backend='auto'):
     return _scores(Ms, idx, vT, S, K, backend, False)
 
 # %% ../nbs/04_sparse.ipynb #0c1d2e3f
-for ks in _sparse_kernels.values():   # how the glue below launches them, and the resident threads each needs
+for ks in _sparse_kernels.values():
     # the recursions: `_threads` gives at most 1024 threads; two frames of C values, as large as a block may have
     resource_budget([ks[n] for n in ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd')], block=1024, shared_mem=EMULATOR_MAX_SHARED_MEM,
                     min_threads=1024, why="a latency-bound recursion, one block per sequence (and direction): its largest block stays resident")
