@@ -184,6 +184,7 @@ def _logz_and_posteriors(st, alpha, beta, logz):
     return logz.to(st.stay.dtype), *_edge_posteriors(st.stay, st.move, alpha, beta, logz, st.S)
 
 def _simple_reference(st):
+    "0.0.3's recursions in PyTorch, then the posteriors by their formula."
     alpha, beta = _scores_reference(st.stay, st.move, st.lengths, st.S)
     return _logz_and_posteriors(st, alpha, beta, _logz(st, alpha))
 

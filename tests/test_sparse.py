@@ -9,7 +9,7 @@ from seqdist.sparse import (logZ, logZ_reference, logZ_scan_py, logZ_scan, fwd_s
 from seqdist.utils import emulator_options
 
 def sparse_logz_compute(Ms, idx, v0, vT, use_max, with_grad, backend='auto', K=1):
-    "logZ (N,) and its gradient w.r.t. Ms (the edge posteriors, or the best path), by `logZ` and autograd."
+    "logZ (N,) and its gradient w.r.t. Ms (the edge posteriors, or the best path), by `logZ` and autograd (with_grad: always)."
     x = Ms.detach().clone().requires_grad_()
     z = logZ(x, idx, v0, vT, Max if use_max else Log, K, backend)
     return z.detach(), torch.autograd.grad(z.sum(), x)[0]
