@@ -3,9 +3,10 @@ brute force; the API as a basecaller calls it."""
 import itertools, math, pytest, torch
 import seqdist.ctc_simple as simple
 from seqdist.core import Log, Max
-from seqdist.crf import CTC_CRF, kmer_transitions
+from seqdist.crf import CTC_CRF, kmer_transitions, gather_columns, normalised_target_logp
 from seqdist import sparse
 from seqdist.utils import emulator_options
+from seqdist.ops import launch_limits
 
 def brute_force_simple(stay, move, L, S):
     "Sum over all 0/1 move sequences with L - 1 moves: the paths from state 0 to state L - 1."
@@ -30,14 +31,13 @@ def test_simple_brute_force_and_infeasible(S):
         for n in range(3):
             torch.testing.assert_close(z[n], brute_force_simple(stay[:, n], move[:, n], int(lengths[n]), S))
     for backend in ('cpu', 'cuda'):                                    # 4 states, 2 frames: no path, zero gradients
-        z, gs, gm = simple.simple_compute(stay[:2], move[:2], torch.tensor([4, 4, 4]), S is Max, True, backend)
+        z, gs, gm = simple.stay_move_logz.compute(stay[:2], move[:2], torch.tensor([4, 4, 4]), S.name, True, backend=backend)
         assert (z == -math.inf).all() and (gs == 0).all() and (gm == 0).all()
 
 @pytest.mark.parametrize('S', [Log, Max])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('threads', [1024, 32])
-def test_simple_three_paths_agree_with_003(S, dtype, threads, monkeypatch):
-    monkeypatch.setattr(simple, 'CUDA_MAX_THREADS', threads)
+def test_simple_three_paths_agree_with_003(S, dtype, threads):
     torch.manual_seed(1)
     stay, move, lengths = simple.generate_sample_inputs(T=50, N=3, L_min=10, L_max=45, device='cpu')
     stay, move = stay.detach().to(dtype), move.detach().to(dtype)
@@ -46,8 +46,8 @@ def test_simple_three_paths_agree_with_003(S, dtype, threads, monkeypatch):
     g = torch.autograd.grad(ref.sum(), (s, m))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-11, atol=1e-11)
     for backend in ('reference', 'cpu', 'cuda'):
-        with emulator_options(seed=threads):
-            z, gs, gm = simple.simple_compute(stay, move, lengths, S is Max, True, backend)
+        with emulator_options(seed=threads), launch_limits(max_threads=threads):
+            z, gs, gm = simple.stay_move_logz.compute(stay, move, lengths, S.name, True, backend=backend)
         torch.testing.assert_close(z.double(), ref, **tol)
         torch.testing.assert_close(gs.double(), g[0], **tol); torch.testing.assert_close(gm.double(), g[1], **tol)
 
@@ -253,7 +253,12 @@ def test_the_ops_pass_opcheck(backend):
     from seqdist import sparse
     torch.manual_seed(0)
     stay, move = torch.randn(8, 3, 5, dtype=torch.float64, requires_grad=True), torch.randn(8, 3, 4, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(simple.simple_op, (stay, move, torch.tensor([5, 3, 1]), False, True, backend))
+    torch.library.opcheck(simple.stay_move_logz.custom_op, (stay, move, torch.tensor([5, 3, 1]), 'Log', True, backend))
     idx = kmer_transitions(2, 4)
     Ms, v = torch.randn(6, 2, 16, 5, dtype=torch.float64, requires_grad=True), torch.zeros(2, 16, dtype=torch.float64)
-    torch.library.opcheck(sparse.sparse_logz_op, (Ms, idx, v, v, False, True, backend, 1))
+    torch.library.opcheck(sparse.sparse_logz.custom_op, (Ms, idx, v, v, 'Log', True, 1, backend))
+    crf = CTC_CRF(state_len=1, alphabet='NACGT')
+    scores = torch.randn(6, 2, crf.n_score(), dtype=torch.float64, requires_grad=True)
+    cols, n = crf._target_columns(scores, torch.tensor([[1, 2, 2], [3, 1, 0]]))
+    torch.library.opcheck(gather_columns.custom_op, (scores, cols, backend))
+    torch.library.opcheck(normalised_target_logp.custom_op, (scores, cols, torch.tensor([3, 2]), crf.idx, n, backend))

@@ -386,7 +386,10 @@ def test_gpu_peak_memory_within_bound(family, record):
 
 # Every registered op and every public entry point has a GPU test here: the ops by the families that run them.
 OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_backward': 'ctc', 'seqdist::ctc_simple': 'ctc_simple',
-             'seqdist::sparse_logz': 'sparse', 'seqdist::sparse_logz_backward': 'sparse', 'seqdist::add_sorted_runs': 'crf',
+             'seqdist::ctc_simple_backward': 'ctc_simple',
+             'seqdist::sparse_logz': 'sparse', 'seqdist::sparse_logz_backward': 'sparse',
+             'seqdist::normalised_target_logp': 'crf', 'seqdist::normalised_target_logp_backward': 'crf',
+             'seqdist::gather_columns': 'crf', 'seqdist::gather_columns_backward': 'crf',
              'seqdist::rnnt': 'rnnt', 'seqdist::rnnt_backward': 'rnnt', 'seqdist::rnnt_edges': 'rnnt',
              'seqdist::rnnt_edges_backward': 'rnnt', 'seqdist::gru_layer': 'gru',
              'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy': 'cross_entropy',

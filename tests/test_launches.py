@@ -4,6 +4,7 @@ launch, PyTorch op and host read of a tensor value (`.item()`, `int(t)`, `bool(t
 the tensor is on the GPU) costs time between launches. These tests hold each op to its budget so that the overhead
 cannot creep back unseen; lower a budget when you lower the count."""
 import collections, pytest, torch
+from types import SimpleNamespace
 from torch.utils._python_dispatch import TorchDispatchMode
 from seqdist.utils import count_launches
 from seqdist.ctc import ctc_op, ctc_inputs
@@ -60,7 +61,12 @@ def test_sparse_budget_no_host_reads_once_warm():
     torch.manual_seed(0)
     idx = kmer_transitions(2, 4)
     Ms, v = torch.randn(5, 3, 16, 5), torch.zeros(3, 16)
-    launches, ops = budget(lambda: sparse.sparse_logz_compute(Ms, idx, v, v, False, True, 'cuda', 1))
+    op = sparse.sparse_logz
+    def forward_backward():          # the op's prepare, forward and backward, as one eager fwd+bwd call runs them
+        st = op.prepare(SimpleNamespace(Ms=Ms, idx=idx, v0=v, vT=v, semiring='Log', for_backward=True, K=1), 'cuda', True)
+        outs = op.forward['cuda'](st)
+        return op.backward['cuda'](st, outs, (torch.ones(3), None, None, None))
+    launches, ops = budget(forward_backward)
     assert launches == {'sparse_fwd_bwd': 1, 'sparse_posteriors': 1}
     assert ops.host_reads == 0 and ops.total <= 25, ops.ops      # idx is checked and transposed once, then cached; 4 of the
     # ops are views (alpha and beta out of the one (2, T+1, N, C) buffer that the fused launch writes)
@@ -68,7 +74,7 @@ def test_sparse_budget_no_host_reads_once_warm():
 def test_ctc_simple_budget():
     torch.manual_seed(0)
     stay, move, lengths = torch.randn(6, 3, 5), torch.randn(6, 3, 4), torch.tensor([5, 3, 4])
-    launches, ops = budget(lambda: ctc_simple.simple_compute(stay, move, lengths, False, True, 'cuda'))
+    launches, ops = budget(lambda: ctc_simple.stay_move_logz.compute(stay, move, lengths, 'Log', True, backend='cuda'))
     assert launches == {'simple_alpha_beta': 1, 'simple_posteriors': 1}
     assert ops.host_reads <= 1 and ops.total <= 22, ops.ops     # 1 read: the range check of CPU target_lengths
 
