@@ -363,8 +363,8 @@ def test_gpu_peak_memory_within_bound(family, record):
 OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_label_grad': 'ctc', 'seqdist::ctc_simple': 'ctc_simple',
              'seqdist::sparse_logz': 'sparse', 'seqdist::sparse_logz_backward': 'sparse', 'seqdist::add_sorted_runs': 'crf',
              'seqdist::rnnt': 'rnnt', 'seqdist::rnnt_grad': 'rnnt', 'seqdist::gru_layer': 'gru',
-             'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy': 'cross_entropy',
-             'seqdist::cross_entropy_grad': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
-             'seqdist::linear_cross_entropy_grad': 'linear_cross_entropy'}
+             'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy_rows': 'cross_entropy',
+             'seqdist::cross_entropy_rows_backward': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
+             'seqdist::linear_cross_entropy_backward': 'linear_cross_entropy'}
 PUBLIC = ['ctc_loss', 'forced_align', 'ctc_simple.logZ', 'sparse.logZ', 'CTC_CRF.ctc_loss', 'rnnt_loss', 'GRU',
           'cross_entropy', 'linear_cross_entropy']
