@@ -95,14 +95,16 @@ class Op:
         outs = ', '.join(f'Tensor out_{o}' for o in self.outputs)
         self.backward_op = torch.library.custom_op(f"{name}_backward", self._op_backward_body, mutates_args=(),
                                                    schema=f"{args}, {outs}, {grads}, str backend) -> Tensor[]")
-        self.backward_op.register_fake(lambda *args: [self._grad_like(x) for x in self._diff_inputs(args)])
+        self.backward_op.register_fake(lambda *args: [self._grad_like(x, args[self._tensor[0]]) for x in self._diff_inputs(args)])
 
     def __repr__(self): return f"Op({self.name!r}, backends={self.backends})"
     def _ns(self, args): return SimpleNamespace(**dict(zip(self.inputs, args)))
     def _one(self, outs): return outs[0] if len(self.outputs) == 1 else tuple(outs)
     def _diff_inputs(self, args): return [args[self.inputs.index(n)] for n in self.differentiable]
     @staticmethod
-    def _grad_like(x): return x.new_empty(0) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    def _grad_like(x, other):
+        "The gradient's shape for input `x`; for an optional input that is None, an empty placeholder like `other`."
+        return other.new_empty(0) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
 
     def __call__(self, *args, backend='auto'):
         "The outputs (a tuple), differentiable w.r.t. the `differentiable` inputs; `backend` resolved once, here."
@@ -151,7 +153,7 @@ class Op:
         state = self.prepare(a, backend, False)
         state.grad_wanted = set(self.differentiable)
         g = self.backward[backend](state, outs, grads)
-        return [self._grad_like(None) if getattr(a, n) is None else
+        return [self._grad_like(None, inputs[self._tensor[0]]) if getattr(a, n) is None else
                 torch.zeros_like(getattr(a, n)) if g.get(n) is None else g[n] for n in self.differentiable]
 
 
@@ -172,7 +174,9 @@ class _Eager(torch.autograd.Function):
         else:
             ctx.state = op.prepare(op._ns(args), backend, True)
             outs = tuple(op.forward[backend](ctx.state))
-            ctx.save_for_backward(*outs)
+            # the tensor inputs too, though the state holds what the backward uses: autograd's version check then
+            # raises if one is modified in place before the backward, as for any PyTorch op
+            ctx.save_for_backward(*(args[i] for i in op._tensor), *outs)
         ctx.mark_non_differentiable(*(outs[i] for i in (op._residual_idx if op.differentiable else range(len(outs)))))
         return outs
 
@@ -187,7 +191,7 @@ class _Eager(torch.autograd.Function):
                                       allow_unused=True, retain_graph=True)   # (the graph lives as long as ctx anyway)
             g = dict(zip(leaves, got))
         else:
-            outs = ctx.saved_tensors
+            outs = ctx.saved_tensors[len(op._tensor):]
             if any(grads[i] is None for i in op._output_idx):   # zeros for unused outputs; nothing if none was used
                 if all(grads[i] is None for i in op._output_idx): return (None,) * (2 + len(op.inputs))
                 grads = tuple(torch.zeros_like(outs[i]) if grads[i] is None and i in op._output_idx else grads[i]

@@ -9,6 +9,7 @@ import seqdist.cross_entropy as ce
 from seqdist.cross_entropy import (cross_entropy, cross_entropy_reference, CrossEntropyLoss, linear_cross_entropy,
                                    LinearCrossEntropy, LinearCrossEntropyLoss, vocab_parallel_cross_entropy, softcap_logits)
 from seqdist.utils import emulator_options
+from seqdist.ops import launch_limits
 
 def _close(a, b, rtol, atol=0.0):
     assert a.shape == b.shape, (a.shape, b.shape)
@@ -65,8 +66,7 @@ def test_240_random_cases_against_pytorch_fp64(backend):
 def test_three_backends_agree(dtype, tol, monkeypatch):
     """reference, cpu and cuda (the CUDA source in the emulator; 64 threads per row so a row takes several loops
     and two warps; 3 blocks for 7 rows so the grid-stride loop runs) on irregular shapes with every option."""
-    monkeypatch.setattr(ce, 'CUDA_BLOCK', 64)
-    monkeypatch.setattr(ce, 'CUDA_MAX_BLOCKS', 3)
+    monkeypatch.setattr(ce, 'MAX_ROW_BLOCKS', 3)
     g = torch.Generator().manual_seed(2)
     x = (4 * torch.randn(7, 181, generator=g)).to(dtype)
     t = torch.randint(0, 181, (7,), generator=g)
@@ -76,7 +76,7 @@ def test_three_backends_agree(dtype, tol, monkeypatch):
                  dict(weight=w, label_smoothing=0.3, softcap=3.0, z_loss=0.01, reduction='sum')]:
         out = {}
         for backend in ('reference', 'cpu', 'cuda'):
-            with emulator_options(seed=5):
+            with emulator_options(seed=5), launch_limits(max_threads=64):
                 xg = x.clone().requires_grad_()
                 loss, lse = cross_entropy(xg, t, backend=backend, return_lse=True, **opts)
                 (loss.sum() + 0.3 * lse.sum()).backward()
@@ -94,9 +94,9 @@ def test_gradcheck():
         assert torch.autograd.gradcheck(f, (x,))
         assert torch.autograd.gradcheck(lambda x: cross_entropy(x, t, reduction='none', backend=backend), (x,))
 
-def test_bf16_and_fp16_accumulate_in_fp32(monkeypatch):
+@launch_limits(max_threads=64)
+def test_bf16_and_fp16_accumulate_in_fp32():
     "bf16/fp16 logits: the loss (float32) within 1e-3 relative of the float64 loss of the same values; bf16 in the emulated CUDA kernel too."
-    monkeypatch.setattr(ce, 'CUDA_BLOCK', 64)
     g = torch.Generator().manual_seed(4)
     x = (2 * torch.randn(6, 300, generator=g))
     t = torch.randint(0, 300, (6,), generator=g)
@@ -243,9 +243,9 @@ def test_linear_bad_inputs(kwargs, exc, msg):
     assert msg in str(e.value), str(e.value)
 
 @pytest.mark.parametrize('backend', ['cpu', 'cuda'])
-def test_linear_cross_entropy_equals_the_unfused_composition(backend, monkeypatch):
+@launch_limits(max_threads=32)
+def test_linear_cross_entropy_equals_the_unfused_composition(backend):
     "Every option and reduction, with and without bias, extra dims, chunks that do not divide N: loss and the three gradients."
-    monkeypatch.setattr(ce, 'CUDA_BLOCK', 32)
     g = torch.Generator().manual_seed(9)
     h = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
     W = torch.randn(45, 16, generator=g, dtype=torch.float64) / 3
@@ -333,12 +333,12 @@ def _value_and_grads(f, x, W, b, g):
 
 @needs_torch_lce
 @pytest.mark.parametrize('torch_path', ['reference', 'chunked'])
-def test_linear_120_random_cases_against_pytorch_fp64(torch_path, monkeypatch):
+@launch_limits(max_threads=32)
+def test_linear_120_random_cases_against_pytorch_fp64(torch_path):
     """Ours equals F.linear_cross_entropy (options=None, and its chunked path options=LinearCrossEntropyOptions(),
     which falls back to its reference with a warning where it cannot chunk) in float64: loss and the gradients of input,
     linear_weight and linear_bias, over every argument; ours on each backend, given the same options."""
     import warnings
-    monkeypatch.setattr(ce, 'CUDA_BLOCK', 32)
     g = torch.Generator().manual_seed(21)
     options = None if torch_path == 'reference' else nn.LinearCrossEntropyOptions()
     nan_means = 0
@@ -535,3 +535,20 @@ def test_one_launch_forward_one_backward(monkeypatch):
     assert calls == ['ce_forward']
     loss.backward()
     assert calls == ['ce_forward', 'ce_backward']
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_logits_modified_in_place_after_the_forward_raise(backend):
+    "As for F.cross_entropy: logits modified in place between the forward and the backward are an error, not a wrong gradient."
+    h, W = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8)
+    logits = h @ W.T
+    loss = cross_entropy(logits, torch.tensor([1, 2, 3, 4]), backend=backend)
+    logits.mul_(2)
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'): loss.backward()
+
+def test_linear_compile_without_bias():
+    torch.manual_seed(25)
+    x, W, t = torch.randn(9, 16, requires_grad=True), torch.randn(30, 16, requires_grad=True), torch.randint(0, 30, (9,))
+    def f(x, W): return linear_cross_entropy(x, W, t)
+    compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
+    ge, gc = (torch.autograd.grad(g(x, W), [x, W]) for g in (f, compiled))
+    for a, b in zip(gc, ge): _close(a, b, 1e-6)

@@ -392,9 +392,9 @@ OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_backward': 'ctc', 'seqdist::ct
              'seqdist::gather_columns': 'crf', 'seqdist::gather_columns_backward': 'crf',
              'seqdist::rnnt': 'rnnt', 'seqdist::rnnt_backward': 'rnnt', 'seqdist::rnnt_edges': 'rnnt',
              'seqdist::rnnt_edges_backward': 'rnnt', 'seqdist::gru_layer': 'gru',
-             'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy': 'cross_entropy',
-             'seqdist::cross_entropy_grad': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
-             'seqdist::linear_cross_entropy_grad': 'linear_cross_entropy', 'seqdist::tdt': 'tdt', 'seqdist::tdt_backward': 'tdt'}
+             'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy_rows': 'cross_entropy',
+             'seqdist::cross_entropy_rows_backward': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
+             'seqdist::linear_cross_entropy_backward': 'linear_cross_entropy', 'seqdist::tdt': 'tdt', 'seqdist::tdt_backward': 'tdt'}
 PUBLIC = ['ctc_loss', 'forced_align', 'ctc_simple.logZ', 'sparse.logZ', 'CTC_CRF.ctc_loss', 'rnnt_loss', 'GRU',
           'cross_entropy', 'linear_cross_entropy', 'tdt_loss', 'multiblank_rnnt_loss', 'tdt_alignments', 'tdt_best_path',
           'multiblank_alignments']

@@ -353,3 +353,21 @@ def test_nan_and_inf_propagate_as_in_nn_gru(backend):
     assert torch.equal(torch.isnan(y), torch.isnan(ya)) and torch.isnan(y[2:, 1]).all() and not torch.isnan(y[:, [0, 2]]).any()
     fin = ~torch.isnan(ya)
     torch.testing.assert_close(y[fin], ya[fin], rtol=1e-12, atol=1e-14)
+
+def test_torch_compile_without_bias():
+    torch.manual_seed(18)
+    m = GRU(4, 6, bias=False)
+    def f(x): return m(x)[0].sum()
+    compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
+    x = torch.randn(5, 2, 4, requires_grad=True)
+    ge, gc = (torch.autograd.grad(g(x), [x, *m.parameters()]) for g in (f, compiled))
+    assert all(torch.equal(a, b) for a, b in zip(ge, gc))
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_input_modified_in_place_after_the_forward_raises(backend):
+    "As for any PyTorch op: an input modified in place between the forward and the backward is an error, not a wrong gradient."
+    x = torch.randn(5, 2, 3, requires_grad=True)
+    h = x * 1.0
+    y, _ = GRU(3, 4, backend=backend)(h)
+    h.mul_(2)
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'): y.sum().backward()
