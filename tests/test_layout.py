@@ -36,7 +36,7 @@ def test_utils_names_everything_the_toolchain_defines():
 # seqdist.utils.__all__ before the toolchain had modules of its own (seqdist 0.0.3's names among them)
 NAMES = """LARGE_POOL MAX_BLOCK_DIMS MAX_THREADS_PER_BLOCK MAX_GRID_DIMS EMULATOR_MAX_SHARED_MEM KERNELS Resources GPU_LIMITS
 Budget to_np zero_grad float64 compare_fwd_bwd timed benchmark_fwd_bwd report release_large_buffers empty_large
-tensor_cached on_host require check_labels to_device op_namespace eager_function apply_op cuda_dir find_source Param
+tensor_cached on_host require check_labels to_device cuda_dir find_source Param
 kernel_params KernelLaunchError KernelCompileError count_launches Kernel KernelModule load_kernel load_cupy_func
 load_cupy_module emulator_options rewrite_dynamic_shared emulator_source emulator_library GuardedCopy asan_environment
 run_under_asan semiring_sum nvrtc_library compile_with_nvrtc compile_with_nvcc parse_ptxas_log resident_threads
