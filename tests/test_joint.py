@@ -267,11 +267,15 @@ def test_torch_compile_fullgraph():
     torch.testing.assert_close(comp, eager)
     for a, b in zip(torch.autograd.grad(comp, ins), torch.autograd.grad(eager, ins)): torch.testing.assert_close(a, b)
 
-def test_the_op_passes_opcheck():
+def test_the_op_and_its_backward_op_pass_opcheck():
+    "The custom op and its backward op (what a compiled graph calls): schemas, fakes, no aliasing outputs."
     case = random_case(random.Random(9), bias=True)
     args = [case[k].requires_grad_() if k in PARAMS else case[k] for k in PARAMS + ('targets', 'logit_lengths', 'target_lengths')]
-    torch.library.opcheck(joint_rnnt_op.custom_op, (*args, 'relu', case['blank'] % case['weight'].shape[0], -1.0, 0.0, 0.0,
-                                                    1000, 'cpu'))
+    opts = ('relu', case['blank'] % case['weight'].shape[0], -1.0, 0.0, 0.0, 1000)
+    torch.library.opcheck(joint_rnnt_op.custom_op, (*args, *opts, 'cpu'))
+    outs = [o.detach() for o in joint_rnnt_op.custom_op(*args, *opts, "cpu")]
+    g = torch.rand(outs[0].shape, dtype=outs[0].dtype)
+    torch.library.opcheck(joint_rnnt_op.backward_op, (*[a.detach() for a in args], *opts, *outs, g, None, None, 'cpu'))
 
 e0, p0, W0, b0 = torch.randn(2, 4, 3), torch.randn(2, 3, 3), torch.randn(5, 3), torch.randn(5)
 y0, il0, tl0 = torch.tensor([[1, 2], [3, 1]]), torch.tensor([4, 3]), torch.tensor([2, 1])
@@ -311,3 +315,23 @@ def test_bad_input_is_a_clear_error(bad, error, message):
     args = dict(encoder_out=e0, predictor_out=p0, weight=W0, bias=b0, targets=y0, logit_lengths=il0, target_lengths=tl0, blank=0)
     args.update(bad)
     with pytest.raises(error, match=message): joint_rnnt_loss(**args)
+
+def test_workers_agree_and_repeat():
+    """Past a million logits the CPU tiles are shared among torch's threads (each single-threaded, partial sums added
+    in a fixed order): the composition's result in float64, bitwise repeatable, and torch's thread count restored."""
+    g = torch.Generator().manual_seed(11)
+    B, T, U, V, H = 3, 50, 20, 400, 8
+    assert B * T * (U + 1) * V >= joint._PARALLEL_MIN
+    case = dict(encoder_out=torch.randn(B, T, H, generator=g, dtype=torch.float64),
+                predictor_out=torch.randn(B, U + 1, H, generator=g, dtype=torch.float64),
+                weight=torch.randn(V, H, generator=g, dtype=torch.float64), bias=torch.randn(V, generator=g, dtype=torch.float64),
+                targets=torch.randint(1, V, (B, U), generator=g), logit_lengths=torch.tensor([50, 31, 44]),
+                target_lengths=torch.tensor([20, 9, 17]), blank=0)
+    threads = torch.get_num_threads()
+    want = loss_and_grads(case, backend='reference', activation='tanh', fastemit_lambda=0.1)
+    got = loss_and_grads(case, backend='cpu', activation='tanh', fastemit_lambda=0.1, tile_bytes=20000)
+    assert_relative(got, want, 1e-9)
+    again = loss_and_grads(case, backend='cpu', activation='tanh', fastemit_lambda=0.1, tile_bytes=20000)
+    for a, b in zip(got, again): assert torch.equal(a, b)
+    assert torch.get_num_threads() == threads and joint._POOL          # (the workers ran)
+
