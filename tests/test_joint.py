@@ -335,3 +335,43 @@ def test_workers_agree_and_repeat():
     for a, b in zip(got, again): assert torch.equal(a, b)
     assert torch.get_num_threads() == threads and joint._POOL          # (the workers ran)
 
+# The CUDA path, run by the emulator on CPU tensors (small shapes): the same tiles over the padded grid, the per-tile
+# reductions in joint.cu.
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_cuda_path_agrees_with_the_composition(dtype):
+    "Randomised cases (every option), tiles of a few rows, blocks of 64 threads (rows longer than a block)."
+    rng = random.Random(21)
+    for i in range(6):
+        case = random_case(rng, max_B=3, max_T=6, max_U=4, max_V=90, max_H=5)
+        low = {k: (v.to(dtype) if k in PARAMS and v is not None else v) for k, v in case.items()}
+        kw = options(rng)
+        if kw['clamp'] > 0: kw['delay_penalty'] = 0.0
+        want = loss_and_grads(case, **kw, backend='reference')
+        with launch_limits(max_threads=64):
+            got = loss_and_grads(low, **kw, backend='cuda', tile_bytes=rng.choice([None, 400]))
+        assert_relative([x.double() for x in got], want, 1e-9 if dtype == torch.float64 else 2e-5, f"case {i} {kw}")
+
+def test_cuda_path_ignores_garbage_padding():
+    "NaN in the encoder frames and predictor steps past each utterance's lengths: the tiles cover them, nothing leaks."
+    case = random_case(random.Random(22), max_B=3, max_T=6, max_U=4, max_V=12, bias=True)
+    case['logit_lengths'][0], case['target_lengths'][0] = 1, 0
+    dirty = dict(case)
+    dirty['encoder_out'] = case['encoder_out'].clone()
+    dirty['encoder_out'][0, 1:] = math.nan
+    dirty['predictor_out'] = case['predictor_out'].clone()
+    dirty['predictor_out'][0, 1:] = math.nan
+    want = loss_and_grads(case, backend='cpu')
+    got = loss_and_grads(dirty, backend='cuda')
+    got[1][0, 1:] = 0; got[2][0, 1:] = 0                  # (the padding's own gradient: zero in both)
+    assert_relative(got, want, 1e-9)
+    got_cpu = loss_and_grads(dirty, backend='cpu')        # (the CPU tiles never read the padding)
+    assert_relative(got_cpu, want, 0)
+
+def test_cuda_path_half_precision():
+    "bf16 inputs through the CUDA source: float32 arithmetic, gradients in bf16."
+    case = random_case(random.Random(23), dtype=torch.bfloat16, max_V=12, bias=True)
+    got = loss_and_grads(case, backend='cuda')
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    want = loss_and_grads({k: (v.float() if k in PARAMS else v) for k, v in case.items()}, backend='cpu')
+    for a, b in zip(got, want): torch.testing.assert_close(a.float(), b, rtol=2 ** -6, atol=2 ** -6 * b.abs().max().item())
