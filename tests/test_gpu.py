@@ -271,9 +271,26 @@ def _linear_cross_entropy_case(size, dtype, device, seed=0):
     return Case('linear_cross_entropy', x, lambda x: (linear_cross_entropy(x, w, target),),   # positional only
                 bound=lambda: 2 * LCE_CHUNK_BYTES + 2 * (x.numel() + w.numel()) * 8 + (1 << 20))   # chunk buffers, grads
 
+def _joint_case(size, dtype, device, seed=0):
+    from seqdist.joint import joint_rnnt_loss, JOINT_TILE_BYTES
+    B, T, U, V, H = dict(small=(3, 30, 12, 40, 16), long=(2, 60, 40, 3000, 64))[size]   # long: rows past a block, tiles
+    g = _gen(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    e, p, W, bias = r(B, T, H), r(B, U + 1, H), r(V, H) / H ** 0.5, r(V) / 10
+    targets = torch.randint(0, V - 1, (B, U), generator=g)                             # blank = V - 1
+    ll = torch.randint(T // 2, T + 1, (B,), generator=g); ll[0] = T
+    tl = torch.randint(U // 2, U + 1, (B,), generator=g); tl[0] = U
+    p, W, bias = (x.to(device, dtype) for x in (p, W, bias))
+    targets, ll, tl = targets.to(device), ll.to(device), tl.to(device)
+    return Case('joint_rnnt_loss', e.to(device, dtype),
+                lambda x: (joint_rnnt_loss(x, p, W, targets, ll, tl, bias, 'tanh', reduction='sum', fastemit_lambda=0.01),),
+                bound=lambda: 2 * JOINT_TILE_BYTES * (1 + 2 * (H + 1) / V) + 128 * B * T * (U + 1)
+                              + 16 * (e.numel() + p.numel() + W.numel() + V) + (1 << 20))   # tiles, per node, gradients
+
 FAMILIES = {'ctc': _ctc_case, 'forced_align': _forced_align_case, 'ctc_simple': _ctc_simple_case, 'sparse': _sparse_case,
             'crf': _crf_case, 'rnnt': _rnnt_case, 'gru': _gru_case, 'cross_entropy': _cross_entropy_case,
-            'linear_cross_entropy': _linear_cross_entropy_case, 'tdt': _tdt_case, 'multiblank': _multiblank_case}
+            'linear_cross_entropy': _linear_cross_entropy_case, 'tdt': _tdt_case, 'multiblank': _multiblank_case,
+            'joint': _joint_case}
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
 def _outputs(case, x=None):
@@ -394,10 +411,11 @@ OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_backward': 'ctc', 'seqdist::ct
              'seqdist::rnnt_edges_backward': 'rnnt', 'seqdist::gru_layer': 'gru',
              'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy_rows': 'cross_entropy',
              'seqdist::cross_entropy_rows_backward': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
-             'seqdist::linear_cross_entropy_backward': 'linear_cross_entropy', 'seqdist::tdt': 'tdt', 'seqdist::tdt_backward': 'tdt'}
+             'seqdist::linear_cross_entropy_backward': 'linear_cross_entropy', 'seqdist::tdt': 'tdt', 'seqdist::tdt_backward': 'tdt',
+             'seqdist::joint_rnnt': 'joint', 'seqdist::joint_rnnt_backward': 'joint'}
 PUBLIC = ['ctc_loss', 'forced_align', 'ctc_simple.logZ', 'sparse.logZ', 'CTC_CRF.ctc_loss', 'rnnt_loss', 'GRU',
           'cross_entropy', 'linear_cross_entropy', 'tdt_loss', 'multiblank_rnnt_loss', 'tdt_alignments', 'tdt_best_path',
-          'multiblank_alignments']
+          'multiblank_alignments', 'joint_rnnt_loss', 'JointRNNTLoss']
 
 @pytest.mark.parametrize('size', ['small', 'long'])
 def test_gpu_tdt_alignments_agree_with_cpu(size, record):
@@ -412,3 +430,25 @@ def test_gpu_tdt_alignments_agree_with_cpu(size, record):
     mb = lambda d: multiblank_alignments(args(d)[0][..., :V], *args(d)[1:], (2, 4), S=Max)
     _compare([mb('cuda')], [mb('cpu')], TOL[torch.float64], 'multiblank_alignments')
     record('tdt', error=err)
+
+def test_joint_rnnt_loss_all_four_gradients_agree_with_the_composition_in_float64():
+    "The fused loss on the GPU against the composition (joiner + rnnt_loss) on the CPU: loss and all four gradients."
+    from seqdist.joint import JointRNNTLoss, joint_logits
+    from seqdist.rnnt import rnnt_loss
+    torch.manual_seed(0)
+    B, T, U, V, H = 4, 50, 20, 300, 32
+    m = JointRNNTLoss(H, V, activation='relu', blank=0, reduction='none', fastemit_lambda=0.05).double()
+    e, p = torch.randn(B, T, H, dtype=torch.float64), torch.randn(B, U + 1, H, dtype=torch.float64)
+    y, il, tl = torch.randint(1, V, (B, U)), torch.tensor([50, 41, 30, 50]), torch.tensor([20, 13, 0, 7])
+    want_in = [e.clone().requires_grad_(), p.clone().requires_grad_()]
+    want = rnnt_loss(joint_logits(*want_in, m.linear.weight, m.linear.bias), y, il, tl, blank=0, reduction='none',
+                     fastemit_lambda=0.05)
+    w = torch.arange(1, B + 1, dtype=torch.float64)
+    gw = torch.autograd.grad((want * w).sum(), want_in + list(m.parameters()))
+    mc = JointRNNTLoss(H, V, activation='relu', blank=0, reduction='none', fastemit_lambda=0.05).double().cuda()
+    mc.load_state_dict(m.state_dict())
+    got_in = [e.cuda().requires_grad_(), p.cuda().requires_grad_()]
+    got = mc(*got_in, y.cuda(), il.cuda(), tl.cuda())
+    gg = torch.autograd.grad((got * w.cuda()).sum(), got_in + list(mc.parameters()))
+    torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-9, atol=1e-9)
+    for a, b in zip(gg, gw): torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-9 * b.abs().max().item())

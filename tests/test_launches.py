@@ -130,3 +130,25 @@ def test_tdt_budget_and_no_host_reads_with_gpu_resident_values(monkeypatch):
     monkeypatch.setattr(tdt, 'on_host', lambda *xs: False)
     launches, ops = budget(f)
     assert ops.host_reads == 0, ops.ops
+
+def test_joint_rnnt_budget(monkeypatch):
+    """The fused joint + RNN-T loss on the GPU path, forward and backward: one stats and one gradient launch per tile,
+    the RNN-T lattice's own launches (its forward, then its posteriors), and no host read with the lengths and labels
+    on the device: the tiles cover the padded grid, whose shape the host knows."""
+    import seqdist.rnnt as rnnt, seqdist.joint as joint
+    monkeypatch.setattr(rnnt, 'on_host', lambda *xs: False)
+    torch.manual_seed(0)
+    B, T, U, V, H = 2, 6, 3, 10, 4
+    xs = [torch.randn(B, T, H, requires_grad=True), torch.randn(B, U + 1, H, requires_grad=True),
+          torch.randn(V, H, requires_grad=True), torch.randn(V, requires_grad=True)]
+    y, il, tl = torch.randint(1, V, (B, U)), torch.tensor([6, 4]), torch.tensor([3, 2])
+    def run():
+        loss = joint.joint_rnnt_loss(xs[0], xs[1], xs[2], y, il, tl, bias=xs[3], blank=0, backend="cuda",
+                                     tile_bytes=480)     # 12 rows of float32 logits: tiles of 3 frames
+        torch.autograd.grad(loss, xs)
+    launches, ops = budget(run)
+    tiles = B * T // 3
+    assert launches == {'joint_tile_stats': tiles, 'joint_tile_grad': tiles, 'rnnt_lse': 2, 'rnnt_alpha_beta': 2,
+                        'rnnt_edges': 1}, launches
+    assert ops.host_reads == 0, ops.ops
+    assert ops.total <= 200 + 60 * tiles, ops.total  # checks, the lattice's own (~200: most views); per tile ~55 (half views)

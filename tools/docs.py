@@ -33,7 +33,7 @@ def page_name(nb_name):
 
 def notebooks(nbs_dir=NBS):
     "The notebooks of the site in reading order: index first, then every `NN_name.ipynb` by its number."
-    numbered = sorted((p for p in Path(nbs_dir).glob('*.ipynb') if re.match(r'\d+_', p.name)),
+    numbered = sorted((p for p in Path(nbs_dir).glob('*.ipynb') if re.match(r'\d+[a-z]?_', p.name)),
                       key=lambda p: (int(re.match(r'\d+', p.name).group()), p.name))
     index = [Path(nbs_dir) / 'index.ipynb'] if (Path(nbs_dir) / 'index.ipynb').exists() else []
     return index + numbered
