@@ -10,6 +10,8 @@ TORCH_PIP_ARGS ?=
 # installed without its dependencies and loads on a CPU-only torch through stub CUDA libraries (tools/torchaudio_cpu).
 TORCHAUDIO_VERSION ?= 2.11.0
 BIN := $(VENV)/bin
+# torch.compile's caches per checkout: a graph cached by another checkout's older custom ops must not be reused here
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.torchinductor-cache
 SITE := tools/site
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 

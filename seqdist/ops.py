@@ -64,7 +64,8 @@ class Op:
       backward, or side results).
     `op(*inputs, backend='auto')` resolves the backend once, then runs the forward: eagerly through one
     autograd.Function (no dispatcher: host time matters for small calls), or, while torch.compile traces, through the
-    registered custom op and its backward op. The reference backend always runs eagerly, around the custom op."""
+    registered custom op and its backward op. The reference backend always runs eagerly, around the custom op; an
+    `AUTOGRAD` backend is simply called (autograd records its PyTorch as it runs)."""
     def __init__(self, name, schema, *, prepare, forward, fake, backward=None, differentiable=(), residuals=()):
         self.name, self.prepare, self.forward, self.backward, self.fake = name, prepare, forward, backward, fake
         self.backends = tuple(forward)
@@ -113,6 +114,9 @@ class Op:
         if backend in self._kernel_backends and torch.compiler.is_compiling():
             out = self.custom_op(*args, backend)
             return (out,) if len(self.outputs) == 1 else out
+        if self.backward[backend] is AUTOGRAD:   # differentiable PyTorch: autograd records it as it runs
+            outs = tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))
+            return tuple(o.detach() if i in self._residual_idx else o for i, o in enumerate(outs))
         return _Eager.apply(self, backend, *args)
 
     def compute(self, *args, backend='auto'):
@@ -164,39 +168,23 @@ class _Eager(torch.autograd.Function):
     def forward(ctx, op, backend, *args):
         ctx.op, ctx.backend = op, backend
         ctx.set_materialize_grads(False)
-        if op.backward[backend] is AUTOGRAD:      # differentiable PyTorch: keep the graph of the forward
-            args = [a.detach().requires_grad_() if n in op.differentiable and isinstance(a, torch.Tensor) and a.is_floating_point()
-                    else a for n, a in zip(op.inputs, args)]
-            with torch.enable_grad():
-                outs = tuple(op.forward[backend](op.prepare(op._ns(args), backend, True)))
-            ctx.graph = outs, {n: a for n, a in zip(op.inputs, args) if isinstance(a, torch.Tensor) and a.requires_grad}
-            outs = tuple(o.detach() for o in outs)
-        else:
-            ctx.state = op.prepare(op._ns(args), backend, True)
-            outs = tuple(op.forward[backend](ctx.state))
-            # the tensor inputs too, though the state holds what the backward uses: autograd's version check then
-            # raises if one is modified in place before the backward, as for any PyTorch op
-            ctx.save_for_backward(*(args[i] for i in op._tensor), *outs)
+        ctx.state = op.prepare(op._ns(args), backend, True)
+        outs = tuple(op.forward[backend](ctx.state))
+        # the tensor inputs too, though the state holds what the backward uses: autograd's version check then
+        # raises if one is modified in place before the backward, as for any PyTorch op
+        ctx.save_for_backward(*(args[i] for i in op._tensor), *outs)
         ctx.mark_non_differentiable(*(outs[i] for i in (op._residual_idx if op.differentiable else range(len(outs)))))
         return outs
 
     @staticmethod
     def backward(ctx, *grads):
         op = ctx.op
-        if op.backward[ctx.backend] is AUTOGRAD:
-            outs, leaves = ctx.graph
-            used = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-            if not used: return (None,) * (2 + len(op.inputs))
-            got = torch.autograd.grad([o for o, _ in used], list(leaves.values()), [g for _, g in used],
-                                      allow_unused=True, retain_graph=True)   # (the graph lives as long as ctx anyway)
-            g = dict(zip(leaves, got))
-        else:
-            outs = ctx.saved_tensors[len(op._tensor):]
-            if any(grads[i] is None for i in op._output_idx):   # zeros for unused outputs; nothing if none was used
-                if all(grads[i] is None for i in op._output_idx): return (None,) * (2 + len(op.inputs))
-                grads = tuple(torch.zeros_like(outs[i]) if grads[i] is None and i in op._output_idx else grads[i]
-                              for i in range(len(grads)))
-            ctx.state.grad_wanted = ({op.differentiable[0]} if len(op.differentiable) == 1 else
-                                     {n for n, want in zip(op.inputs, ctx.needs_input_grad[2:]) if want})
-            g = op.backward[ctx.backend](ctx.state, outs, grads)
+        outs = ctx.saved_tensors[len(op._tensor):]
+        if any(grads[i] is None for i in op._output_idx):   # zeros for unused outputs; nothing if none was used
+            if all(grads[i] is None for i in op._output_idx): return (None,) * (2 + len(op.inputs))
+            grads = tuple(torch.zeros_like(outs[i]) if grads[i] is None and i in op._output_idx else grads[i]
+                          for i in range(len(grads)))
+        ctx.state.grad_wanted = ({op.differentiable[0]} if len(op.differentiable) == 1 else
+                                 {n for n, want in zip(op.inputs, ctx.needs_input_grad[2:]) if want})
+        g = op.backward[ctx.backend](ctx.state, outs, grads)
         return (None, None, *map(g.get, op.inputs))
