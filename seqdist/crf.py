@@ -131,7 +131,8 @@ class CTC_CRF(SequenceDist):
     def logZ(self, scores, S:semiring=Log):
         "Semiring sum (N,) over all state paths, starting and ending anywhere."
         Ms = self._Ms(scores)
-        return sparse.logZ(Ms, self.idx, self._ends(Ms, S), self._ends(Ms, S), S)
+        ends = self._ends(Ms, S)
+        return sparse.logZ(Ms, self.idx, ends, ends, S)
 
     def normalise(self, scores):
         "Scores minus logZ / T at every frame: the globally normalised scores, whose logZ is 0."

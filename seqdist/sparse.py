@@ -327,9 +327,11 @@ def _sparse_forward_numba(Ms, idx, v0, vT, S, for_backward):
     use_max = S is Max
     Ms = Ms.contiguous()
     shift = Ms.amax((2, 3))
-    ok = torch.isfinite(shift).all(0)
-    shift = torch.where(torch.isfinite(shift), shift, 0).double()
-    (p0, m0), (pT, mT) = _scaled_start(v0), _scaled_start(vT)
+    finite = torch.isfinite(shift)
+    ok = finite.all(0)
+    shift = torch.where(finite, shift, 0).double()
+    p0, m0 = _scaled_start(v0)
+    pT, mT = (p0, m0) if vT is v0 else _scaled_start(vT)
     ok &= torch.isfinite(m0) & torch.isfinite(mT)
     alpha = empty_large((T + 1, N, C), Ms.dtype)       # kept for the backward pass in the scores' precision
     alpha[0] = p0
@@ -339,8 +341,9 @@ def _sparse_forward_numba(Ms, idx, v0, vT, S, for_backward):
     z = last.amax(1) if use_max else last.sum(1)
     ok &= z > 0
     logz = z.log() + log_scale.sum(0) + shift.sum(0) + m0 + mT
-    redo = (~ok).nonzero()[:, 0].numpy()
-    if len(redo): _log_logz_cpu(Ms.numpy(), idx.numpy(), v0.double().numpy(), vT.double().numpy(), use_max, redo, logz.numpy())
+    if not ok.all():                                   # (the usual case: every sequence done exactly)
+        redo = (~ok).nonzero()[:, 0].numpy()
+        _log_logz_cpu(Ms.numpy(), idx.numpy(), v0.double().numpy(), vT.double().numpy(), use_max, redo, logz.numpy())
     if not for_backward: return logz.to(Ms.dtype), Ms.new_empty(0), Ms.new_empty(0, dtype=torch.float64), ok
     frames = torch.stack([torch.cat([shift, shift.new_zeros(1, N)]), log_scale])
     return logz.to(Ms.dtype), alpha, frames, ok
@@ -355,9 +358,10 @@ def _sparse_backward_numba(st, outputs, grads):
     ok = ok.clone()
     _bundle_backward(Ms.numpy(), frames[0].numpy(), idx.numpy(), _out_edges_padded(idx).numpy(), _scaled_start(st.vT)[0].numpy(),
                      alpha.numpy(), frames[1].numpy(), g.numpy(), use_max, Ms.dtype == torch.float64, grad.numpy(), ok.numpy())
-    redo = (~ok).nonzero()[:, 0].numpy()
-    if len(redo): _log_grad_cpu(Ms.numpy(), idx.numpy(), st.v0.double().numpy(), st.vT.double().numpy(), use_max, redo,
-                                logz.double().numpy(), g.numpy(), grad.numpy())
+    if not ok.all():
+        redo = (~ok).nonzero()[:, 0].numpy()
+        _log_grad_cpu(Ms.numpy(), idx.numpy(), st.v0.double().numpy(), st.vT.double().numpy(), use_max, redo,
+                      logz.double().numpy(), g.numpy(), grad.numpy())
     return {'Ms': grad}
 
 
