@@ -275,27 +275,34 @@ def _families(quick, device, gpu=None):
     from seqdist.rnnt import bench_rnnt
     from seqdist.gru import bench_gru
     from seqdist.cross_entropy import bench_cross_entropy
+    from seqdist.joint import bench_joint
+    from seqdist.tdt import bench_tdt
     if gpu is None: gpu = torch.device(device).type != 'cpu'
     if not gpu and quick:
         q = dict(warmup=1, reps=3)
         return [('ctc', lambda: bench_ctc([(200, 16, 20, 30, 40)], device, **q)),
                 ('forced_align', lambda: bench_forced_align(100, 8, 100, 10, 20, **q)),
                 ('sparse', lambda: bench_sparse([(100, 4, 3)], **q)), ('ctc_crf', lambda: bench_ctc_crf(200, 4, 3, **q)),
-                ('rnnt', lambda: bench_rnnt(quick=True)), ('gru', lambda: bench_gru(quick=True)),
+                ('rnnt', lambda: bench_rnnt(quick=True)), ('joint', lambda: bench_joint(quick=True)),
+                ('tdt', lambda: bench_tdt(quick=True)), ('gru', lambda: bench_gru(quick=True)),
                 ('cross_entropy', lambda: bench_cross_entropy(quick=True))]
     if not gpu:
         return [('ctc', bench_ctc), ('forced_align', bench_forced_align), ('sparse', bench_sparse), ('ctc_crf', bench_ctc_crf),
-                ('rnnt', bench_rnnt), ('gru', bench_gru), ('cross_entropy', bench_cross_entropy)]
+                ('rnnt', bench_rnnt), ('joint', bench_joint), ('tdt', bench_tdt), ('gru', bench_gru),
+                ('cross_entropy', bench_cross_entropy)]
     if quick:
         q = dict(warmup=1, reps=3)
         return [('ctc', lambda: bench_ctc_gpu([(200, 16, 20, 30, 40)], device, **q)),
                 ('ctc_crf', lambda: bench_crf_gpu(device, [(100, 4, 3)], [(100, 4, 20)], [(100, 4, 12)], **q)),
                 ('forced_align', lambda: bench_forced_align_gpu(100, 50, 10, device, **q)),
-                ('rnnt', lambda: bench_rnnt(shapes=[(2, 50, 10, 64)], device=device)), ('gru', lambda: bench_gru(quick=True, device=device)),
+                ('rnnt', lambda: bench_rnnt(shapes=[(2, 50, 10, 64)], device=device)),
+                ('joint', lambda: bench_joint(quick=True, device=device)), ('tdt', lambda: bench_tdt(quick=True, device=device)),
+                ('gru', lambda: bench_gru(quick=True, device=device)),
                 ('cross_entropy', lambda: bench_cross_entropy(quick=True, device=device))]
     return [('ctc', lambda: bench_ctc_gpu(device=device)), ('ctc_crf', lambda: bench_crf_gpu(device)),
             ('forced_align', lambda: bench_forced_align_gpu(device=device)),
             ('rnnt', lambda: bench_rnnt(shapes=[(4, 300, 80, 1024), (32, 500, 100, 1024)], device=device)),
+            ('joint', lambda: bench_joint(device=device)), ('tdt', lambda: bench_tdt(device=device)),
             ('gru', lambda: bench_gru(device=device)),
             ('cross_entropy', lambda: bench_cross_entropy(ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[(4096, 1024, 32768)], device=device))]
 
