@@ -29,7 +29,7 @@ LONG_OUTPUT_LINES = 30          # outputs longer than this are folded under a <d
 
 def page_name(nb_name):
     "The page a notebook becomes, as Quarto names it: `02_ctc.ipynb` -> `ctc.html`, `index.ipynb` -> `index.html`."
-    return re.sub(r'^\d+_', '', Path(nb_name).stem) + '.html'
+    return re.sub(r'^\d+[a-z]?_', '', Path(nb_name).stem) + '.html'
 
 def notebooks(nbs_dir=NBS):
     "The notebooks of the site in reading order: index first, then every `NN_name.ipynb` by its number."
