@@ -12,18 +12,6 @@ __device__ __forceinline__ FLOAT joint_logit(const FLOAT* row, const FLOAT* bias
     return has_bias ? row[v] + bias[v] : row[v];
 }
 
-template <bool IS_MAX, class T> __device__ T joint_block_reduce(T x, T* slots) {
-    // Every thread of the block calls it (blockDim.x a multiple of 32) and gets the result.
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    for (int o = 16; o > 0; o /= 2) { T y = __shfl_xor_sync(0xffffffff, x, o); x = IS_MAX ? max2(x, y) : x + y; }
-    __syncthreads();                          // the slots are free: a previous reduction has been read
-    if (lane == 0) slots[warp] = x;
-    __syncthreads();
-    x = lane < nwarps ? slots[lane] : (IS_MAX ? (T)-INFINITY : (T)0);
-    for (int o = 16; o > 0; o /= 2) { T y = __shfl_xor_sync(0xffffffff, x, o); x = IS_MAX ? max2(x, y) : x + y; }
-    return x;
-}
-
 // With z[r] = h W^T + bias: lse[node] = log sum_v exp(z[r, v]), and the log-probabilities of the node's blank and
 // label edges, edge_lp[node] = (z[r, blank] - lse, z[r, y[b, u]] - lse); y (B, U+1) holds blank past a target's length.
 extern "C" __global__ void joint_tile_stats(
@@ -37,10 +25,10 @@ extern "C" __global__ void joint_tile_stats(
     const FLOAT* row = z + (long long)r * V;
     FLOAT m = -INFINITY;
     for (int v = threadIdx.x; v < V; v += blockDim.x) m = max2(m, joint_logit(row, bias, has_bias, v));
-    m = joint_block_reduce<true>(m, max_slots);
+    m = block_reduce<true>(m, max_slots);
     double s = 0;
     if (m > -INFINITY) for (int v = threadIdx.x; v < V; v += blockDim.x) s += exp(joint_logit(row, bias, has_bias, v) - m);
-    s = joint_block_reduce<false>(s, sum_slots);
+    s = block_reduce<false>(s, sum_slots);
     if (threadIdx.x == 0) {
         const long long n = joint_node(b, t, u, T, U1);
         const double l = m == -INFINITY ? (double)m : m + log(s);

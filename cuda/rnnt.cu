@@ -14,18 +14,6 @@ __device__ __forceinline__ double edge_lp(const FLOAT* logits, const double* lse
     return logits[n * V + k] - lse[n];
 }
 
-template <bool IS_MAX, class T> __device__ T block_reduce(T x, T* slots) {
-    // Every thread of the block calls it (blockDim.x a multiple of 32) and gets the result.
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    for (int o = 16; o > 0; o /= 2) { T y = __shfl_xor_sync(0xffffffff, x, o); x = IS_MAX ? max2(x, y) : x + y; }
-    __syncthreads();                          // the slots are free: a previous reduction has been read
-    if (lane == 0) slots[warp] = x;
-    __syncthreads();
-    x = lane < nwarps ? slots[lane] : (IS_MAX ? (T)-INFINITY : (T)0);
-    for (int o = 16; o > 0; o /= 2) { T y = __shfl_xor_sync(0xffffffff, x, o); x = IS_MAX ? max2(x, y) : x + y; }
-    return x;
-}
-
 // lse[n] = log sum_v exp(logits[n, v]) for each row n = (b, t, u) inside the lattice (0 elsewhere, or if !fused).
 // Stored in float64: a float32 lse of 10 is off by 5e-7, which the gradient's cancellations would amplify.
 extern "C" __global__ void rnnt_lse(

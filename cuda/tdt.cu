@@ -10,19 +10,7 @@ __device__ __forceinline__ long long node_index(int b, int t, int u, int T, int 
     return ((long long)b * T + t) * U1 + u;
 }
 
-template <bool IS_MAX, class F> __device__ F block_reduce(F x, F* slots) {
-    // Every thread of the block calls it (blockDim.x a multiple of 32) and gets the result.
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
-    for (int o = 16; o > 0; o /= 2) { F y = __shfl_xor_sync(0xffffffff, x, o); x = IS_MAX ? max2(x, y) : x + y; }
-    __syncthreads();                          // the slots are free: a previous reduction has been read
-    if (lane == 0) slots[warp] = x;
-    __syncthreads();
-    x = lane < nwarps ? slots[lane] : (IS_MAX ? (F)-INFINITY : (F)0);
-    for (int o = 16; o > 0; o /= 2) { F y = __shfl_xor_sync(0xffffffff, x, o); x = IS_MAX ? max2(x, y) : x + y; }
-    return x;
-}
-
-// log sum exp of row[lo:hi] (float64), by the whole block; -inf for an empty range.
+// log sum exp of row[lo:hi] (float64), by the whole block (semiring.cuh's block_reduce); -inf for an empty range.
 __device__ double row_lse(const FLOAT* row, int lo, int hi, FLOAT* max_slots, double* sum_slots) {
     FLOAT m = -INFINITY;
     for (int v = lo + threadIdx.x; v < hi; v += blockDim.x) m = max2(m, row[v]);
