@@ -14,7 +14,7 @@ import numpy as np
 import numba
 import torch
 from torch.nn.functional import pad
-from .core import semiring, Log, Max, semiring_sum2
+from .core import semiring, Log, Max, SEMIRINGS, semiring_sum2
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import on_host, require, to_device
 from .compile_check import resource_budget
@@ -166,14 +166,12 @@ def check_simple_inputs(stay_scores, move_scores, target_lengths):
     require(((tl >= 1) & (tl <= L)).all(), on_host(tl), bad)      # lengths on a GPU: checked there, without waiting
     return tl.long()
 
-_SEMIRINGS = {'Log': Log, 'Max': Max}
-
 def _simple_prepare(a, backend, check):
     "The state of a call: the scores detached, the lengths as int64 on the scores' device (checked with `check`), the semiring."
     lengths = check_simple_inputs(a.stay_scores, a.move_scores, a.target_lengths) if check else a.target_lengths.long()
     stay = a.stay_scores.detach()
     return SimpleNamespace(stay=stay, move=a.move_scores.detach(), lengths=to_device(lengths, stay.device),
-                           S=_SEMIRINGS[a.semiring], with_posteriors=a.with_posteriors)
+                           S=SEMIRINGS[a.semiring], with_posteriors=a.with_posteriors)
 
 def _logz(st, alpha):
     "logZ (N,): alpha_T at each sequence's last state, -inf where no path reaches it."

@@ -16,11 +16,10 @@ import numba
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .core import Log, fast_exp, fast_exp8
+from .core import Log, compute_dtype, fast_exp, fast_exp8, fast_logsumexp
 from .ops import Op, AUTOGRAD, op_namespace, max_threads
-from .utils import load_kernel, resource_budget
+from .utils import load_kernel, resource_budget, finite_real
 from .rnnt import rnnt_loss, posteriors, rnnt_inputs, clean_targets
-from .rnnt import _row_lse, _number
 from .timing import paired_median_ms, peak_rss_mb, peak_gpu_mb
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -116,7 +115,7 @@ def _tile_stats_cpu(z, bias, y, b, t0, u0, uu, blank, precise, lse, edge_lp):
         t, u = t0 + r // uu, u0 + r % uu
         if bias.shape[0]:
             for v in range(z.shape[1]): z[r, v] += bias[v]
-        l = _row_lse(z[r], precise)
+        l = fast_logsumexp(z[r], precise)
         lse[b, t, u] = l
         edge_lp[b, t, u, 0] = np.float64(z[r, blank]) - l
         edge_lp[b, t, u, 1] = np.float64(z[r, y[b, u]]) - l
@@ -326,7 +325,7 @@ def _clean_targets(targets, target_lengths, U1, blank, device):
 
 def _prepare(a, backend, check):
     "The inputs cast to the compute dtype (float32 for half precision), the labels cleaned, the lengths as int64."
-    dt = torch.float64 if a.encoder_out.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(a.encoder_out.dtype)
     cast = lambda x: None if x is None else (x if backend == 'reference' else x.detach()).to(dt).contiguous()
     e, p, W, bias = (cast(x) for x in (a.encoder_out, a.predictor_out, a.weight, a.bias))
     (B, T, H), U1, V = e.shape, p.shape[1], W.shape[0]
@@ -401,8 +400,8 @@ def joint_rnnt_loss(encoder_out, predictor_out, weight, targets, logit_lengths, 
     1/`JOINT_TILE_SHARE` of all the logits)."""
     if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     blank = joint_inputs(encoder_out, predictor_out, weight, bias, targets, logit_lengths, target_lengths, activation, blank)
-    clamp, lam = _number(clamp, 'clamp'), _number(fastemit_lambda, 'fastemit_lambda')
-    penalty = _number(delay_penalty, 'delay_penalty')
+    clamp, lam = finite_real(clamp, 'clamp'), finite_real(fastemit_lambda, 'fastemit_lambda')
+    penalty = finite_real(delay_penalty, 'delay_penalty')
     if lam < 0: raise ValueError(f"fastemit_lambda must be >= 0, got {fastemit_lambda!r}")
     if tile_bytes is not None and (isinstance(tile_bytes, bool) or not isinstance(tile_bytes, (int, np.integer)) or tile_bytes < 1):
         raise ValueError(f"tile_bytes must be a positive int, got {tile_bytes!r}")

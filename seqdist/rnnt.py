@@ -9,18 +9,18 @@ __all__ = ['rnnt_op', 'rnnt_edges_op', 'RNNT_SHAPES', 'edge_log_probs', 'logz_re
 
 # %% ../nbs/06_rnnt.ipynb #f11e832e
 import math
-from contextlib import contextmanager
 from types import SimpleNamespace
 import numpy as np
 import numba
 import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
+from .core import SEMIRINGS, compute_dtype, fast_logsumexp
 from .kernel import load_kernel
-from .memory import empty_large
-from .checks import on_host, require, to_device, check_labels
+from .memory import empty_gradient
+from .checks import on_host, require, to_device, check_labels, finite_real
 from .compile_check import resource_budget
-from .ops import Op, op_namespace, max_threads
+from .ops import Op, op_namespace, max_threads, numba_threads
 from .timing import paired_median_ms, load_torchaudio, peak_rss_mb
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -72,29 +72,13 @@ def logz_brute_force(log_probs, y, S:semiring=Log):
 # %% ../nbs/06_rnnt.ipynb #24a7a98f
 _CACHE = __name__ != "__main__"   # numba caches compiled kernels for the package, not for notebook cells
 
-@numba.njit(inline='always')
-def _row_lse(row, precise):
-    "log sum exp of a row (float64): max, then sum of fast_exp (vectorised); NaN if the row holds a NaN."
-    m = -np.inf
-    for v in range(row.shape[0]):
-        r = row[v]
-        if r > m: m = r
-        elif r != r: return np.nan                # (fast_exp would read a NaN as a tiny number)
-    if m == -np.inf: return -np.inf
-    s, mm = 0.0, np.float64(m)
-    if precise:
-        for v in range(row.shape[0]): s += fast_exp(np.float64(row[v]) - mm)
-    else:
-        for v in range(row.shape[0]): s += fast_exp8(np.float64(row[v]) - mm)
-    return mm + np.log(s)
-
 @numba.njit(cache=_CACHE, fastmath={'reassoc', 'contract'})
 def _utterance_lse(x, b, Tb, Ub, fused, precise):
     "lse[t, u] (Tb, Ub+1): the log-sum-exp of each row of sequence b (0 if not fused)."
     lse = np.zeros((Tb, Ub + 1))
     if fused:
         for t in range(Tb):
-            for u in range(Ub + 1): lse[t, u] = _row_lse(x[b, t, u], precise)
+            for u in range(Ub + 1): lse[t, u] = fast_logsumexp(x[b, t, u], precise)
     return lse
 
 @numba.njit(cache=_CACHE)
@@ -260,8 +244,6 @@ def row_offsets(b, t, u, T, U1, V):
 # %% ../nbs/06_rnnt.ipynb #4423443e
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-def _compute_dtype(dtype): return torch.float64 if dtype == torch.float64 else torch.float32
-
 def _int_tensor(x, name, shape, device):
     if not isinstance(x, torch.Tensor): raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
     if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
@@ -334,27 +316,13 @@ def grad_from_edges(x, y, blank, fused, edges, costs, g, clamp=-1, fastemit_lamb
     if clamp > 0: grad.clamp_(-clamp, clamp)
     return grad * torch.where(torch.isinf(costs), 0, g).to(x.dtype)[:, None, None, None]
 
-_PARALLEL_MIN = 1 << 20   # below this many logits the CPU kernels run on one thread: waking a second one costs more
-                          # than it saves (measured: 0.8 ms vs 32 ms at 3840 logits on a shared 2-core machine)
-
-@contextmanager
-def _numba_threads(x):
-    "One numba thread for small inputs (the setting is the calling thread's own), the current number otherwise."
-    old = numba.get_num_threads()
-    if x.numel() < _PARALLEL_MIN: numba.set_num_threads(1)
-    try: yield
-    finally: numba.set_num_threads(old)
-
-_POOLED = 32 << 20   # gradients this large come from seqdist's buffer pool (no page faults; in 2 MiB huge pages,
-                     # whose rounding costs under 6 % at this size); smaller ones from torch.empty
-
 def _numba_args(s):
     "The CPU kernels' leading arguments (x, y, lengths, blank, fused, precise) from the prepared state `s`."
     return s.x.numpy(), s.y.numpy(), s.il.numpy(), s.tl.numpy(), s.blank, s.fused_log_softmax, s.x.dtype == torch.float64
 
 # The costs (B,) = -log Z and the lattice the backward reads (empty where it reads none), per backend
 def _costs_cpu(s):
-    with _numba_threads(s.x): logz = _rnnt_forward_cpu(*_numba_args(s), False)
+    with numba_threads(s.x): logz = _rnnt_forward_cpu(*_numba_args(s), False)
     return -torch.from_numpy(logz), s.x.new_empty(0, dtype=torch.float64)
 
 def _costs_cuda(s):
@@ -367,8 +335,8 @@ def _costs_reference(s):
 # g (B,) times d costs / d x (x: the logits in their compute dtype), per backend
 def _grad_cpu(s, costs, lattice, g):
     x = s.x
-    grad = (empty_large if x.numel() * x.element_size() >= _POOLED else torch.empty)(x.shape, dtype=x.dtype)
-    with _numba_threads(x):
+    grad = empty_gradient(x)
+    with numba_threads(x):
         _rnnt_grad_cpu(*_numba_args(s), (-costs).numpy(), g.to(torch.float64).numpy(), float(s.clamp),
                        float(s.fastemit_lambda), grad.numpy())
     return grad
@@ -387,25 +355,24 @@ def _backward(grad):
     return backward
 
 # log Z (B,) and the edges (B, T, U+1, 2) in the semiring named s.semiring ('Log' or 'Max'), per backend
-_SEMIRINGS = {S.name: S for S in (Log, Max)}
 
 def _edges_cpu(s):
     B, T, U1, V = s.x.shape
-    args = *_numba_args(s), _SEMIRINGS[s.semiring] is Max
+    args = *_numba_args(s), SEMIRINGS[s.semiring] is Max
     edges = torch.zeros(B, T, U1, 2, dtype=s.x.dtype)
-    with _numba_threads(s.x):
+    with numba_threads(s.x):
         logz = _rnnt_forward_cpu(*args)
         _rnnt_edges_cpu(*args, logz, edges.numpy())
     return torch.from_numpy(logz).to(s.x.dtype), edges
 
-def _edges_cuda(s): return _cuda_edges(s.x, s.y, s.il, s.tl, s.blank, s.fused_log_softmax, _SEMIRINGS[s.semiring])
-def _edges_reference(s): return _ref_edges(s.x, s.y, s.il, s.tl, s.blank, s.fused_log_softmax, _SEMIRINGS[s.semiring])
+def _edges_cuda(s): return _cuda_edges(s.x, s.y, s.il, s.tl, s.blank, s.fused_log_softmax, SEMIRINGS[s.semiring])
+def _edges_reference(s): return _ref_edges(s.x, s.y, s.il, s.tl, s.blank, s.fused_log_softmax, SEMIRINGS[s.semiring])
 
 # %% ../nbs/06_rnnt.ipynb #f1dc6b09
 def _prepare(a, backend, check):
     """The state of one call: the inputs `a` by name, the logits `x` in their compute dtype and contiguous (a copy only
     for views and casts), and the targets `y` and lengths `il`, `tl` from `clean_targets` (which checks with `check`)."""
-    x = a.logits.detach().to(_compute_dtype(a.logits.dtype)).contiguous()
+    x = a.logits.detach().to(compute_dtype(a.logits.dtype)).contiguous()
     y, il, tl = clean_targets(x, a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
     return SimpleNamespace(**vars(a), x=x, y=y, il=il, tl=tl)
 
@@ -416,7 +383,7 @@ def _costs_fake(a, backend):
 
 def _edges_fake(a, backend):
     B, T, U1, V = a.logits.shape
-    dtype = _compute_dtype(a.logits.dtype)
+    dtype = compute_dtype(a.logits.dtype)
     return a.logits.new_empty(B, dtype=dtype), a.logits.new_empty(B, T, U1, 2, dtype=dtype)
 
 def _no_gradient(s, outputs, grads): return {}
@@ -432,12 +399,6 @@ rnnt_edges_op = Op(f'{_OPS}::rnnt_edges', f"({_INPUTS}, str semiring) -> (Tensor
                    residuals=('logz', 'edges'))
 
 # %% ../nbs/06_rnnt.ipynb #b1533939
-def _number(x, name):
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {x!r}")
-    if not math.isfinite(float(x)): raise ValueError(f"{name} must be finite, got {x!r}")
-    return float(x)
-
 def rnnt_loss(logits, targets, logit_lengths, target_lengths, blank=-1, clamp=-1, reduction='mean',
               fused_log_softmax=True, fastemit_lambda=0.0, *, backend='auto'):
     """`torchaudio.functional.rnnt_loss`, on CPU and GPU, with FastEmit: logits (B, T, U+1, V), targets (B, U),
@@ -445,7 +406,7 @@ def rnnt_loss(logits, targets, logit_lengths, target_lengths, blank=-1, clamp=-1
     value is unchanged). float16/bfloat16 logits are computed in float32."""
     if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     blank = rnnt_inputs(logits, targets, logit_lengths, target_lengths, blank)
-    clamp, lam = _number(clamp, 'clamp'), _number(fastemit_lambda, 'fastemit_lambda')
+    clamp, lam = finite_real(clamp, 'clamp'), finite_real(fastemit_lambda, 'fastemit_lambda')
     if lam < 0: raise ValueError(f"fastemit_lambda must be >= 0, got {fastemit_lambda!r}")
     costs, _ = rnnt_op(logits, targets, logit_lengths, target_lengths, blank, bool(fused_log_softmax), clamp, lam,
                        backend=backend)

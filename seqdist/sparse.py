@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import numba
 import torch
-from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
+from .core import semiring, Log, Max, SEMIRINGS, semiring_sum2, fast_exp, fast_exp8
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .memory import empty_large, tensor_cached
 from .compile_check import resource_budget
@@ -463,8 +463,6 @@ def _checked_graph(idx, device):
     return idx.to(device=device, dtype=torch.int64)
 
 # %% ../nbs/04_sparse.ipynb #e4f5a6b7
-_SEMIRINGS = {'Log': Log, 'Max': Max}
-
 def _sparse_prepare(a, backend, check):
     """The state of a call: Ms, v0, vT detached (the reference's Ms keeps its graph: autograd differentiates it), idx as
     int64 on Ms' device, the semiring; with `check`, the arguments and K are checked first."""
@@ -473,7 +471,7 @@ def _sparse_prepare(a, backend, check):
         _threads(1, a.K)                                       # checks K
     else: idx = tensor_cached(a.idx, ('graph', a.Ms.device), lambda: a.idx.to(device=a.Ms.device, dtype=torch.int64))
     return SimpleNamespace(Ms=a.Ms if backend == 'reference' else a.Ms.detach(), idx=idx, v0=a.v0.detach(), vT=a.vT.detach(),
-                           S=_SEMIRINGS[a.semiring], for_backward=a.for_backward, K=a.K)
+                           S=SEMIRINGS[a.semiring], for_backward=a.for_backward, K=a.K)
 
 def _sparse_reference(st):
     "logZ by the reference scan, -inf for a sequence with no path."

@@ -18,10 +18,10 @@ import numba
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .core import semiring, Log, Max, fast_exp, fast_exp8
-from .utils import load_kernel, empty_large, on_host, require, to_device, resource_budget
-from .ops import Op, op_namespace, max_threads, resolve_backend
-from .rnnt import rnnt_loss, rnnt_inputs, clean_targets, _row_lse, _numba_threads, _number, _compute_dtype, _POOLED
+from .core import semiring, Log, Max, compute_dtype, fast_exp, fast_exp8, fast_logsumexp
+from .utils import load_kernel, empty_gradient, on_host, require, to_device, finite_real, resource_budget
+from .ops import Op, op_namespace, max_threads, resolve_backend, numba_threads
+from .rnnt import rnnt_loss, rnnt_inputs, clean_targets
 from .timing import alternated_median_ms, peak_rss_mb, markdown_table
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -212,8 +212,8 @@ def _edge_scores(x, b, Tb, Ub, y, V, D, table, sigmas, delay_penalty, precise, E
         delay = delay_penalty * ((Tb - 1) * 0.5 - t)
         for u in range(Ub + 1):
             row = x[b, t, u]
-            lt = _row_lse(row[:V], precise)
-            ld = _row_lse(row[V:], precise) if D > 0 else 0.0
+            lt = fast_logsumexp(row[:V], precise)
+            ld = fast_logsumexp(row[V:], precise) if D > 0 else 0.0
             lse[t, u, 0], lse[t, u, 1] = lt, ld
             for k in range(K):
                 label = table[k, 1]
@@ -426,7 +426,7 @@ def _prepare(a, backend, check):
     D = len(a.durations)
     B, T, U1, W = a.logits.shape
     V = W - D
-    x = a.logits.detach().to(_compute_dtype(a.logits.dtype)).contiguous()    # (a copy only for views and half types)
+    x = a.logits.detach().to(compute_dtype(a.logits.dtype)).contiguous()    # (a copy only for views and half types)
     if check:
         y, il, tl = clean_targets(x[..., :V], a.targets, a.logit_lengths, a.target_lengths, a.blank)
         if a.big_blank_durations: _check_big_blank_targets(y, tl, a.blank, len(a.big_blank_durations))
@@ -472,7 +472,7 @@ def _cpu_args(s): return s.x.numpy(), s.y.numpy(), s.il.numpy(), s.tl.numpy(), s
 
 def _cpu_logz(s, use_max=False):
     logz = np.empty((s.L, s.x.shape[0]))
-    with _numba_threads(s.x):
+    with numba_threads(s.x):
         _tdt_forward_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, use_max, s.L, logz)
     return torch.from_numpy(logz)
 
@@ -481,8 +481,8 @@ def _cpu_forward(s):
 
 def _cpu_backward(s, outputs, grads):
     x = s.x
-    grad = (empty_large if x.numel() * x.element_size() >= _POOLED else torch.empty)(x.shape, dtype=x.dtype)
-    with _numba_threads(x):
+    grad = empty_gradient(x)
+    with numba_threads(x):
         _tdt_grad_cpu(*_cpu_args(s), s.sigmas, s.weights, float(s.dp), s.precise, s.L,
                       grads[0].detach().double().contiguous().numpy(), float(s.clamp), float(s.lam), grad.numpy())
     return {'logits': grad.to(s.dtype)}
@@ -507,8 +507,9 @@ _REDUCTIONS = ('none', 'sum', 'mean', 'mean_volume')
 
 def _options(reduction, sigma, clamp, fastemit_lambda, delay_penalty, omega=0.0):
     if reduction not in _REDUCTIONS: raise ValueError(f"reduction must be 'none', 'sum', 'mean' or 'mean_volume', got {reduction!r}")
-    sigma, clamp, lam = _number(sigma, 'sigma'), _number(clamp, 'clamp'), _number(fastemit_lambda, 'fastemit_lambda')
-    dp, omega = _number(delay_penalty, 'delay_penalty'), _number(omega, 'omega')
+    sigma, clamp = finite_real(sigma, 'sigma'), finite_real(clamp, 'clamp')
+    lam = finite_real(fastemit_lambda, 'fastemit_lambda')
+    dp, omega = finite_real(delay_penalty, 'delay_penalty'), finite_real(omega, 'omega')
     if lam < 0: raise ValueError(f"fastemit_lambda must be >= 0, got {fastemit_lambda!r}")
     if not 0 <= omega <= 1: raise ValueError(f"omega must be in [0, 1] (the RNN-T loss's weight), got {omega!r}")
     return sigma, clamp, lam, dp, omega
@@ -620,7 +621,7 @@ def lattice_edges(logits, targets, logit_lengths, target_lengths, durations, big
         if backend == 'cpu':
             logz = _cpu_logz(s, S is Max)[0]
             edges = torch.zeros(B, T, U1, K, dtype=s.x.dtype)
-            with _numba_threads(s.x):
+            with numba_threads(s.x):
                 _tdt_edges_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, S is Max, logz.numpy(), edges.numpy())
             return logz.to(s.x.dtype), edges
         _, (lse, alpha, beta, logz, table) = _cuda_lattice(s, S)
@@ -640,7 +641,7 @@ def tdt_alignments(logits, targets, logit_lengths, target_lengths, durations=(0,
     durations[i]; posteriors (S=Log) or the best path as 0/1 (S=Max). Zero outside each sequence's lattice."""
     durations, V, blank = tdt_inputs(logits, targets, logit_lengths, target_lengths, durations, blank)
     _, edges = lattice_edges(logits, targets, logit_lengths, target_lengths, durations, (), blank,
-                             _number(sigma, 'sigma'), _number(delay_penalty, 'delay_penalty'), S, backend)
+                             finite_real(sigma, 'sigma'), finite_real(delay_penalty, 'delay_penalty'), S, backend)
     table = edge_table(durations, (), blank, False)
     out = edges.new_zeros(*edges.shape[:3], 2, len(durations))
     out[..., table[:, 1], table[:, 4]] = edges
@@ -651,8 +652,8 @@ def multiblank_alignments(logits, targets, logit_lengths, target_lengths, big_bl
     """The edges (B, T, U+1, 2 + n_big) leaving each node: the blank, big blank i (at 1 + i), the label (last);
     posteriors (S=Log) or the best path as 0/1 (S=Max)."""
     big, blank = multiblank_inputs(logits, targets, logit_lengths, target_lengths, big_blank_durations, blank)
-    return lattice_edges(logits, targets, logit_lengths, target_lengths, (), big, blank, _number(sigma, 'sigma'),
-                         _number(delay_penalty, 'delay_penalty'), S, backend)[1]
+    return lattice_edges(logits, targets, logit_lengths, target_lengths, (), big, blank, finite_real(sigma, 'sigma'),
+                         finite_real(delay_penalty, 'delay_penalty'), S, backend)[1]
 
 def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 1, 2, 3, 4), blank=-1, sigma=0.0,
                   delay_penalty=0.0, backend='auto'):
@@ -660,7 +661,7 @@ def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 
     (-1 past the target length), and the path's log-probability (B,) (-inf if no path)."""
     durations, V, blank = tdt_inputs(logits, targets, logit_lengths, target_lengths, durations, blank)
     score, edges = lattice_edges(logits, targets, logit_lengths, target_lengths, durations, (), blank,
-                                 _number(sigma, 'sigma'), _number(delay_penalty, 'delay_penalty'), Max, backend)
+                                 finite_real(sigma, 'sigma'), finite_real(delay_penalty, 'delay_penalty'), Max, backend)
     table = edge_table(durations, (), blank, False)
     labels = [k for k in range(len(table)) if table[k, 1]]
     emit = edges[:, :, :-1, labels]                                   # (B, T, U, D): label u leaves (t, u) with duration i

@@ -5,11 +5,12 @@
 # %% auto #0
 __all__ = ['to_np', 'zero_grad', 'float64', 'compare_fwd_bwd', 'timed', 'benchmark_fwd_bwd', 'report', 'semiring_sum',
            'selfcheck_cli', 'POOL_BYTES', 'LARGE_POOL', 'set_pool_limit', 'release_large_buffers', 'empty_large',
-           'tensor_cached', 'on_host', 'require', 'count_checks', 'check_labels', 'to_device', 'KernelLaunchError',
-           'KernelCompileError', 'emulator_options', 'rewrite_dynamic_shared', 'emulator_source', 'emulator_library',
-           'GuardedCopy', 'asan_environment', 'run_under_asan', 'GPU_LIMITS', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK',
-           'MAX_GRID_DIMS', 'MAX_SHARED_MEM_PER_BLOCK', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS', 'cuda_dir', 'find_source',
-           'Param', 'kernel_params', 'count_launches', 'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func',
+           'GRADIENT_POOL_BYTES', 'empty_gradient', 'tensor_cached', 'on_host', 'require', 'count_checks',
+           'check_labels', 'finite_real', 'to_device', 'KernelLaunchError', 'KernelCompileError', 'emulator_options',
+           'rewrite_dynamic_shared', 'emulator_source', 'emulator_library', 'GuardedCopy', 'asan_environment',
+           'run_under_asan', 'GPU_LIMITS', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS',
+           'MAX_SHARED_MEM_PER_BLOCK', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS', 'cuda_dir', 'find_source', 'Param',
+           'kernel_params', 'count_launches', 'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func',
            'load_cupy_module', 'Resources', 'Budget', 'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc',
            'parse_ptxas_log', 'resident_threads', 'resource_budget', 'resource_rows', 'format_resource_table',
            'gpu_compiler', 'package_kernels', 'check_gpu_compile', 'compile_check_cli']
@@ -134,8 +135,9 @@ from .kernel import _import_cupy, _RawStream, _current_stream, _launch_cupy
 from .emulator import _emulator, _launch_emulator
 from .compile_check import _short_macros
 _all_ = [   # `from seqdist.utils import *` gives them too
-    'POOL_BYTES', 'LARGE_POOL', 'set_pool_limit', 'release_large_buffers', 'empty_large', 'tensor_cached',
-    'on_host', 'require', 'count_checks', 'check_labels', 'to_device', 'KernelLaunchError', 'KernelCompileError',
+    'POOL_BYTES', 'LARGE_POOL', 'set_pool_limit', 'release_large_buffers', 'empty_large', 'GRADIENT_POOL_BYTES',
+    'empty_gradient', 'tensor_cached', 'on_host', 'require', 'count_checks', 'check_labels', 'finite_real', 'to_device',
+    'KernelLaunchError', 'KernelCompileError',
     'emulator_options', 'rewrite_dynamic_shared', 'emulator_source', 'emulator_library', 'GuardedCopy',
     'asan_environment', 'run_under_asan', 'GPU_LIMITS', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS',
     'MAX_SHARED_MEM_PER_BLOCK', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS', 'cuda_dir', 'find_source', 'Param',

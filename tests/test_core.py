@@ -49,3 +49,18 @@ def test_grad_works_under_no_grad_and_posteriors():
         close(Independent().posteriors(s, Log), torch.softmax(s, -1))
         assert torch.equal(Independent().posteriors(s, Max), max_grad(s, 1))
     with pytest.raises(NotImplementedError): SequenceDist().logZ(s)
+
+def test_fast_logsumexp_semirings_by_name_and_compute_dtype():
+    import numpy as np
+    from seqdist.core import fast_logsumexp, SEMIRINGS, compute_dtype
+    rng = np.random.default_rng(0)
+    for n in (1, 7, 1000):
+        row = rng.normal(0, 30, n)
+        want = np.logaddexp.reduce(row)
+        assert abs(fast_logsumexp(row, True) - want) <= 1e-13 * max(1.0, abs(want))
+        row32 = row.astype(np.float32)
+        assert abs(fast_logsumexp(row32, False) - np.logaddexp.reduce(row32.astype(np.float64))) <= 1e-8 * max(1.0, abs(want))
+    assert fast_logsumexp(np.empty(0), True) == -np.inf and fast_logsumexp(np.full(3, -np.inf), True) == -np.inf
+    assert np.isnan(fast_logsumexp(np.array([1.0, np.nan, 2.0]), True))
+    assert SEMIRINGS == {'Log': Log, 'Max': Max}
+    assert [compute_dtype(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)] == [torch.float32] * 3 + [torch.float64]

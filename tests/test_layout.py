@@ -48,3 +48,18 @@ def test_every_name_of_utils_still_imports_from_it():
     exec('from seqdist.utils import *', namespace)
     assert not [n for n in NAMES if n not in namespace]
     assert utils.MAX_SHARED_MEM_PER_BLOCK == utils.EMULATOR_MAX_SHARED_MEM == min(l['smem_block'] for l in utils.GPU_LIMITS.values())
+
+FAMILIES = sorted(p.stem for p in (ROOT / 'seqdist').glob('*.py') if p.stem not in ORDER + ['bench', '__init__', '_modidx', '_nbdev'])
+
+@pytest.mark.parametrize('module', FAMILIES + ['bench'])
+def test_no_module_imports_a_family_s_private_names(module):
+    """A helper that two families share moves down to the toolchain (or core) under a public name: no module imports
+    another family's private `_names`, and no family imports bench."""
+    private = []
+    for n in ast.walk(ast.parse((ROOT / 'seqdist' / f'{module}.py').read_text())):
+        if not isinstance(n, ast.ImportFrom) or not n.module: continue
+        source = n.module.split('.')[-1] if n.level or n.module.startswith('seqdist.') else None
+        if source in FAMILIES and source != module:
+            private += [f"{source}.{a.name}" for a in n.names if a.name.startswith('_')]
+    assert not private, f"seqdist.{module} imports {private}"
+    assert module == 'bench' or 'bench' not in seqdist_imports(module)

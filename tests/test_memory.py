@@ -3,6 +3,7 @@ view of them) are freed; a buffer in use is never handed out twice; the free buf
 bound in bytes; small sizes are plain torch.empty."""
 import gc, math, os, subprocess, sys, threading, weakref, pytest, torch
 from seqdist.memory import empty_large, release_large_buffers, set_pool_limit, LARGE_POOL, POOL_BYTES
+from seqdist.memory import empty_gradient, GRADIENT_POOL_BYTES
 
 SHAPE = (100, 16, 256, 5)            # 8 MB of float32
 NBYTES = math.prod(SHAPE) * 4
@@ -117,3 +118,11 @@ def test_half_precision_dtypes():
         t = empty_large((1 << 12, 1 << 9), dtype)
         t.fill_(1.5)
         assert t.dtype == dtype and t.shape == (1 << 12, 1 << 9) and t.is_contiguous() and bool((t == 1.5).all())
+
+def test_gradients_come_from_the_pool_from_their_threshold():
+    "`empty_gradient(x)`: x's shape and dtype; a pooled buffer (a view of it) from GRADIENT_POOL_BYTES up, torch.empty's below."
+    n = GRADIENT_POOL_BYTES // 8
+    for x, pooled in ((torch.zeros(n - 1, dtype=torch.float64), False), (torch.zeros(n, dtype=torch.float64), True),
+                      (torch.zeros(2, n // 2, dtype=torch.float32), False), (torch.zeros(4, n // 2, dtype=torch.float32), True)):
+        g = empty_gradient(x)
+        assert g.shape == x.shape and g.dtype == x.dtype and (g._base is not None) == pooled, (x.shape, x.dtype)

@@ -96,6 +96,18 @@ def test_unused_output_and_no_grad():
 def test_bad_backend(backend, message):
     with pytest.raises(ValueError, match=message): TOY(torch.randn(2, 2), torch.tensor(1.0), backend=backend)
 
+def test_numba_threads():
+    "One numba thread below PARALLEL_MIN elements (the setting restored after), the current number from there on."
+    import numba
+    from seqdist.ops import numba_threads, PARALLEL_MIN
+    n = numba.get_num_threads()
+    with numba_threads(torch.empty(PARALLEL_MIN - 1)): assert numba.get_num_threads() == 1
+    assert numba.get_num_threads() == n
+    with numba_threads(torch.empty(PARALLEL_MIN)): assert numba.get_num_threads() == n
+    with pytest.raises(RuntimeError):
+        with numba_threads(torch.empty(3)): raise RuntimeError
+    assert numba.get_num_threads() == n
+
 def test_bad_input_checked_in_prepare():
     with pytest.raises(ValueError, match=r"x must be \(N, D\), got \(3,\)"): TOY(torch.randn(3), torch.tensor(1.0))
     with pytest.raises(TypeError, match="takes 2 inputs"): TOY(torch.randn(3, 2))
