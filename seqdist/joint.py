@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .core import Log, compute_dtype, fast_exp, fast_exp8, fast_logsumexp
 from .ops import Op, AUTOGRAD, op_namespace, max_threads
 from .utils import load_kernel, resource_budget, finite_real
-from .rnnt import rnnt_loss, posteriors, rnnt_inputs, clean_targets
+from .rnnt import rnnt_op, rnnt_edges_op, rnnt_loss, rnnt_inputs, clean_targets
 from .timing import paired_median_ms, peak_rss_mb, peak_gpu_mb
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -44,21 +44,23 @@ def _node_stats(z, y, blank):
     lse = z.logsumexp(-1)
     return lse, torch.stack([z[..., blank], z.gather(3, y[:, None, :, None].expand(*z.shape[:3], 1))[..., 0]], -1) - lse[..., None]
 
+def _rnnt_costs(s, logits, fused_log_softmax, clamp):
+    "`rnnt_loss(..., reduction='none')` of `logits` (float64): rnnt's op on the targets and lengths `_prepare` checked."
+    return rnnt_op(logits, s.y, s.il, s.tl, s.blank, fused_log_softmax, clamp, s.fastemit_lambda, check=False)[0]
+
 def _reference_forward(s):
     "costs (B,), lse and edge log-probs: the joiner's logits, then `rnnt_loss` (the composition)."
     z = joint_logits(s.e, s.p, s.W, s.bias, s.activation)                    # (B, T, U+1, V)
     lse, edge_lp = _node_stats(z, s.y, s.blank)
-    if s.delay_penalty == 0:
-        costs = rnnt_loss(z, s.y, s.il, s.tl, s.blank, s.clamp, 'none', fastemit_lambda=s.fastemit_lambda)
-        return costs.double(), lse, edge_lp
+    if s.delay_penalty == 0: return _rnnt_costs(s, z, True, s.clamp), lse, edge_lp
     if s.clamp > 0: raise ValueError("backend='reference' takes clamp or delay_penalty, not both (the composition "
                                      "through rnnt_loss would clamp the log-probabilities' gradient)")
     pen = delay_offsets(s.il, z.shape[1], s.delay_penalty)
     nonblank = (torch.arange(z.shape[-1], device=z.device) != s.blank).to(z.dtype)
     lp = z.log_softmax(-1) + pen.to(z.dtype)[:, :, None, None] * nonblank
-    costs = rnnt_loss(lp, s.y, s.il, s.tl, s.blank, -1, 'none', fused_log_softmax=False, fastemit_lambda=s.fastemit_lambda)
+    costs = _rnnt_costs(s, lp, False, -1.0)
     edge_lp[..., 1] += pen[:, :, None]
-    return costs.double(), lse, edge_lp
+    return costs, lse, edge_lp
 
 # %% ../nbs/06b_joint.ipynb #2f4abac8
 JOINT_TILE_BYTES = 8 << 20   # the most bytes of logits in the tiles in flight (one per worker)
@@ -216,10 +218,12 @@ def _for_tiles(s, backend, work):
         return [work(tiles[0::n], 0)] + [r.result() for r in rest]
     finally: torch.set_num_threads(threads)
 
-def _lattice_targets(s):
-    "Labels (B, U) for the lattice of edge log-probabilities: blank is 0, every label edge is 1."
+def _lattice(s, op, edge_lp, backend, *options):
+    """rnnt's `op` (`rnnt_op`, or `rnnt_edges_op`) on the lattice of the edge log-probabilities edge_lp (B, T, U+1, 2):
+    blank is 0, every label 1. Unchecked: `_prepare` checked the lengths, and these labels are valid by construction."""
     B, T, U1, V = s.shape
-    return torch.ones(B, U1 - 1, dtype=torch.long, device=s.il.device)
+    labels = torch.ones(B, U1 - 1, dtype=torch.long, device=s.il.device)
+    return op.compute(edge_lp, labels, s.il, s.tl, 0, False, *options, backend=backend, check=False)
 
 _PER_TILE = {'cpu': SimpleNamespace(activations=_activations_cpu, stats=_stats_cpu, grad=_grad_cpu, backprop=_backprop_cpu)}
 
@@ -238,7 +242,7 @@ def _tiled_forward(s, backend):
         for tile in tiles: k.stats(s, _tile_logits(s, k.activations(s, tile, hbuf), zbuf), tile, lse, edge_lp)
     _for_tiles(s, backend, work)
     if s.delay_penalty: edge_lp[..., 1] += delay_offsets(s.il, T, s.delay_penalty)[:, :, None]
-    costs = rnnt_loss(edge_lp, _lattice_targets(s), s.il, s.tl, 0, reduction='none', fused_log_softmax=False, backend=backend)
+    costs, _ = _lattice(s, rnnt_op, edge_lp, backend, -1.0, 0.0)      # (clamp, FastEmit: the tiles apply them)
     return costs, lse, edge_lp
 
 def _tiled_backward(s, outputs, grads, backend):
@@ -249,7 +253,7 @@ def _tiled_backward(s, outputs, grads, backend):
     want_h = bool({'encoder_out', 'predictor_out'} & s.grad_wanted)
     want_w = bool({'weight', 'bias'} & s.grad_wanted)
     g = grads[0].detach().to(torch.float64).contiguous()
-    post = posteriors(edge_lp, _lattice_targets(s), s.il, s.tl, 0, fused_log_softmax=False, backend=backend)
+    _, post = _lattice(s, rnnt_edges_op, edge_lp, backend, 'Log')
     def work(tiles, i):                            # each worker sums into its own de, dp, dW and db
         de, dp, dw = torch.zeros_like(s.e), torch.zeros_like(s.p), torch.zeros_like(s.W)
         db = s.W.new_zeros(V if s.bias is not None else 0, dtype=torch.float64)
@@ -316,24 +320,14 @@ _PER_TILE['cuda'] = SimpleNamespace(activations=_activations_cuda, stats=_stats_
 # %% ../nbs/06b_joint.ipynb #fcbe5fb7
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-def _clean_targets(targets, target_lengths, U1, blank, device):
-    "`clean_targets`' labels (B, U+1) without its checks (a compiled graph's backward prepares again, unchecked)."
-    y = targets.long()[:, :U1 - 1]
-    y = F.pad(y, (0, U1 - y.shape[1]), value=blank)
-    keep = torch.arange(U1, device=y.device)[None] < target_lengths.long().to(y.device)[:, None]
-    return torch.where(keep, y, blank).to(device).contiguous()
-
 def _prepare(a, backend, check):
     "The inputs cast to the compute dtype (float32 for half precision), the labels cleaned, the lengths as int64."
     dt = compute_dtype(a.encoder_out.dtype)
     cast = lambda x: None if x is None else (x if backend == 'reference' else x.detach()).to(dt).contiguous()
     e, p, W, bias = (cast(x) for x in (a.encoder_out, a.predictor_out, a.weight, a.bias))
     (B, T, H), U1, V = e.shape, p.shape[1], W.shape[0]
-    if check:     # against the logits' shape and device (a stride-0 view: nothing allocated)
-        y, il, tl = clean_targets(e.new_empty(()).expand(B, T, U1, V), a.targets, a.logit_lengths, a.target_lengths, a.blank)
-    else:
-        y = _clean_targets(a.targets, a.target_lengths, U1, a.blank, e.device)
-        il, tl = (x.long().to(e.device) for x in (a.logit_lengths, a.target_lengths))
+    logits = e.new_empty(()).expand(B, T, U1, V)     # the logits' shape and device: a stride-0 view, nothing allocated
+    y, il, tl = clean_targets(logits, a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
     s = SimpleNamespace(e=e, p=p, W=W, bias=bias, y=y, il=il, tl=tl, blank=a.blank, activation=a.activation,
                         clamp=a.clamp, fastemit_lambda=a.fastemit_lambda, delay_penalty=a.delay_penalty,
                         tile_bytes=a.tile_bytes, shape=(B, T, U1, V), dtype=a.encoder_out.dtype)

@@ -78,7 +78,10 @@ class Op:
     `op(*inputs, backend='auto')` resolves the backend once, then runs the forward: eagerly through one
     autograd.Function (no dispatcher: host time matters for small calls), or, while torch.compile traces, through the
     registered custom op and its backward op. The reference backend always runs eagerly, around the custom op; an
-    `AUTOGRAD` backend is simply called (autograd records its PyTorch as it runs)."""
+    `AUTOGRAD` backend is simply called (autograd records its PyTorch as it runs). `check=False` (of `op(...)` and
+    `op.compute(...)`) is for an op that runs this one inside its own forward or backward, on values its own prepare
+    has checked: prepare then runs without its checks (a call that torch.compile traces, whose custom op prepares
+    with them, aside)."""
     def __init__(self, name, schema, *, prepare, forward, fake, backward=None, differentiable=(), residuals=()):
         self.name, self.prepare, self.forward, self.backward, self.fake = name, prepare, forward, backward, fake
         self.backends = tuple(forward)
@@ -120,27 +123,29 @@ class Op:
         "The gradient's shape for input `x`; for an optional input that is None, an empty placeholder like `other`."
         return other.new_empty(0) if x is None else torch.empty_like(x, memory_format=torch.contiguous_format)
 
-    def __call__(self, *args, backend='auto'):
-        "The outputs (a tuple), differentiable w.r.t. the `differentiable` inputs; `backend` resolved once, here."
+    def __call__(self, *args, backend='auto', check=True):
+        """The outputs (a tuple), differentiable w.r.t. the `differentiable` inputs; `backend` resolved once, here;
+        without `check`, prepare does not check the values (the caller has)."""
         if len(args) != len(self.inputs): raise TypeError(f"{self.name} takes {len(self.inputs)} inputs {self.inputs}, got {len(args)}")
         backend = resolve_backend(backend, args[self._tensor[0]], self.backends, self.inputs[self._tensor[0]])
         if backend in self._kernel_backends and torch.compiler.is_compiling():
             out = self.custom_op(*args, backend)
             return (out,) if len(self.outputs) == 1 else out
         if self.backward[backend] is AUTOGRAD:   # differentiable PyTorch: autograd records it as it runs
-            outs = tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))
+            outs = tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))
             return tuple(o.detach() if i in self._residual_idx else o for i, o in enumerate(outs))
-        return _Eager.apply(self, backend, *args)
+        return _Eager.apply(self, backend, check, *args)
 
-    def compute(self, *args, backend='auto'):
-        "The outputs without autograd (the forward alone), e.g. for posteriors and alignments; traceable by torch.compile."
+    def compute(self, *args, backend='auto', check=True):
+        """The outputs without autograd (the forward alone), e.g. for posteriors and alignments; traceable by
+        torch.compile. `check` as for a call."""
         backend = resolve_backend(backend, args[self._tensor[0]], self.backends, self.inputs[self._tensor[0]])
         if backend in self._kernel_backends and torch.compiler.is_compiling():
             with torch.no_grad(): out = self.custom_op(*args, backend)
             return (out,) if len(self.outputs) == 1 else tuple(out)
         if torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self._tensor):
-            with torch.no_grad(): return tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))
-        return tuple(self.forward[backend](self.prepare(self._ns(args), backend, True)))   # (no_grad costs 4 us)
+            with torch.no_grad(): return tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))
+        return tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))   # (no_grad costs 4 us)
 
     # the compiled path: the custom op, its autograd formula and its backward op
     def _op_forward(self, *args):
@@ -178,10 +183,10 @@ class Op:
 class _Eager(torch.autograd.Function):
     "An Op's eager call: prepare and forward once, and the backward from the state they left."
     @staticmethod
-    def forward(ctx, op, backend, *args):
+    def forward(ctx, op, backend, check, *args):
         ctx.op, ctx.backend = op, backend
         ctx.set_materialize_grads(False)
-        ctx.state = op.prepare(op._ns(args), backend, True)
+        ctx.state = op.prepare(op._ns(args), backend, check)
         outs = tuple(op.forward[backend](ctx.state))
         # the tensor inputs too, though the state holds what the backward uses: autograd's version check then
         # raises if one is modified in place before the backward, as for any PyTorch op
@@ -194,10 +199,10 @@ class _Eager(torch.autograd.Function):
         op = ctx.op
         outs = ctx.saved_tensors[len(op._tensor):]
         if any(grads[i] is None for i in op._output_idx):   # zeros for unused outputs; nothing if none was used
-            if all(grads[i] is None for i in op._output_idx): return (None,) * (2 + len(op.inputs))
+            if all(grads[i] is None for i in op._output_idx): return (None,) * (3 + len(op.inputs))
             grads = tuple(torch.zeros_like(outs[i]) if grads[i] is None and i in op._output_idx else grads[i]
                           for i in range(len(grads)))
         ctx.state.grad_wanted = ({op.differentiable[0]} if len(op.differentiable) == 1 else
-                                 {n for n, want in zip(op.inputs, ctx.needs_input_grad[2:]) if want})
+                                 {n for n, want in zip(op.inputs, ctx.needs_input_grad[3:]) if want})
         g = op.backward[ctx.backend](ctx.state, outs, grads)
-        return (None, None, *map(g.get, op.inputs))
+        return (None, None, None, *map(g.get, op.inputs))

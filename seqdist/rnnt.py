@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['rnnt_op', 'rnnt_edges_op', 'RNNT_SHAPES', 'edge_log_probs', 'logz_reference', 'logz_brute_force', 'row_offsets',
-           'rnnt_inputs', 'clean_targets', 'grad_from_edges', 'rnnt_loss', 'RNNTLoss', 'posteriors',
+           'rnnt_inputs', 'check_targets', 'clean_targets', 'grad_from_edges', 'rnnt_loss', 'RNNTLoss', 'posteriors',
            'viterbi_alignments', 'best_path', 'rnnt_inputs_for', 'bench_rnnt', 'rnnt_peak_mb', 'sweep_rnnt']
 
 # %% ../nbs/06_rnnt.ipynb #f11e832e
@@ -270,9 +270,10 @@ def rnnt_inputs(logits, targets, logit_lengths, target_lengths, blank=-1):
         raise ValueError(f"blank must be an int in [-V, V) = [{-V}, {V}) (negative counts from the end), got {blank!r}")
     return int(blank) % V
 
-def clean_targets(logits, targets, logit_lengths, target_lengths, blank, check=True):
-    """Targets (B, U+1) int64 with the padding (and one extra column) set to blank, and the lengths as int64, all on
-    logits' device; with `check`, the lengths and labels are checked first."""
+def check_targets(logits, targets, logit_lengths, target_lengths, blank):
+    """`require` that the lengths fit logits (B, T, U+1, V) (whose shape alone is read), logit_lengths in [1, T] and
+    target_lengths in [0, min(U, targets.shape[1])], and that the labels within the target lengths are in [0, V) and
+    not blank: what the kernels index with. Read by the host on the CPU, checked by the GPU on a GPU."""
     B, T, U1, V = logits.shape
     il, tl = logit_lengths.long(), target_lengths.long()
     U_max = min(U1 - 1, targets.shape[1])
@@ -283,13 +284,21 @@ def clean_targets(logits, targets, logit_lengths, target_lengths, blank, check=T
         "target_lengths out of [0, min(U, targets.shape[1])]"
         return (f"target_lengths must be in [0, min(U, targets.shape[1])] = [0, {U_max}] (logits have U+1 = "
                 f"{U1}), got {tl[(tl < 0) | (tl > U_max)][:5].tolist()}")
-    if check:
-        require(((il >= 1) & (il <= T)).all(), on_host(il), bad_il)
-        require(((tl >= 0) & (tl <= U_max)).all(), on_host(tl), bad_tl)
+    require(((il >= 1) & (il <= T)).all(), on_host(il), bad_il)
+    require(((tl >= 0) & (tl <= U_max)).all(), on_host(tl), bad_tl)
+    y = targets[:, :U_max]
+    keep = torch.arange(U_max, device=y.device) < to_device(tl, y.device)[:, None]
+    check_labels(y, keep, V, blank, on_host(y), 'V')
+
+def clean_targets(logits, targets, logit_lengths, target_lengths, blank, check=True):
+    """Targets (B, U+1) int64 with the padding (and one extra column) set to blank, and the lengths as int64, all on
+    logits' device (whose shape alone is read); with `check`, `check_targets` first."""
+    if check: check_targets(logits, targets, logit_lengths, target_lengths, blank)
+    B, T, U1, V = logits.shape
+    il, tl = logit_lengths.long(), target_lengths.long()
     y = targets.long()[:, :U1 - 1]
     y = torch.nn.functional.pad(y, (0, U1 - y.shape[1]), value=blank)
-    keep = torch.arange(U1, device=y.device)[None] < to_device(tl, y.device)[:, None]
-    if check: check_labels(y, keep, V, blank, on_host(y), 'V')
+    keep = torch.arange(U1, device=y.device) < to_device(tl, y.device)[:, None]
     dev = logits.device
     return to_device(torch.where(keep, y, blank).contiguous(), dev), to_device(il, dev), to_device(tl, dev)
 

@@ -400,13 +400,6 @@ def _cuda_backward(s, outputs, grads):
     return {'logits': grad.to(s.dtype)}
 
 # %% ../nbs/09_tdt.ipynb #f285c06d
-def _padded_targets(targets, target_lengths, U1, blank, device):
-    "targets (B, U+1) int64 with everything past each target length set to blank, on `device` (no checks)."
-    y = targets.long()[:, :U1 - 1]
-    y = F.pad(y, (0, U1 - y.shape[1]), value=blank)
-    keep = torch.arange(U1, device=y.device)[None] < target_lengths.to(y.device).long()[:, None]
-    return to_device(torch.where(keep, y, blank).contiguous(), device)
-
 def _check_big_blank_targets(y, tl, blank, n_big):
     "Targets may not hold a big blank (tokens blank - n_big ... blank - 1) within their lengths."
     keep = torch.arange(y.shape[1], device=y.device)[None] < tl[:, None]
@@ -427,12 +420,8 @@ def _prepare(a, backend, check):
     B, T, U1, W = a.logits.shape
     V = W - D
     x = a.logits.detach().to(compute_dtype(a.logits.dtype)).contiguous()    # (a copy only for views and half types)
-    if check:
-        y, il, tl = clean_targets(x[..., :V], a.targets, a.logit_lengths, a.target_lengths, a.blank)
-        if a.big_blank_durations: _check_big_blank_targets(y, tl, a.blank, len(a.big_blank_durations))
-    else:
-        il, tl = to_device(a.logit_lengths.long(), x.device), to_device(a.target_lengths.long(), x.device)
-        y = _padded_targets(a.targets, tl, U1, a.blank, x.device)
+    y, il, tl = clean_targets(x[..., :V], a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
+    if check and a.big_blank_durations: _check_big_blank_targets(y, tl, a.blank, len(a.big_blank_durations))
     table, sigmas, weights, L = _lattices(a.durations, a.big_blank_durations, a.blank, a.sigma, a.omega)
     return SimpleNamespace(x=x, y=y, il=il, tl=tl, V=V, D=D, blank=a.blank, table=table, sigmas=np.array(sigmas),
                            weights=np.array(weights), L=L, clamp=a.clamp, lam=a.fastemit_lambda, dp=a.delay_penalty,

@@ -375,3 +375,17 @@ def test_cuda_path_half_precision():
     assert all(g.dtype == torch.bfloat16 for g in got)
     want = loss_and_grads({k: (v.float() if k in PARAMS else v) for k, v in case.items()}, backend='cpu')
     for a, b in zip(got, want): torch.testing.assert_close(a.float(), b, rtol=2 ** -6, atol=2 ** -6 * b.abs().max().item())
+
+def test_lengths_and_labels_are_checked_once_per_forward_and_backward(monkeypatch):
+    """The joint's prepare checks and cleans the targets, once per fwd+bwd; the lattice (forward, then the posteriors)
+    and the reference's composition run rnnt's ops on them without checks."""
+    import seqdist.rnnt as rnnt
+    calls, clean = [], rnnt.clean_targets
+    monkeypatch.setattr(joint, 'clean_targets', lambda *args: calls.append(('joint', args[-1])) or clean(*args))
+    monkeypatch.setattr(rnnt, 'clean_targets', lambda *args: calls.append(('rnnt', args[-1])) or clean(*args))
+    case = random_case(random.Random(3), bias=True)
+    for backend, inner in (('cpu', 2), ('cuda', 2), ('reference', 1)):
+        for kw in ({}, dict(delay_penalty=0.1)):
+            calls.clear()
+            loss_and_grads(case, backend=backend, **kw)
+            assert calls == [('joint', True)] + [('rnnt', False)] * inner, (backend, kw, calls)

@@ -96,6 +96,20 @@ def test_unused_output_and_no_grad():
 def test_bad_backend(backend, message):
     with pytest.raises(ValueError, match=message): TOY(torch.randn(2, 2), torch.tensor(1.0), backend=backend)
 
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
+def test_check_false_prepares_without_checks(backend):
+    "An op run inside another's forward or backward, on values the outer op checked: prepared once, unchecked."
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    scale = torch.tensor(2.0, dtype=torch.float64)
+    CALLS.clear()
+    lse, _ = TOY(x, scale, backend=backend, check=False)
+    gx, = torch.autograd.grad(lse.sum(), x)
+    want, (ex, _) = expected(x, scale)
+    torch.testing.assert_close(lse, want); torch.testing.assert_close(gx, ex)
+    assert TOY.compute(x, scale, backend=backend, check=False)[0].equal(lse.detach())
+    assert CALLS[backend, False] == 2 and CALLS[backend, True] == 0, CALLS
+    assert torch.autograd.gradcheck(lambda x: TOY(x, scale, backend=backend, check=False)[0], (x,))
+
 def test_numba_threads():
     "One numba thread below PARALLEL_MIN elements (the setting restored after), the current number from there on."
     import numba
@@ -190,9 +204,7 @@ def _family_calls():
 
 @pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 @pytest.mark.parametrize('family', ['ctc_loss', 'rnnt_loss', 'tdt_loss', 'cross_entropy', 'linear_cross_entropy',
-    pytest.param('joint_rnnt_loss', marks=pytest.mark.xfail(strict=True, reason=
-        "the joint checks its lengths and labels, then runs its lattice through rnnt_loss and rnnt's posteriors, which "
-        "check them again (3 times per forward+backward): it needs a check-free way into the rnnt ops"))])
+                                    'joint_rnnt_loss'])
 def test_each_input_check_runs_once_per_forward_and_backward(family, backend):
     from seqdist.checks import count_checks
     loss = _family_calls()[family]

@@ -405,3 +405,20 @@ def test_inputs_are_checked_and_cleaned_once_per_forward_and_backward(monkeypatc
         calls.clear()
         torch.autograd.grad(rnnt_loss(x, y, il, tl, 0, backend=backend), x)
         assert calls == [True], (backend, calls)
+
+def test_check_targets_checks_and_clean_targets_cleans():
+    """`check_targets` makes every check of the lengths and labels (3 requires); `clean_targets(check=False)` only pads
+    and casts (what an op prepares without checks: a compiled backward, or an op run inside another, like the joint's)."""
+    from seqdist.checks import count_checks
+    x = torch.randn(2, 4, 3, 5)
+    y, il, tl = torch.tensor([[1, 2], [3, 9]], dtype=torch.int32), torch.tensor([4, 3]), torch.tensor([2, 1])  # 9: padding
+    with count_checks() as n: assert rnnt.check_targets(x, y, il, tl, 0) is None
+    assert sum(n.values()) == 3, n
+    with count_checks() as n: yc, ilc, tlc = clean_targets(x, y, il, tl, 0, check=False)
+    assert not n and yc.tolist() == [[1, 2, 0], [3, 0, 0]] and ilc.dtype == tlc.dtype == yc.dtype == torch.int64
+    for bad, message in ((dict(il=il + 1), r"logit_lengths must be in \[1, T\] = \[1, 4\], got \[5\]"),
+                         (dict(tl=tl + 1), r"target_lengths must be in \[0, min"), (dict(y=y * 0), "the blank label 0")):
+        a = dict(y=y, il=il, tl=tl) | bad
+        with pytest.raises(ValueError, match=message): rnnt.check_targets(x, a['y'], a['il'], a['tl'], 0)
+        with pytest.raises(ValueError, match=message): clean_targets(x, a['y'], a['il'], a['tl'], 0)
+        clean_targets(x, a['y'], a['il'], a['tl'], 0, check=False)           # unchecked: no error

@@ -507,3 +507,15 @@ def test_alignments_agree_on_every_path(S, max_threads):
     if S is Log:            # every label is emitted once
         assert_same(ref[..., 1, :].sum((1, 2, 3)), tl.double(), rtol=1e-9, atol=1e-9)
         assert_same(refm[..., -1].sum((1, 2)), tl.double(), rtol=1e-9, atol=1e-9)
+
+def test_targets_are_checked_and_cleaned_once_per_forward_and_backward(monkeypatch):
+    "tdt's prepare cleans (and checks) the targets with rnnt's `clean_targets`, once per fwd+bwd on every path."
+    calls, clean = [], tdt.clean_targets
+    monkeypatch.setattr(tdt, 'clean_targets', lambda *args: calls.append(args[-1]) or clean(*args))
+    x = torch.randn(2, 4, 3, 5 + 3, requires_grad=True)
+    y, il, tl = torch.tensor([[1, 2], [3, 1]]), torch.tensor([4, 3]), torch.tensor([2, 1])
+    for backend in ('cpu', 'cuda', 'reference'):
+        for kw in (dict(durations=(0, 1, 2)), dict(durations=(0, 1, 2), omega=0.5)):
+            calls.clear()
+            torch.autograd.grad(tdt.tdt_loss(x, y, il, tl, blank=0, backend=backend, **kw), x)
+            assert calls == [True], (backend, kw, calls)
