@@ -284,8 +284,8 @@ def check_targets(logits, targets, logit_lengths, target_lengths, blank):
         "target_lengths out of [0, min(U, targets.shape[1])]"
         return (f"target_lengths must be in [0, min(U, targets.shape[1])] = [0, {U_max}] (logits have U+1 = "
                 f"{U1}), got {tl[(tl < 0) | (tl > U_max)][:5].tolist()}")
-    require(((il >= 1) & (il <= T)).all(), on_host(il), bad_il)
-    require(((tl >= 0) & (tl <= U_max)).all(), on_host(tl), bad_tl)
+    require((il.clamp(1, T) == il).all(), on_host(il), bad_il)
+    require((tl.clamp(0, U_max) == tl).all(), on_host(tl), bad_tl)
     y = targets[:, :U_max]
     keep = torch.arange(U_max, device=y.device) < to_device(tl, y.device)[:, None]
     check_labels(y, keep, V, blank, on_host(y), 'V')
