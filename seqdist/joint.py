@@ -292,15 +292,15 @@ def _activations_cuda(s, tile, buf):
 def _stats_cuda(s, z, tile, lse, edge_lp):
     b, t0, t1, u0, u1 = tile
     B, T, U1, V = s.shape
-    _joint_kernels[(z.dtype, 'joint_tile_stats')]((z.shape[0],), _block(V),
-        (z, s.bias_arg, s.y, lse, edge_lp, int(s.bias is not None), b, t0, u0, u1 - u0, T, U1, V, s.blank))
+    _joint_kernels[(z.dtype, 'joint_tile_stats')]((z.shape[0],), _block(V), z=z, bias=s.bias_arg, targets=s.y, lse=lse,
+        edge_lp=edge_lp, has_bias=int(s.bias is not None), b=b, t0=t0, u0=u0, uu=u1 - u0, T=T, U1=U1, V=V, blank=s.blank)
 
 def _grad_cuda(s, z, tile, lse, post, g, db):
     b, t0, t1, u0, u1 = tile
     B, T, U1, V = s.shape
-    _joint_kernels[(z.dtype, 'joint_tile_grad')]((z.shape[0],), _block(V),
-        (z, s.bias_arg, s.y, s.il, s.tl, lse, post, g, int(s.bias is not None), b, t0, u0, u1 - u0, T, U1, V, s.blank,
-         float(s.clamp), float(s.fastemit_lambda)))
+    _joint_kernels[(z.dtype, 'joint_tile_grad')]((z.shape[0],), _block(V), z=z, bias=s.bias_arg, targets=s.y,
+        logit_lengths=s.il, target_lengths=s.tl, lse=lse, post=post, g=g, has_bias=int(s.bias is not None), b=b, t0=t0,
+        u0=u0, uu=u1 - u0, T=T, U1=U1, V=V, blank=s.blank, clamp=float(s.clamp), lam=float(s.fastemit_lambda))
     if s.bias is not None: db += z.sum(0, dtype=torch.float64)      # (a deterministic reduction: no atomics)
 
 def _backprop_cuda(s, dh, h, tile, de, dp):
