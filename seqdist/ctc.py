@@ -124,8 +124,9 @@ def _forward_scaled(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, e
         if m == -np.inf: return -np.inf, True, 0.0   # no label of the target can be emitted at t: infeasible
         log_scale += m
         for u in range(U):
-            e = np.exp(lp[t, n, labels[u]] + offset[u] - m)
-            if 0.0 < e < _TINY: return 0.0, False, 0.0
+            x = lp[t, n, labels[u]] + offset[u] - m
+            e = np.exp(x)
+            if e < _TINY and x > -np.inf: return 0.0, False, 0.0    # (e = 0 too: an underflow, not an impossible label)
             emit[t, u] = e
     emit_scale = log_scale
     a = alpha                                   # a[t, s + 2] is state s; two zeros pad the left of each row

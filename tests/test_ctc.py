@@ -176,6 +176,17 @@ def test_peaked_and_long_inputs_stay_exact():
     assert_same(ours[0], theirs[0], rtol=1e-10)
     assert_same(ours[1], theirs[1], rtol=1e-8, atol=1e-10)
 
+def test_an_emission_that_underflows_sends_the_cpu_kernel_to_log_space():
+    "A label needed by every path, 800 below the others in every frame: exp underflows to 0 (not below _TINY): log space."
+    T, C = 6, 4
+    x = torch.zeros(T, 1, C, dtype=torch.float64); x[:, :, 2] = -800
+    lp = x.log_softmax(2)
+    tg, il, tl = torch.tensor([[1, 2]]), torch.tensor([T]), torch.tensor([2])
+    for backend in ('cpu', 'cuda', 'reference'):
+        ours = our_loss_and_grad(lp, tg, il, tl, 0, 'sum', False, backend)
+        theirs = torch_loss_and_grad(lp, tg, il, tl, 0, 'sum', False)
+        assert_same(ours[0], theirs[0], rtol=1e-12); assert_same(ours[1], theirs[1], rtol=1e-9, atol=1e-12)
+
 def test_posteriors_and_alignments():
     torch.manual_seed(0)
     logits = torch.randn(20, 3, 6, dtype=torch.float64)
