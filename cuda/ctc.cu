@@ -11,12 +11,6 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
     return s >= 2 && ext[s] != blank && ext[s] != ext[s - 2];
 }
 
-// k2's delay penalty as the offset of state s of a target of L labels, added to its emission in every frame
-// (`delay_state_offsets`): delay_penalty * (ceil(s/2) - L/2), computed in double and rounded once.
-__device__ __forceinline__ FLOAT delay_offset(double delay_penalty, int s, int L) {
-    return (FLOAT)(delay_penalty * (((s + 1) >> 1) - 0.5 * L));
-}
-
 // The forward and the backward recursion at once, one block per sequence: the first half of the block computes
 // alpha_t(s) (paths in state s after emitting frame t) for t = 0, 1, ..., the second half beta_t(s) (paths from
 // state s after frame t to the end, frame t's emission excluded) for t = T-1, T-2, ..., one frame each per step, one
@@ -33,7 +27,9 @@ __device__ __forceinline__ FLOAT delay_offset(double delay_penalty, int s, int L
 // bit per state, and float64 (whose log and exp take many registers) runs 512-thread blocks. `recursions`, a bit set:
 // FORWARD | BACKWARD both at once; FORWARD alone (it stores alpha: logZ only, or the first of two launches for targets
 // too long for four frames in shared memory); BACKWARD alone (it multiplies beta into the alpha that a forward launch
-// stored). `delay_penalty`: every emission carries its state's offset, and logZ the constant of `delay_state_offsets`.
+// stored). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions that enter a label state (odd
+// s) in frame t, from the state before it or by a skip, and on starting in state 1: as k2 defines it, one number per
+// step (the state offsets of `delay_state_offsets`, one per state, would be held in registers the emissions need).
 enum { FORWARD = 1, BACKWARD = 2 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
@@ -59,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     #pragma unroll
     for (int k = 0; k < SPT; k++) {
         const int s = j + k * B;
-        if (s < S && T > 0) em[k] = lp_n[t_first * frame + e[s]] + delay_offset(delay_penalty, s, S >> 1);
+        if (s < S && T > 0) em[k] = lp_n[t_first * frame + e[s]];
         if (backward ? s + 2 < S && may_skip(e, s + 2, blank) : s < S && may_skip(e, s, blank)) skips |= 1u << k;
     }
     const volatile long long* label = e;                // re-read at each step, not held in registers
@@ -72,31 +68,32 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
             const bool first = backward ? t >= h : t < h;
             const int t_next = backward ? t - 1 : t + 1;
             const FLOAT* lp_next = lp_n + t_next * frame;
+            const FLOAT enter = (FLOAT)(delay_penalty * ((T >> 1) - (backward ? t + 1 : t)));   // entering a label then
             #pragma unroll
             for (int k = 0; k < SPT; k++) {
                 const int s = j + k * B;
                 if (s >= S) break;
                 FLOAT v;
                 if (!backward) {
-                    if (t == 0) v = s < 2 ? ONE : ZERO;
-                    else {
+                    if (t == 0) v = s == 0 ? ONE : (s == 1 ? MUL(ONE, enter) : ZERO);
+                    else {                                  // into a label (odd s) from s - 1 or s - 2: + enter
                         v = prev[s];
-                        if (s >= 1) v = SUM(v, prev[s - 1]);
-                        if (skips >> k & 1u) v = SUM(v, prev[s - 2]);
+                        if (s >= 1) v = SUM(v, s & 1 ? MUL(prev[s - 1], enter) : prev[s - 1]);
+                        if (skips >> k & 1u) v = SUM(v, MUL(prev[s - 2], enter));
                     }
                     v = MUL(v, em[k]);                      // alpha_t(s)
                     cur[s] = v;
                 } else {
                     if (t == T - 1) v = s >= S - 2 ? ONE : ZERO;
-                    else {
+                    else {                                  // into a label (s + 1 if s is even, s + 2) in frame t + 1
                         v = prev[s];
-                        if (s + 1 < S) v = SUM(v, prev[s + 1]);
-                        if (skips >> k & 1u) v = SUM(v, prev[s + 2]);
+                        if (s + 1 < S) v = SUM(v, s & 1 ? prev[s + 1] : MUL(prev[s + 1], enter));
+                        if (skips >> k & 1u) v = SUM(v, MUL(prev[s + 2], enter));
                     }
                     cur[s] = MUL(v, em[k]);                 // beta_t(s) * emission: what frame t - 1 reads
                 }
                 wt[s] = first ? v : MUL(wt[s], v);
-                if (t_next >= 0 && t_next < T) em[k] = lp_next[label[s]] + delay_offset(delay_penalty, s, S >> 1);
+                if (t_next >= 0 && t_next < T) em[k] = lp_next[label[s]];
             }
         }
         __syncthreads();
@@ -104,8 +101,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     if (threadIdx.x == 0 && recursions != BACKWARD) {
         const FLOAT* last = buf + ((T + 1) % 2) * S_max;    // the forward recursion's frame T - 1
         const FLOAT z = T == 0 ? (S == 1 ? ONE : ZERO) : (S > 1 ? SUM(last[S - 1], last[S - 2]) : last[0]);
-        const FLOAT shift = (FLOAT)(-0.5 * delay_penalty * (S >> 1) * (T % 2));   // 0 without a delay penalty
-        logz[n] = z > (FLOAT)-1e30 ? z + shift : -INFINITY;   // ZERO is finite (-1e38): infeasible
+        logz[n] = z > (FLOAT)-1e30 ? z : -INFINITY;         // ZERO is finite (-1e38): infeasible
     }
 }
 
