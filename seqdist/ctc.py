@@ -59,7 +59,7 @@ def delay_state_offsets(input_lengths, target_lengths, width, delay_penalty):
     s = torch.arange(width, device=target_lengths.device, dtype=torch.float64)
     L = target_lengths.double()
     states = delay_penalty * (torch.div(s + 1, 2, rounding_mode='floor') - L[:, None] / 2)
-    return states, -delay_penalty * L / 2 * (input_lengths % 2).double()
+    return states, torch.where(input_lengths % 2 == 1, -delay_penalty * L / 2, 0.0)
 
 def logz_brute_force(log_probs, target, blank=0, S:semiring=Log, delay_penalty=0.0):
     """logZ of one sequence by enumerating all C**T frame labellings and keeping those that collapse to `target`;
