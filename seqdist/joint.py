@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['ACTIVATIONS', 'JOINT_TILE_BYTES', 'JOINT_TILE_SHARE', 'JOINT_BLOCK', 'joint_rnnt_op', 'JOINT_SHAPES', 'joint_logits',
-           'delay_offsets', 'joint_inputs', 'joint_rnnt_loss', 'JointRNNTLoss', 'joint_inputs_for', 'joint_peak_mb',
-           'bench_joint', 'gemm_share']
+           'joint_inputs', 'joint_rnnt_loss', 'JointRNNTLoss', 'joint_inputs_for', 'joint_peak_mb', 'bench_joint',
+           'gemm_share', 'delay_offsets']
 
 # %% ../nbs/06b_joint.ipynb #e2fcb5b9
 import math, time
@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .core import Log, fast_exp, fast_exp8
+from .rnnt import delay_offsets
 from .ops import Op, AUTOGRAD, op_namespace, max_threads
 from .utils import load_kernel, resource_budget
 from .rnnt import rnnt_loss, posteriors, rnnt_inputs, clean_targets
@@ -34,10 +35,7 @@ def joint_logits(encoder_out, predictor_out, weight, bias=None, activation='relu
     h = torch.relu(h) if activation == 'relu' else torch.tanh(h) if activation == 'tanh' else h
     return F.linear(h, weight, bias)
 
-def delay_offsets(logit_lengths, T, delay_penalty):
-    "k2's delay penalty (B, T): `delay_penalty * ((T_b - 1)/2 - t)`, added to the label edges' log-probabilities in frame t."
-    t = torch.arange(T, device=logit_lengths.device, dtype=torch.float64)
-    return delay_penalty * ((logit_lengths[:, None].double() - 1) / 2 - t)
+_all_ = ['delay_offsets']     # seqdist.rnnt's, importable from here as before
 
 def _node_stats(z, y, blank):
     "The log-normaliser (B, T, U+1) and the blank and label edges' log-probabilities (B, T, U+1, 2) of logits z, float64."

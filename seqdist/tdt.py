@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['MAX_DURATIONS', 'tdt_op', 'TDT_SHAPES', 'check_durations', 'tdt_inputs', 'multiblank_inputs', 'tdt_edges',
-           'multiblank_edges', 'edge_table', 'delay_offsets', 'edge_scores', 'logz_reference', 'tdt_brute_force',
+           'multiblank_edges', 'edge_table', 'edge_scores', 'logz_reference', 'tdt_brute_force',
            'multiblank_brute_force', 'grad_from_edges', 'tdt_loss', 'multiblank_rnnt_loss', 'TDTLoss',
            'MultiblankRNNTLoss', 'lattice_edges', 'tdt_alignments', 'multiblank_alignments', 'tdt_best_path',
-           'tdt_inputs_for', 'load_hf_tdt_loss', 'bench_tdt', 'tdt_peak_extra_mb']
+           'tdt_inputs_for', 'load_hf_tdt_loss', 'bench_tdt', 'tdt_peak_extra_mb', 'delay_offsets']
 
 # %% ../nbs/09_tdt.ipynb #e1e4e656
 import math
@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .core import semiring, Log, Max, fast_exp, fast_exp8
+from .rnnt import delay_offsets
 from .utils import load_kernel, empty_large, on_host, require, to_device, resource_budget
 from .ops import Op, op_namespace, max_threads, resolve_backend
 from .rnnt import rnnt_loss, rnnt_inputs, clean_targets, _row_lse, _numba_threads, _number, _compute_dtype, _POOLED
@@ -94,10 +95,7 @@ def edge_table(durations, big_blank_durations, blank, with_rnnt):
 edge_table((0, 1, 2), (), 4, True)
 
 # %% ../nbs/09_tdt.ipynb #1628208c
-def delay_offsets(logit_lengths, T, delay_penalty):
-    "k2's delay penalty: delay_penalty * ((T_b - 1)/2 - t), (B, T), added to every label edge's log-probability at frame t."
-    t = torch.arange(T, device=logit_lengths.device, dtype=torch.float64)
-    return delay_penalty * ((logit_lengths[:, None].double() - 1) / 2 - t)
+_all_ = ['delay_offsets']     # seqdist.rnnt's, importable from here as before
 
 def edge_scores(token_lp, duration_lp, y, table, sigmas=(0.0, 0.0), delay=None):
     """Scores (B, T, U+1, K) of the edges of `table` leaving each node: the token's log-probability (the label y[:, u]
