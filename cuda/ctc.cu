@@ -27,12 +27,14 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // bit per state, and float64 (whose log and exp take many registers) runs 512-thread blocks. `recursions`, a bit set:
 // FORWARD | BACKWARD both at once; FORWARD alone (it stores alpha: logZ only, or the first of two launches for targets
 // too long for four frames in shared memory); BACKWARD alone (it multiplies beta into the alpha that a forward launch
-// stored).
+// stored). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions that enter a label state (odd
+// s) in frame t, from the state before it or by a skip, and on starting in state 1: as k2 defines it, one number per
+// step (the state offsets of `delay_state_offsets`, one per state, would be held in registers the emissions need).
 enum { FORWARD = 1, BACKWARD = 2 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
-    int N, int C, int S_max, int blank, int recursions)
+    int N, int C, int S_max, int blank, int recursions, double delay_penalty)
 {
     extern __shared__ unsigned char smem[];
     const bool both = recursions == (FORWARD | BACKWARD);
@@ -66,26 +68,27 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
             const bool first = backward ? t >= h : t < h;
             const int t_next = backward ? t - 1 : t + 1;
             const FLOAT* lp_next = lp_n + t_next * frame;
+            const FLOAT enter = (FLOAT)(delay_penalty * ((T >> 1) - (backward ? t + 1 : t)));   // entering a label then
             #pragma unroll
             for (int k = 0; k < SPT; k++) {
                 const int s = j + k * B;
                 if (s >= S) break;
                 FLOAT v;
                 if (!backward) {
-                    if (t == 0) v = s < 2 ? ONE : ZERO;
-                    else {
+                    if (t == 0) v = s == 0 ? ONE : (s == 1 ? MUL(ONE, enter) : ZERO);
+                    else {                                  // into a label (odd s) from s - 1 or s - 2: + enter
                         v = prev[s];
-                        if (s >= 1) v = SUM(v, prev[s - 1]);
-                        if (skips >> k & 1u) v = SUM(v, prev[s - 2]);
+                        if (s >= 1) v = SUM(v, s & 1 ? MUL(prev[s - 1], enter) : prev[s - 1]);
+                        if (skips >> k & 1u) v = SUM(v, MUL(prev[s - 2], enter));
                     }
                     v = MUL(v, em[k]);                      // alpha_t(s)
                     cur[s] = v;
                 } else {
                     if (t == T - 1) v = s >= S - 2 ? ONE : ZERO;
-                    else {
+                    else {                                  // into a label (s + 1 if s is even, s + 2) in frame t + 1
                         v = prev[s];
-                        if (s + 1 < S) v = SUM(v, prev[s + 1]);
-                        if (skips >> k & 1u) v = SUM(v, prev[s + 2]);
+                        if (s + 1 < S) v = SUM(v, s & 1 ? prev[s + 1] : MUL(prev[s + 1], enter));
+                        if (skips >> k & 1u) v = SUM(v, MUL(prev[s + 2], enter));
                     }
                     cur[s] = MUL(v, em[k]);                 // beta_t(s) * emission: what frame t - 1 reads
                 }

@@ -14,6 +14,11 @@ __device__ __forceinline__ double edge_lp(const FLOAT* logits, const double* lse
     return logits[n * V + k] - lse[n];
 }
 
+// k2's delay penalty: the offset added to the log-probability of the label edges of frame t (Tb frames in all).
+__device__ __forceinline__ double delay_offset(double delay_penalty, int t, int Tb) {
+    return delay_penalty * (0.5 * (Tb - 1) - t);
+}
+
 // lse[n] = log sum_v exp(logits[n, v]) for each row n = (b, t, u) inside the lattice (0 elsewhere, or if !fused).
 // Stored in float64: a float32 lse of 10 is off by 5e-7, which the gradient's cancellations would amplify.
 extern "C" __global__ void rnnt_lse(
@@ -36,11 +41,13 @@ extern "C" __global__ void rnnt_lse(
 }
 
 // alpha[b, t, u]: semiring sum of the paths from (0, 0) to (t, u); beta[b, t, u]: of the paths from (t, u), its own
-// edge included, to the end. Grid (B, 2): blockIdx.y = 0 computes alpha, 1 computes beta, one anti-diagonal at a time.
+// edge included, to the end (label edges with their delay offset). Grid (B, 2): blockIdx.y = 0 computes alpha, 1
+// computes beta, one anti-diagonal at a time.
 extern "C" __global__ void rnnt_alpha_beta(
     const FLOAT* __restrict__ logits, const double* __restrict__ lse, const long long* __restrict__ targets,
     const long long* __restrict__ logit_lengths, const long long* __restrict__ target_lengths,
-    double* __restrict__ alpha, double* __restrict__ beta, double* __restrict__ logz, int T, int U1, int V, int blank)
+    double* __restrict__ alpha, double* __restrict__ beta, double* __restrict__ logz, int T, int U1, int V, int blank,
+    double delay_penalty)
 {
     const int b = blockIdx.x, Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
     const bool fwd = blockIdx.y == 0;
@@ -52,15 +59,16 @@ extern "C" __global__ void rnnt_alpha_beta(
             if (t < 0 || t >= Tb) continue;
             const long long n = node_index(b, t, u, T, U1);
             double v = ZERO;
+            const double delay = delay_offset(delay_penalty, t, Tb);
             if (fwd) {
                 if (t == 0 && u == 0) v = ONE;
                 if (t > 0) v = MUL(alpha[n - U1], edge_lp(logits, lse, n - U1, V, blank));
-                if (u > 0) v = SUM(v, MUL(alpha[n - 1], edge_lp(logits, lse, n - 1, V, y[u - 1])));
+                if (u > 0) v = SUM(v, MUL(alpha[n - 1], edge_lp(logits, lse, n - 1, V, y[u - 1]) + delay));
                 alpha[n] = v;
             } else {
                 if (t == Tb - 1 && u == Ub) v = edge_lp(logits, lse, n, V, blank);
                 if (t < Tb - 1) v = MUL(beta[n + U1], edge_lp(logits, lse, n, V, blank));
-                if (u < Ub) v = SUM(v, MUL(beta[n + 1], edge_lp(logits, lse, n, V, y[u])));
+                if (u < Ub) v = SUM(v, MUL(beta[n + 1], edge_lp(logits, lse, n, V, y[u]) + delay));
                 beta[n] = v;
             }
         }
@@ -75,11 +83,11 @@ extern "C" __global__ void rnnt_alpha_beta(
 // Posteriors of the blank and the label edge leaving node n = (b, t, u) (Log semiring).
 __device__ __forceinline__ void edge_posteriors(
     const FLOAT* logits, const double* lse, const long long* y, const double* alpha, const double* beta, double logz,
-    long long n, int t, int u, int Tb, int Ub, int U1, int V, int blank, double* pb, double* pe)
+    long long n, int t, int u, int Tb, int Ub, int U1, int V, int blank, double delay_penalty, double* pb, double* pe)
 {
     const double a = alpha[n] - logz, lpb = edge_lp(logits, lse, n, V, blank);
     *pb = t < Tb - 1 ? exp(a + lpb + beta[n + U1]) : (u == Ub ? exp(a + lpb) : 0.0);
-    *pe = u < Ub ? exp(a + edge_lp(logits, lse, n, V, y[u]) + beta[n + 1]) : 0.0;
+    *pe = u < Ub ? exp(a + (edge_lp(logits, lse, n, V, y[u]) + delay_offset(delay_penalty, t, Tb)) + beta[n + 1]) : 0.0;
 }
 
 // grad[row] = g[b] * d(cost_b)/d logits[row], clamped to [-clamp, clamp] before the scaling if clamp > 0, with the
@@ -90,7 +98,7 @@ extern "C" __global__ void rnnt_grad(
     const long long* __restrict__ logit_lengths, const long long* __restrict__ target_lengths,
     const double* __restrict__ alpha, const double* __restrict__ beta, const double* __restrict__ costs,
     const FLOAT* __restrict__ g, FLOAT* __restrict__ grad, int T, int U1, int V, int blank, int fused,
-    FLOAT clamp, FLOAT fastemit_lambda)
+    FLOAT clamp, FLOAT fastemit_lambda, double delay_penalty)
 {
     const long long n = blockIdx.x;                        // no barrier in this kernel: early exits are safe
     const int u = (int)(n % U1), t = (int)((n / U1) % T), b = (int)(n / ((long long)U1 * T));
@@ -104,7 +112,7 @@ extern "C" __global__ void rnnt_grad(
     }
     const long long* y = targets + (long long)b * U1;
     double pb, pe;
-    edge_posteriors(logits, lse, y, alpha, beta, -cost, n, t, u, Tb, Ub, U1, V, blank, &pb, &pe);
+    edge_posteriors(logits, lse, y, alpha, beta, -cost, n, t, u, Tb, Ub, U1, V, blank, delay_penalty, &pb, &pe);
     pe *= 1 + (double)fastemit_lambda;
     const long long label = u < Ub ? y[u] : -1;
     const FLOAT* row = logits + n * V;
@@ -123,7 +131,7 @@ extern "C" __global__ void rnnt_edges(
     const FLOAT* __restrict__ logits, const double* __restrict__ lse, const long long* __restrict__ targets,
     const long long* __restrict__ logit_lengths, const long long* __restrict__ target_lengths,
     const double* __restrict__ alpha, const double* __restrict__ beta, const double* __restrict__ logz,
-    FLOAT* __restrict__ edges, int B, int T, int U1, int V, int blank)
+    FLOAT* __restrict__ edges, int B, int T, int U1, int V, int blank, double delay_penalty)
 {
     const long long n = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (n >= (long long)B * T * U1) return;
@@ -131,7 +139,8 @@ extern "C" __global__ void rnnt_edges(
     const int Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
     double pb = 0, pe = 0;
     if (t < Tb && u <= Ub && !(logz[b] <= -1e30))          // (NaN passes: NaN posteriors)
-        edge_posteriors(logits, lse, targets + (long long)b * U1, alpha, beta, logz[b], n, t, u, Tb, Ub, U1, V, blank, &pb, &pe);
+        edge_posteriors(logits, lse, targets + (long long)b * U1, alpha, beta, logz[b], n, t, u, Tb, Ub, U1, V, blank,
+                        delay_penalty, &pb, &pe);
     edges[2 * n] = (FLOAT)pb;
     edges[2 * n + 1] = (FLOAT)pe;
 }
@@ -142,17 +151,19 @@ extern "C" __global__ void rnnt_backtrack(
     const FLOAT* __restrict__ logits, const double* __restrict__ lse, const long long* __restrict__ targets,
     const long long* __restrict__ logit_lengths, const long long* __restrict__ target_lengths,
     const double* __restrict__ alpha, const double* __restrict__ logz, FLOAT* __restrict__ edges,
-    int B, int T, int U1, int V, int blank)
+    int B, int T, int U1, int V, int blank, double delay_penalty)
 {
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= B || !(logz[b] > -1e30)) return;
     const long long* y = targets + (long long)b * U1;
-    int t = (int)logit_lengths[b] - 1, u = (int)target_lengths[b];
+    const int Tb = (int)logit_lengths[b];
+    int t = Tb - 1, u = (int)target_lengths[b];
     edges[2 * node_index(b, t, u, T, U1)] = 1;
     while (t > 0 || u > 0) {
         const long long n = node_index(b, t, u, T, U1);
         double from_blank = t > 0 ? MUL(alpha[n - U1], edge_lp(logits, lse, n - U1, V, blank)) : ZERO;
-        double from_emit = u > 0 ? MUL(alpha[n - 1], edge_lp(logits, lse, n - 1, V, y[u - 1])) : ZERO;
+        double from_emit = u > 0 ? MUL(alpha[n - 1], edge_lp(logits, lse, n - 1, V, y[u - 1]) + delay_offset(delay_penalty, t, Tb))
+                                 : ZERO;
         if (u == 0 || (t > 0 && from_blank > from_emit)) {   // alpha = max2(from_blank, from_emit)
             t--; edges[2 * node_index(b, t, u, T, U1)] = 1;
         } else {

@@ -46,8 +46,8 @@ def add_at_columns(out, cols, values, sorted_runs=None):
     first = torch.ones_like(sc, dtype=torch.bool)
     first[:, 1:] = sc[:, 1:] != sc[:, :-1]                                      # where each run of equal columns starts
     start = torch.where(first, torch.arange(J, device=cols.device), 0).cummax(1).values
-    _add_at_columns_kernels[out.dtype]((math.ceil(T * N * J / 256),), (256,),
-                                       (out, order, sc.contiguous(), start, values.to(out.dtype).contiguous(), T, N, C, J))
+    _add_at_columns_kernels[out.dtype]((math.ceil(T * N * J / 256),), (256,), out=out, order=order, sorted_cols=sc.contiguous(),
+                                       start=start, values=values.to(out.dtype).contiguous(), T=T, N=N, C=C, J=J)
     return out
 
 def _gather_backward(st, outputs, grads):

@@ -261,8 +261,9 @@ def _rows_cuda(x, target, o):
     xk, k, view = _as_kernel_input(x)
     ce, lse = torch.empty(M, dtype=o.dt, device=x.device), torch.empty(M, dtype=o.dt, device=x.device)
     grid, block = _launch_shape(M)
-    if M: k['ce_forward'](grid, block, (xk.view(view), to_device(target, x.device).contiguous(), o.w, int(o.weight is not None),
-                                        o.ignore_index, o.eps, o.cap, o.W, lse, ce, M, C))
+    if M: k['ce_forward'](grid, block, x=xk.view(view), target=to_device(target, x.device).contiguous(), weight=o.w,
+                          has_weight=int(o.weight is not None), ignore_index=o.ignore_index, eps=o.eps, cap=o.cap, W=o.W,
+                          lse=lse, ce=ce, M=M, C=C)
     return ce, lse
 
 def _rows_grad_cuda(x, target, o, lse, g_ce, g_lse, zc=None, out=None):
@@ -272,8 +273,9 @@ def _rows_grad_cuda(x, target, o, lse, g_ce, g_lse, zc=None, out=None):
     lse, g_ce, g_lse, zc = (a.to(device=x.device, dtype=o.dt).contiguous() for a in (lse, g_ce, g_lse, torch.zeros_like(lse) if zc is None else zc))
     grad = out if out is not None else torch.empty((M, C), dtype=xk.dtype, device=x.device)
     grid, block = _launch_shape(M)
-    if M: k['ce_backward'](grid, block, (xk.view(view), to_device(target, x.device).contiguous(), o.w, int(o.weight is not None),
-                                         o.ignore_index, o.eps, o.cap, o.W, lse, g_ce, g_lse, zc, grad.view(view), M, C))
+    if M: k['ce_backward'](grid, block, x=xk.view(view), target=to_device(target, x.device).contiguous(), weight=o.w,
+                           has_weight=int(o.weight is not None), ignore_index=o.ignore_index, eps=o.eps, cap=o.cap, W=o.W,
+                           lse=lse, g_ce=g_ce, g_lse=g_lse, zc=zc, grad=grad.view(view), M=M, C=C)
     return grad.to(x.dtype)
 
 _ROW_KERNELS = {'cpu': (_rows_cpu, _rows_grad_cpu), 'cuda': (_rows_cuda, _rows_grad_cuda)}

@@ -133,7 +133,8 @@ def _scores_cuda(stay, move, lengths, S):
     alpha, beta = stay.new_empty(T + 1, N, L), stay.new_empty(T + 1, N, L)
     block, shared = min(max_threads(RECURSION_THREADS), 32 * math.ceil(L / 32)), 2 * L * stay.element_size()
     mv = move.contiguous() if L > 1 else stay.new_empty(T, N, 1)
-    _simple_kernels[(dtype, S)]((N, 2), (block,), (stay.contiguous(), mv, lengths, alpha, beta, T, N, L), shared_mem=shared)
+    _simple_kernels[(dtype, S)]((N, 2), (block,), stay=stay.contiguous(), move=mv, lengths=lengths, alpha=alpha, beta=beta,
+                                T=T, N=N, L=L, shared_mem=shared)
     return alpha, beta
 
 def _posteriors_cuda(stay, move, alpha, beta, logz):
@@ -142,8 +143,9 @@ def _posteriors_cuda(stay, move, alpha, beta, logz):
     gs, gm = stay.new_empty(T, N, L), stay.new_empty(T, N, max(L - 1, 0))
     mv = move.contiguous() if L > 1 else gm
     threads = POSTERIOR_THREADS
-    if T * N: _simple_posterior_kernels[stay.dtype]((T * N,), (threads,), (alpha, beta, stay.contiguous(), mv, logz.contiguous(),
-                                                                          gs, gm, N, L), shared_mem=threads * stay.element_size())
+    if T * N: _simple_posterior_kernels[stay.dtype]((T * N,), (threads,), alpha=alpha, beta=beta, stay=stay.contiguous(), move=mv,
+                                                    logz=logz.contiguous(), gs=gs, gm=gm, N=N, L=L,
+                                                    shared_mem=threads * stay.element_size())
     return gs, gm
 
 # %% ../nbs/03_ctc_simple.ipynb #b8daf0ce

@@ -162,13 +162,17 @@ class _CPUGates:
 class _CUDAGates:
     "The CUDA gate kernels (on the GPU for CUDA tensors, through the emulator for CPU tensors): one launch per step."
     def __init__(self, *buffers): self.buffers = buffers
-    def _launch(self, name, t, src, dst):
-        k = _GATE_KERNELS[self.buffers[0].dtype][name]
-        N, H = self.buffers[2].shape[1], self.buffers[2].shape[2]
+    def _launch(self, name, t, src, dst, **buffers):
+        N, H = buffers['Hb'].shape[1], buffers['Hb'].shape[2]
         block = max_threads(GATE_THREADS)
-        k((math.ceil(N * H / block),), (block,), (*self.buffers, t, src, dst, N, H))
-    def forward(self, t, src, dst): self._launch('gru_gates_forward', t, src, dst)
-    def backward(self, t, src, dst): self._launch('gru_gates_backward', t, src, dst)
+        _GATE_KERNELS[buffers['G'].dtype][name]((math.ceil(N * H / block),), (block,), **buffers, t=t, src=src, dst=dst, N=N, H=H)
+    def forward(self, t, src, dst):
+        G, gh, Hb, ghn, lengths = self.buffers
+        self._launch('gru_gates_forward', t, src, dst, G=G, gh=gh, Hb=Hb, ghn=ghn, lengths=lengths)
+    def backward(self, t, src, dst):
+        G, ghn, Hb, dHb, dh, dh_prev, dgh, dan, lengths = self.buffers
+        self._launch('gru_gates_backward', t, src, dst, G=G, ghn=ghn, Hb=Hb, dHb=dHb, dh=dh, dh_prev=dh_prev, dgh=dgh, dan=dan,
+                     lengths=lengths)
 
 _GATES = {'cpu': _CPUGates, 'cuda': _CUDAGates}
 

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['ACTIVATIONS', 'JOINT_TILE_BYTES', 'JOINT_TILE_SHARE', 'JOINT_BLOCK', 'joint_rnnt_op', 'JOINT_SHAPES', 'joint_logits',
-           'delay_offsets', 'joint_inputs', 'joint_rnnt_loss', 'JointRNNTLoss', 'joint_inputs_for', 'joint_peak_mb',
-           'bench_joint', 'gemm_share']
+           'joint_inputs', 'joint_rnnt_loss', 'JointRNNTLoss', 'joint_inputs_for', 'joint_peak_mb', 'bench_joint',
+           'gemm_share', 'delay_offsets']
 
 # %% ../nbs/06b_joint.ipynb #e2fcb5b9
 import math, time
@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .core import Log, compute_dtype, fast_exp, fast_exp8, fast_logsumexp
+from .rnnt import delay_offsets
 from .ops import Op, AUTOGRAD, op_namespace, max_threads
 from .utils import load_kernel, resource_budget, finite_real
 from .rnnt import rnnt_op, rnnt_edges_op, rnnt_loss, rnnt_inputs, clean_targets
@@ -33,10 +34,7 @@ def joint_logits(encoder_out, predictor_out, weight, bias=None, activation='relu
     h = torch.relu(h) if activation == 'relu' else torch.tanh(h) if activation == 'tanh' else h
     return F.linear(h, weight, bias)
 
-def delay_offsets(logit_lengths, T, delay_penalty):
-    "k2's delay penalty (B, T): `delay_penalty * ((T_b - 1)/2 - t)`, added to the label edges' log-probabilities in frame t."
-    t = torch.arange(T, device=logit_lengths.device, dtype=torch.float64)
-    return delay_penalty * ((logit_lengths[:, None].double() - 1) / 2 - t)
+_all_ = ['delay_offsets']     # seqdist.rnnt's, importable from here as before
 
 def _node_stats(z, y, blank):
     "The log-normaliser (B, T, U+1) and the blank and label edges' log-probabilities (B, T, U+1, 2) of logits z, float64."
@@ -46,7 +44,7 @@ def _node_stats(z, y, blank):
 
 def _rnnt_costs(s, logits, fused_log_softmax, clamp):
     "`rnnt_loss(..., reduction='none')` of `logits` (float64): rnnt's op on the targets and lengths `_prepare` checked."
-    return rnnt_op(logits, s.y, s.il, s.tl, s.blank, fused_log_softmax, clamp, s.fastemit_lambda, check=False)[0]
+    return rnnt_op(logits, s.y, s.il, s.tl, s.blank, fused_log_softmax, clamp, s.fastemit_lambda, 0.0, check=False)[0]
 
 def _reference_forward(s):
     "costs (B,), lse and edge log-probs: the joiner's logits, then `rnnt_loss` (the composition)."
@@ -242,7 +240,7 @@ def _tiled_forward(s, backend):
         for tile in tiles: k.stats(s, _tile_logits(s, k.activations(s, tile, hbuf), zbuf), tile, lse, edge_lp)
     _for_tiles(s, backend, work)
     if s.delay_penalty: edge_lp[..., 1] += delay_offsets(s.il, T, s.delay_penalty)[:, :, None]
-    costs, _ = _lattice(s, rnnt_op, edge_lp, backend, -1.0, 0.0)      # (clamp, FastEmit: the tiles apply them)
+    costs, _ = _lattice(s, rnnt_op, edge_lp, backend, -1.0, 0.0, 0.0)   # (clamp, FastEmit: the tiles; the delay: above)
     return costs, lse, edge_lp
 
 def _tiled_backward(s, outputs, grads, backend):
@@ -253,7 +251,7 @@ def _tiled_backward(s, outputs, grads, backend):
     want_h = bool({'encoder_out', 'predictor_out'} & s.grad_wanted)
     want_w = bool({'weight', 'bias'} & s.grad_wanted)
     g = grads[0].detach().to(torch.float64).contiguous()
-    _, post = _lattice(s, rnnt_edges_op, edge_lp, backend, 'Log')
+    _, post = _lattice(s, rnnt_edges_op, edge_lp, backend, 'Log', 0.0)
     def work(tiles, i):                            # each worker sums into its own de, dp, dW and db
         de, dp, dw = torch.zeros_like(s.e), torch.zeros_like(s.p), torch.zeros_like(s.W)
         db = s.W.new_zeros(V if s.bias is not None else 0, dtype=torch.float64)
@@ -295,15 +293,15 @@ def _activations_cuda(s, tile, buf):
 def _stats_cuda(s, z, tile, lse, edge_lp):
     b, t0, t1, u0, u1 = tile
     B, T, U1, V = s.shape
-    _joint_kernels[(z.dtype, 'joint_tile_stats')]((z.shape[0],), _block(V),
-        (z, s.bias_arg, s.y, lse, edge_lp, int(s.bias is not None), b, t0, u0, u1 - u0, T, U1, V, s.blank))
+    _joint_kernels[(z.dtype, 'joint_tile_stats')]((z.shape[0],), _block(V), z=z, bias=s.bias_arg, targets=s.y, lse=lse,
+        edge_lp=edge_lp, has_bias=int(s.bias is not None), b=b, t0=t0, u0=u0, uu=u1 - u0, T=T, U1=U1, V=V, blank=s.blank)
 
 def _grad_cuda(s, z, tile, lse, post, g, db):
     b, t0, t1, u0, u1 = tile
     B, T, U1, V = s.shape
-    _joint_kernels[(z.dtype, 'joint_tile_grad')]((z.shape[0],), _block(V),
-        (z, s.bias_arg, s.y, s.il, s.tl, lse, post, g, int(s.bias is not None), b, t0, u0, u1 - u0, T, U1, V, s.blank,
-         float(s.clamp), float(s.fastemit_lambda)))
+    _joint_kernels[(z.dtype, 'joint_tile_grad')]((z.shape[0],), _block(V), z=z, bias=s.bias_arg, targets=s.y,
+        logit_lengths=s.il, target_lengths=s.tl, lse=lse, post=post, g=g, has_bias=int(s.bias is not None), b=b, t0=t0,
+        u0=u0, uu=u1 - u0, T=T, U1=U1, V=V, blank=s.blank, clamp=float(s.clamp), lam=float(s.fastemit_lambda))
     if s.bias is not None: db += z.sum(0, dtype=torch.float64)      # (a deterministic reduction: no atomics)
 
 def _backprop_cuda(s, dh, h, tile, de, dp):

@@ -203,7 +203,7 @@ class Kernel:
     def __init__(self, fname, name, macros=None, **more_macros):
         self.path, self.name = find_source(fname), name
         self.macros = {k: str(v) for k, v in {**(macros or {}), **more_macros}.items()}
-        self._params, self._specs, self._source, self._compiled = None, None, None, {}  # read and built once, at first use
+        self._params, self._specs, self._names, self._source, self._compiled = None, None, None, None, {}  # built at first use
         key = (str(self.path), name, tuple(self.macros.items()))
         if hasattr(KERNELS.get(key), 'budget'): self.budget = KERNELS[key].budget   # declared for the instantiation
         KERNELS[key] = self
@@ -236,6 +236,12 @@ class Kernel:
         if self._specs is None: self._specs = _param_specs(self.params)
         return self._specs
 
+    @property
+    def param_names(self):
+        "The parameters' names, in order: what a launch by name is matched against."
+        if self._names is None: self._names = tuple(p.name for p in self.params)
+        return self._names
+
     def __call__(self, grid, block, args=None, *, shared_mem=0, **named):
         if args is None or named: args = self._args_by_name(args, named)
         grid, block, args = _dims(grid, 'grid', self.name), _dims(block, 'block', self.name), tuple(args)
@@ -250,9 +256,12 @@ class Kernel:
 
     def _args_by_name(self, args, named):
         "The argument tuple of a launch by parameter name, in the order of the kernel's parameters."
+        names = self.param_names
+        if args is None and len(named) == len(names):   # as many names as parameters, none missing: none unknown either
+            try: return tuple([named[n] for n in names])
+            except KeyError: pass                       # one missing (and one unknown): say which, below
         if args is not None:
             raise TypeError(f"kernel {self.name}: pass its arguments as a tuple or by name, not both (got args and {', '.join(named)})")
-        names = [p.name for p in self.params]
         for k in named:
             if k not in names:
                 raise TypeError(f"kernel {self.name} has no parameter '{k}' (its parameters: {', '.join(map(repr, self.params))})")

@@ -76,7 +76,8 @@ class Op:
       alignments, with no backward); `residuals`: names of outputs that are not differentiable (kept for the
       backward, or side results).
     `op(*inputs, backend='auto')` resolves the backend once, then runs the forward: eagerly through one
-    autograd.Function (no dispatcher: host time matters for small calls), or, while torch.compile traces, through the
+    autograd.Function (no dispatcher: host time matters for small calls; with nothing to differentiate, no_grad or
+    no differentiable input requiring a gradient, the forward alone), or, while torch.compile traces, through the
     registered custom op and its backward op. The reference backend always runs eagerly, around the custom op; an
     `AUTOGRAD` backend is simply called (autograd records its PyTorch as it runs). `check=False` (of `op(...)` and
     `op.compute(...)`) is for an op that runs this one inside its own forward or backward, on values its own prepare
@@ -99,6 +100,7 @@ class Op:
             raise ValueError(f"{name}: no backward for the backends {sorted(missing)}")
         self.backward = backward
         self.differentiable, self.residuals = tuple(differentiable), tuple(residuals)
+        self._diff_idx = tuple(self.inputs.index(n) for n in self.differentiable)
         self._residual_idx = tuple(self.outputs.index(r) for r in residuals)
         self._output_idx = tuple(i for i in range(len(self.outputs)) if i not in self._residual_idx)
         self._kernel_backends = tuple(b for b in self.backends if b != 'reference' and backward[b] is not AUTOGRAD)
@@ -134,6 +136,8 @@ class Op:
         if self.backward[backend] is AUTOGRAD:   # differentiable PyTorch: autograd records it as it runs
             outs = tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))
             return tuple(o.detach() if i in self._residual_idx else o for i, o in enumerate(outs))
+        if not (torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self._diff_idx)):
+            return tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))   # nothing to record
         return _Eager.apply(self, backend, check, *args)
 
     def compute(self, *args, backend='auto', check=True):

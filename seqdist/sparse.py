@@ -397,8 +397,11 @@ def _scores_cuda(Ms, idx, v, S, K, forward):
     k = _sparse_kernels[(Ms.dtype, S)]
     out = Ms.new_empty(T + 1, N, C)
     shared = 2 * C * Ms.element_size()
-    edges = _idx32(idx) if forward else _out_edges(idx, NZ)
-    k['sparse_fwd' if forward else 'sparse_bwd']((N,), (_threads(C, K),), (Ms.contiguous(), edges, v.contiguous(), out, T, N, C, NZ), shared_mem=shared)
+    grid, block = (N,), (_threads(C, K),)
+    if forward: k['sparse_fwd'](grid, block, Ms=Ms.contiguous(), idx=_idx32(idx), v0=v.contiguous(), alpha=out,
+                                T=T, N=N, C=C, NZ=NZ, shared_mem=shared)
+    else: k['sparse_bwd'](grid, block, Ms=Ms.contiguous(), out_edges=_out_edges(idx, NZ), vT=v.contiguous(), beta=out,
+                          T=T, N=N, C=C, NZ=NZ, shared_mem=shared)
     return out
 
 def _sparse_forward_cuda(Ms, idx, v0, vT, S, for_backward, K=1):
@@ -411,8 +414,9 @@ def _sparse_forward_cuda(Ms, idx, v0, vT, S, for_backward, K=1):
     else:
         T, N, C, NZ = Ms.shape
         scores = Ms.new_empty(2, T + 1, N, C)
-        _sparse_kernels[(Ms.dtype, S)]['sparse_fwd_bwd']((N, 2), (_threads(C, K),), (Ms.contiguous(), _idx32(idx), _out_edges(idx, NZ),
-                                                          v0.contiguous(), vT.contiguous(), scores, T, N, C, NZ), shared_mem=2 * C * Ms.element_size())
+        _sparse_kernels[(Ms.dtype, S)]['sparse_fwd_bwd']((N, 2), (_threads(C, K),), Ms=Ms.contiguous(), idx=_idx32(idx),
+                                                          out_edges=_out_edges(idx, NZ), v0=v0.contiguous(), vT=vT.contiguous(),
+                                                          scores=scores, T=T, N=N, C=C, NZ=NZ, shared_mem=2 * C * Ms.element_size())
         alpha = scores[0]
     logz = S.exact_zero(S.sum(S.mul(alpha[-1], vT), dim=1))
     empty = Ms.new_empty(0, dtype=torch.float64)
@@ -430,7 +434,8 @@ def _sparse_backward_cuda(st, outputs, grads):
     feasible = torch.isfinite(logz)               # a sequence with no path: zero gradient (and no -inf - -inf in the kernel)
     g, logz = torch.where(feasible, grads[0], 0).to(Ms.dtype).contiguous(), torch.where(feasible, logz, 0).contiguous()
     threads = 256
-    _sparse_kernels[(Ms.dtype, S)]['sparse_posteriors']((T, N), (threads,), (Ms.contiguous(), _idx32(st.idx), alpha, beta, logz, g, grad, N, C, NZ, int(S is Max)),
+    _sparse_kernels[(Ms.dtype, S)]['sparse_posteriors']((T, N), (threads,), Ms=Ms.contiguous(), idx=_idx32(st.idx), alpha=alpha,
+                                                        beta=beta, logz=logz, g=g, grad=grad, N=N, C=C, NZ=NZ, use_max=int(S is Max),
                                                         shared_mem=threads * (Ms.element_size() + 4))
     return {'Ms': grad}
 

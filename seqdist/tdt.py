@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['MAX_DURATIONS', 'tdt_op', 'TDT_SHAPES', 'check_durations', 'tdt_inputs', 'multiblank_inputs', 'tdt_edges',
-           'multiblank_edges', 'edge_table', 'delay_offsets', 'edge_scores', 'logz_reference', 'tdt_brute_force',
+           'multiblank_edges', 'edge_table', 'edge_scores', 'logz_reference', 'tdt_brute_force',
            'multiblank_brute_force', 'grad_from_edges', 'tdt_loss', 'multiblank_rnnt_loss', 'TDTLoss',
            'MultiblankRNNTLoss', 'lattice_edges', 'tdt_alignments', 'multiblank_alignments', 'tdt_best_path',
-           'tdt_inputs_for', 'load_hf_tdt_loss', 'bench_tdt', 'tdt_peak_extra_mb']
+           'tdt_inputs_for', 'load_hf_tdt_loss', 'bench_tdt', 'tdt_peak_extra_mb', 'delay_offsets']
 
 # %% ../nbs/09_tdt.ipynb #e1e4e656
 import math
@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .core import semiring, Log, Max, compute_dtype, fast_exp, fast_exp8, fast_logsumexp
+from .rnnt import delay_offsets
 from .utils import load_kernel, empty_gradient, on_host, require, to_device, finite_real, resource_budget
 from .ops import Op, op_namespace, max_threads, resolve_backend, numba_threads
 from .rnnt import rnnt_loss, rnnt_inputs, clean_targets
@@ -94,10 +95,7 @@ def edge_table(durations, big_blank_durations, blank, with_rnnt):
 edge_table((0, 1, 2), (), 4, True)
 
 # %% ../nbs/09_tdt.ipynb #1628208c
-def delay_offsets(logit_lengths, T, delay_penalty):
-    "k2's delay penalty: delay_penalty * ((T_b - 1)/2 - t), (B, T), added to every label edge's log-probability at frame t."
-    t = torch.arange(T, device=logit_lengths.device, dtype=torch.float64)
-    return delay_penalty * ((logit_lengths[:, None].double() - 1) / 2 - t)
+_all_ = ['delay_offsets']     # seqdist.rnnt's, importable from here as before
 
 def edge_scores(token_lp, duration_lp, y, table, sigmas=(0.0, 0.0), delay=None):
     """Scores (B, T, U+1, K) of the edges of `table` leaving each node: the token's log-probability (the label y[:, u]
@@ -377,10 +375,12 @@ def _cuda_lattice(s, S=Log, lattices=None):
     buf = x.new_empty(nodes * (2 + 2 * L) + L * B, dtype=torch.float64)
     lse, alpha, beta, logz = buf.split([2 * nodes, L * nodes, L * nodes, L * B])
     table = _device_table(s.table, x.device)
-    _tdt_kernels[(x.dtype, Log, 'tdt_lse')]((nodes,), (_threads(W, 256),), (x, s.il, s.tl, lse, T, U1, s.V, W))
+    _tdt_kernels[(x.dtype, Log, 'tdt_lse')]((nodes,), (_threads(W, 256),), logits=x, logit_lengths=s.il, target_lengths=s.tl,
+                                            lse=lse, T=T, U1=U1, V=s.V, W=W)
     grid = (B, 2 * L) if S is Log else (B, 1)
-    _tdt_kernels[(x.dtype, S, 'tdt_alpha_beta')](grid, (_threads(U1),), (x, lse, s.y, s.il, s.tl, table, len(s.table),
-        alpha, beta, logz, B, T, U1, s.V, W, float(s.sigmas[0]), float(s.sigmas[1]), float(s.dp)))
+    _tdt_kernels[(x.dtype, S, 'tdt_alpha_beta')](grid, (_threads(U1),), logits=x, lse=lse, targets=s.y, logit_lengths=s.il,
+        target_lengths=s.tl, table=table, K=len(s.table), alpha=alpha, beta=beta, logz=logz, B=B, T=T, U1=U1, V=s.V, W=W,
+        sigma0=float(s.sigmas[0]), sigma1=float(s.sigmas[1]), delay_penalty=float(s.dp))
     return buf, (lse, alpha, beta, logz, table)
 
 def _cuda_forward(s):
@@ -393,10 +393,11 @@ def _cuda_backward(s, outputs, grads):
     nodes, L = B * T * U1, s.L
     lse, alpha, beta, logz = outputs[1].split([2 * nodes, L * nodes, L * nodes, L * B])
     grad = x.new_empty(x.shape)
-    _tdt_kernels[(x.dtype, Log, 'tdt_grad')]((nodes,), (_threads(W, 256),), (x, lse, s.y, s.il, s.tl,
-        _device_table(s.table, x.device), len(s.table), alpha, beta, logz, grads[0].detach().to(x.dtype).contiguous(),
-        grad, B, T, U1, s.V, W, L, float(s.sigmas[0]), float(s.sigmas[1]), float(s.weights[0]), float(s.weights[1]),
-        float(s.dp), float(s.clamp), float(s.lam)))
+    _tdt_kernels[(x.dtype, Log, 'tdt_grad')]((nodes,), (_threads(W, 256),), logits=x, lse=lse, targets=s.y, logit_lengths=s.il,
+        target_lengths=s.tl, table=_device_table(s.table, x.device), K=len(s.table), alpha=alpha, beta=beta, logz=logz,
+        g=grads[0].detach().to(x.dtype).contiguous(), grad=grad, B=B, T=T, U1=U1, V=s.V, W=W, L=L,
+        sigma0=float(s.sigmas[0]), sigma1=float(s.sigmas[1]), w0=float(s.weights[0]), w1=float(s.weights[1]),
+        delay_penalty=float(s.dp), clamp=float(s.clamp), fastemit_lambda=float(s.lam))
     return {'logits': grad.to(s.dtype)}
 
 # %% ../nbs/09_tdt.ipynb #f285c06d
@@ -615,13 +616,10 @@ def lattice_edges(logits, targets, logit_lengths, target_lengths, durations, big
             return logz.to(s.x.dtype), edges
         _, (lse, alpha, beta, logz, table) = _cuda_lattice(s, S)
         edges = s.x.new_zeros(B, T, U1, K)
-        args = (s.x, lse, s.y, s.il, s.tl, table, K, alpha)
-        if S is Max:
-            _tdt_kernels[(s.x.dtype, Max, 'tdt_backtrack')]((math.ceil(B / 32),), (32,), (*args, logz, edges, B, T, U1,
-                s.V, W, float(s.sigmas[0]), float(s.dp)))
-        else:
-            _tdt_kernels[(s.x.dtype, Log, 'tdt_edges')]((math.ceil(B * T * U1 / 256),), (256,), (*args, beta, logz,
-                edges, B, T, U1, s.V, W, float(s.sigmas[0]), float(s.dp)))
+        lattice = dict(logits=s.x, lse=lse, targets=s.y, logit_lengths=s.il, target_lengths=s.tl, table=table, K=K, alpha=alpha,
+                       logz=logz, edges=edges, B=B, T=T, U1=U1, V=s.V, W=W, sigma0=float(s.sigmas[0]), delay_penalty=float(s.dp))
+        if S is Max: _tdt_kernels[(s.x.dtype, Max, 'tdt_backtrack')]((math.ceil(B / 32),), (32,), **lattice)
+        else: _tdt_kernels[(s.x.dtype, Log, 'tdt_edges')]((math.ceil(B * T * U1 / 256),), (256,), **lattice, beta=beta)
         return Log.exact_zero(logz).to(s.x.dtype), edges
 
 def tdt_alignments(logits, targets, logit_lengths, target_lengths, durations=(0, 1, 2, 3, 4), blank=-1, sigma=0.0,

@@ -1,18 +1,18 @@
 """CTC: three paths (reference, numba, CUDA source in the emulator) agree; they equal brute force and PyTorch;
-edge cases, bad inputs, torch.compile, low precision."""
+k2's delay penalty equals brute force of its definition; edge cases, bad inputs, torch.compile, low precision."""
 import math, random, subprocess, sys, pytest, torch
 import torch.nn.functional as F
 import seqdist.ctc as ctc
 from seqdist.core import Log, Max
 from seqdist.ctc import (ctc_loss, CTCLoss, ctc_op, posteriors, forced_align, viterbi_alignments,
                          soft_alignments, logz_brute_force, interleave_blanks, loss_basic, loss_py, loss_cupy,
-                         loss_direct_cupy, loss_pytorch, generate_sample_inputs)
+                         loss_direct_cupy, loss_pytorch, generate_sample_inputs, logz_reference, delay_state_offsets)
 from seqdist.utils import emulator_options
 from seqdist.ops import launch_limits
 
-def compute(lp, targets, il, tl, use_max=False, posteriors_of='labels', backend='auto', blank=0):
+def compute(lp, targets, il, tl, use_max=False, posteriors_of='labels', backend='auto', blank=0, delay=0.0):
     "logZ and minus the posteriors of the labels or states (posteriors_of): the op's forward alone, no autograd."
-    return ctc_op.compute(lp, targets, il, tl, blank, use_max, posteriors_of, False, False, False, backend=backend)
+    return ctc_op.compute(lp, targets, il, tl, blank, use_max, posteriors_of, False, False, False, delay, backend=backend)
 
 def random_case(rng, dtype=torch.float64, max_T=30, max_N=4, max_C=8, device='cpu'):
     T, N, C = rng.randint(1, max_T), rng.randint(1, max_N), rng.randint(2, max_C)
@@ -38,9 +38,9 @@ def torch_loss_and_grad(lp, targets, il, tl, blank, reduction, zero_infinity):
     loss = F.ctc_loss(lp, clean, il, tl, blank, reduction, zero_infinity)
     return loss.detach(), torch.autograd.grad(loss.sum(), lp)[0]
 
-def our_loss_and_grad(lp, targets, il, tl, blank, reduction, zero_infinity, backend='auto'):
+def our_loss_and_grad(lp, targets, il, tl, blank, reduction, zero_infinity, backend='auto', delay_penalty=0.0):
     lp = lp.detach().requires_grad_()
-    loss = ctc_loss(lp, targets, il, tl, blank, reduction, zero_infinity, backend=backend)
+    loss = ctc_loss(lp, targets, il, tl, blank, reduction, zero_infinity, delay_penalty, backend=backend)
     return loss.detach(), torch.autograd.grad(loss.sum(), lp)[0]
 
 def assert_same(a, b, rtol, atol=0.0):
@@ -103,7 +103,7 @@ def test_gradcheck_of_exact_logz():
     torch.manual_seed(0)
     lp = torch.randn(7, 2, 4, dtype=torch.float64, requires_grad=True)
     targets, il, tl = torch.tensor([[1, 2, 3], [2, 2, 0]]), torch.tensor([7, 6]), torch.tensor([3, 2])
-    f = lambda lp: ctc_op(lp, targets, il, tl, 0, False, 'labels', False, False, False, backend='cpu')[0]
+    f = lambda lp: ctc_op(lp, targets, il, tl, 0, False, 'labels', False, False, False, 0.0, backend='cpu')[0]
     assert torch.autograd.gradcheck(f, (lp,))
 
 @pytest.mark.parametrize('S', [Log, Max])
@@ -175,6 +175,17 @@ def test_peaked_and_long_inputs_stay_exact():
     theirs = torch_loss_and_grad(lp, targets, torch.tensor([T, T - 7]), torch.tensor([L, L - 3]), 0, 'none', False)
     assert_same(ours[0], theirs[0], rtol=1e-10)
     assert_same(ours[1], theirs[1], rtol=1e-8, atol=1e-10)
+
+def test_an_emission_that_underflows_sends_the_cpu_kernel_to_log_space():
+    "A label needed by every path, 800 below the others in every frame: exp underflows to 0 (not below _TINY): log space."
+    T, C = 6, 4
+    x = torch.zeros(T, 1, C, dtype=torch.float64); x[:, :, 2] = -800
+    lp = x.log_softmax(2)
+    tg, il, tl = torch.tensor([[1, 2]]), torch.tensor([T]), torch.tensor([2])
+    for backend in ('cpu', 'cuda', 'reference'):
+        ours = our_loss_and_grad(lp, tg, il, tl, 0, 'sum', False, backend)
+        theirs = torch_loss_and_grad(lp, tg, il, tl, 0, 'sum', False)
+        assert_same(ours[0], theirs[0], rtol=1e-12); assert_same(ours[1], theirs[1], rtol=1e-9, atol=1e-12)
 
 def test_posteriors_and_alignments():
     torch.manual_seed(0)
@@ -285,6 +296,11 @@ BAD = [
     (dict(blank=5), ValueError, r"blank must be an int in \[0, C\) = \[0, 5\), got 5"),
     (dict(reduction='avg'), ValueError, r"reduction must be 'none', 'sum' or 'mean', got 'avg'"),
     (dict(backend='gpu'), ValueError, r"backend must be 'auto', 'cpu', 'cuda' or 'reference', got 'gpu'"),
+    (dict(delay_penalty=math.inf), ValueError, r"delay_penalty must be finite, got inf"),
+    (dict(delay_penalty=math.nan), ValueError, r"delay_penalty must be finite, got nan"),
+    (dict(delay_penalty='0.1'), TypeError, r"delay_penalty must be a real number, got '0.1'"),
+    (dict(delay_penalty=None), TypeError, r"delay_penalty must be a real number, got None"),
+    (dict(delay_penalty=True), TypeError, r"delay_penalty must be a real number, got True"),
 ]
 
 @pytest.mark.parametrize('bad,error,message', BAD)
@@ -401,7 +417,7 @@ def test_the_ops_pass_opcheck(backend):
     lp = torch.randn(12, 3, 9, dtype=torch.float64).log_softmax(2).requires_grad_()
     targets, il, tl = torch.randint(1, 9, (3, 3)), torch.tensor([12, 10, 12]), torch.tensor([3, 2, 0])
     for posteriors_of in ('labels', 'states'):
-        inputs = (lp, targets, il, tl, 0, False, posteriors_of, False, True, False)
+        inputs = (lp, targets, il, tl, 0, False, posteriors_of, False, True, False, 0.3)
         torch.library.opcheck(ctc_op.custom_op, (*inputs, backend))
         logz, minus_posteriors = ctc_op.compute(*inputs, backend=backend)      # the backward op (not differentiable)
         torch.library.opcheck(ctc_op.backward_op, (lp.detach(), *inputs[1:], logz, minus_posteriors,
@@ -450,7 +466,7 @@ for seed in range(6):
                     lambda: ctc.posteriors(lpt, targets, il, tl, blank, Log, by_state, backend))
             for use_max in (False, True):        # the kernels themselves, no check before them: logZ = -inf, P = 0
                 results[seed, case, 'compute', backend, use_max] = outcome(
-                    lambda: ctc.ctc_op.compute(lpt, targets, il, tl, blank, use_max, 'labels', False, False, False, backend=backend))
+                    lambda: ctc.ctc_op.compute(lpt, targets, il, tl, blank, use_max, 'labels', False, False, False, 0.0, backend=backend))
             for zero_infinity in (False, True):
                 results[seed, case, 'loss', backend, zero_infinity] = outcome(lambda: ctc.ctc_loss(
                     lpt.detach().requires_grad_(), targets, il, tl, blank, 'none', zero_infinity, backend=backend).detach())
@@ -502,3 +518,139 @@ def test_infeasible_targets_every_entry_point_and_backend(tmp_path):
             torch.testing.assert_close(logz[1], ref[0]); torch.testing.assert_close(P[:, 1], ref[1])
         elif what == 'loss':
             assert kind == 'ok' and value[0] == (0.0 if key[4] else math.inf) and torch.isfinite(value[1]), key
+
+
+# k2's CTC delay penalty: delay_penalty * (T_b // 2 - t) added to a path's score for the first frame t of each label
+
+def test_delay_brute_force_is_k2s_definition():
+    "Written out for T = 3 frames, one label (1), blank 0: each labelling's score plus delay * (3 // 2 - its first frame of 1)."
+    torch.manual_seed(30)
+    lp = torch.randn(3, 2, dtype=torch.float64).log_softmax(-1)
+    dp = 0.4
+    paths = {(1, 0, 0): 0, (1, 1, 0): 0, (1, 1, 1): 0, (0, 1, 0): 1, (0, 1, 1): 1, (0, 0, 1): 2}   # labelling: first frame of 1
+    want = torch.stack([lp[[0, 1, 2], list(p)].sum() + dp * (1 - t) for p, t in paths.items()]).logsumexp(0)
+    torch.testing.assert_close(logz_brute_force(lp, [1], 0, Log, dp), want, rtol=1e-14, atol=0)
+
+@pytest.mark.parametrize('S', [Log, Max])
+def test_delay_equals_brute_force_of_k2s_definition(S):
+    "Every path (reference, CPU, CUDA source) against enumeration; even and odd lengths; repeats, empty and infeasible targets."
+    torch.manual_seed(31)
+    C = 3
+    for target in ([1], [1, 2], [2, 2], [], [1, 2, 1], [1, 1, 1], [2, 1, 2]):
+        for T in (4, 5):
+            lp = torch.randn(T, 1, C, dtype=torch.float64).log_softmax(2)
+            tg = torch.tensor([target + [0] * (3 - len(target))])
+            for il, dp in ((T, 0.3), (T - 1, -0.7), (T, 2.0)):
+                truth = logz_brute_force(lp[:il, 0], target, 0, S, dp)
+                for backend in ('reference', 'cpu', 'cuda'):
+                    logz, _ = compute(lp, tg, torch.tensor([il]), torch.tensor([len(target)]), S is Max, 'none', backend, delay=dp)
+                    if truth == -math.inf: assert logz.item() == -math.inf, (backend, target)
+                    else: torch.testing.assert_close(logz[0], truth, rtol=1e-12, atol=1e-12)
+
+@pytest.mark.parametrize('backend', ['reference', 'cpu', 'cuda'])
+def test_delay_gradient_through_log_softmax_equals_brute_force(backend):
+    """The loss and its gradient w.r.t. raw logits x (through log_softmax: PyTorch's convention for the gradient w.r.t.
+    log_probs is comparable there) equal autograd through brute-force enumeration of k2's definition."""
+    torch.manual_seed(32)
+    for target in ([1, 2], [2, 2], [1, 2, 1], []):
+        for T in (4, 5):
+            x = torch.randn(T, 1, 3, dtype=torch.float64, requires_grad=True)
+            tg, dp = torch.tensor([target + [0] * (3 - len(target))]), 0.25
+            ours = ctc_loss(x.log_softmax(2), tg, [T], [len(target)], reduction='sum', delay_penalty=dp, backend=backend)
+            truth = -logz_brute_force(x.log_softmax(2)[:, 0], target, 0, Log, dp)
+            torch.testing.assert_close(ours, truth, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(torch.autograd.grad(ours, x)[0], torch.autograd.grad(truth, x)[0], rtol=1e-10, atol=1e-12)
+
+def test_delay_state_offsets_sum_to_k2s_penalty_on_every_path():
+    "The identity the kernels use: on every labelling that fits the target, offsets over its states + the shift = k2's penalty."
+    import itertools
+    for T, target in ((5, [1, 2]), (6, [1, 1]), (5, [2, 1, 2]), (4, [])):     # (2L+1)^T state sequences each
+        L, dp = len(target), 0.3
+        ext = interleave_blanks(torch.tensor([target]), 0)[0].tolist()
+        offsets, shift = delay_state_offsets(torch.tensor([T]), torch.tensor([L]), 2 * L + 1, dp)
+        for states in itertools.product(range(2 * L + 1), repeat=T):      # state paths through the lattice
+            steps = [b - a for a, b in zip(states, states[1:])]
+            if states[0] > 1 or states[-1] < 2 * L - 1 or any(d not in (0, 1, 2) for d in steps): continue
+            if any(d == 2 and (ext[b] == 0 or ext[b] == ext[b - 2]) for d, b in zip(steps, states[1:])): continue
+            firsts = [t for t in range(T) if states[t] % 2 == 1 and (t == 0 or states[t - 1] != states[t])]
+            k2 = sum(dp * (T // 2 - t) for t in firsts)
+            ours = sum(offsets[0, s].item() for s in states) + shift[0].item()
+            assert abs(ours - k2) < 1e-12, (T, target, states)
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_delay_three_paths_agree_on_random_cases(dtype):
+    "Variable lengths, repeats, garbage padding, any blank, every reduction, zero_infinity, infeasible targets."
+    rng = random.Random(33 if dtype == torch.float64 else 34)
+    for case in range(40):
+        lp, targets, il, tl, blank = random_case(rng, dtype)
+        reduction, zero_inf, dp = rng.choice(['none', 'sum', 'mean']), rng.random() < 0.5, rng.choice([0.01, 0.3, -0.2, 3.0])
+        truth = our_loss_and_grad(lp.double(), targets, il, tl, blank, reduction, zero_inf, 'reference', dp)
+        for backend in ('reference', 'cpu', 'cuda'):
+            with emulator_options(seed=case):
+                out = our_loss_and_grad(lp, targets, il, tl, blank, reduction, zero_inf, backend, dp)
+            if dtype == torch.float64:
+                assert_same(out[0], truth[0], rtol=1e-9, atol=1e-12); assert_same(out[1], truth[1], rtol=1e-9, atol=1e-12)
+            else:      # (the float32 reference's and CUDA kernel's log-space recursions round in float32)
+                atol = 1e-6 if backend == 'cpu' else 1e-4
+                assert_same(out[0], truth[0], rtol=atol, atol=atol); assert_same(out[1], truth[1], rtol=0, atol=atol)
+
+@pytest.mark.parametrize('S', [Log, Max])
+@pytest.mark.parametrize('max_threads', [1024, 32])
+@pytest.mark.parametrize('by_state', [False, True])
+def test_delay_posteriors_agree_on_every_path(S, max_threads, by_state):
+    torch.manual_seed(35)
+    T, N, C = 14, 3, 6
+    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2)
+    targets = torch.randint(1, C, (N, 30)); targets[0, 5] = targets[0, 4]
+    il, tl = torch.tensor([14, 13, 0]), torch.tensor([6, 30 if by_state else 4, 0])
+    tl[1] = 6
+    posteriors_of = 'states' if by_state else 'labels'
+    ref = compute(lp, targets, il, tl, S is Max, posteriors_of, 'reference', delay=0.4)
+    assert not torch.equal(ref[1], compute(lp, targets, il, tl, S is Max, posteriors_of, 'reference')[1])
+    for backend in ('cpu', 'cuda'):
+        with emulator_options(seed=1), launch_limits(max_threads=max_threads):
+            out = compute(lp, targets, il, tl, S is Max, posteriors_of, backend, delay=0.4)
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-12, atol=1e-12); torch.testing.assert_close(out[1], ref[1], rtol=1e-12, atol=1e-12)
+    post = posteriors(lp, targets, il, tl, 0, S, by_state, delay_penalty=0.4)
+    torch.testing.assert_close(post, 0.0 - ref[1])
+    torch.testing.assert_close(post.sum(-1), (torch.arange(T)[:, None] < il[None]).double())   # one distribution per frame
+
+def test_delay_long_and_strong_inputs_stay_exact():
+    "The CPU kernel's scaled recursion with the state offsets (and its log-space fallback) against the float64 reference."
+    torch.manual_seed(36)
+    T, N, C, L = 400, 2, 8, 120
+    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2)
+    targets, il, tl = torch.randint(1, C, (N, L)), torch.tensor([T, T - 9]), torch.tensor([L, L - 5])
+    for dp in (0.01, 1.0, 20.0):
+        ref = our_loss_and_grad(lp, targets, il, tl, 0, 'none', False, 'reference', dp)
+        cpu = our_loss_and_grad(lp, targets, il, tl, 0, 'none', False, 'cpu', dp)
+        assert torch.isfinite(cpu[0]).all()
+        assert_same(cpu[0], ref[0], rtol=1e-10); assert_same(cpu[1], ref[1], rtol=1e-8, atol=1e-10)
+
+def test_delay_gradcheck_through_log_softmax():
+    torch.manual_seed(37)
+    x = torch.randn(8, 3, 5, dtype=torch.float64, requires_grad=True)
+    targets, il, tl = torch.tensor([[1, 2, 2], [3, 4, 0], [1, 0, 0]]), torch.tensor([8, 7, 5]), torch.tensor([3, 2, 1])
+    for backend in ('cpu', 'reference', 'cuda'):
+        f = lambda x: ctc_loss(x.log_softmax(2), targets, il, tl, delay_penalty=0.3, backend=backend)
+        assert torch.autograd.gradcheck(f, (x,))
+
+@pytest.mark.parametrize('backend', ['auto', 'cuda'])
+def test_delay_torch_compile_fullgraph_gives_the_eager_result(backend):
+    torch.manual_seed(38)
+    lp = torch.randn(30, 4, 6).log_softmax(2).requires_grad_()
+    targets, il, tl = torch.randint(1, 6, (4, 8)), torch.tensor([30, 25, 30, 20]), torch.tensor([8, 5, 3, 0])
+    def f(lp): return ctc_loss(lp, targets, il, tl, delay_penalty=0.1, backend=backend) * 2.0
+    compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
+    eager, comp = f(lp), compiled(lp)
+    assert not torch.equal(eager, ctc_loss(lp, targets, il, tl, backend=backend) * 2.0)
+    assert torch.equal(eager, comp) and torch.equal(torch.autograd.grad(eager, lp)[0], torch.autograd.grad(comp, lp)[0])
+
+def test_delay_module_equals_function_and_posteriors_check_it():
+    torch.manual_seed(39)
+    lp = torch.randn(10, 2, 5).log_softmax(2)
+    targets, il, tl = torch.tensor([[1, 2, 3], [4, 4, 0]]), torch.tensor([10, 8]), torch.tensor([3, 2])
+    assert torch.equal(CTCLoss(reduction='sum', delay_penalty=0.2)(lp, targets, il, tl),
+                       ctc_loss(lp, targets, il, tl, 0, 'sum', False, 0.2))
+    with pytest.raises(ValueError, match=r"delay_penalty must be finite, got inf"): posteriors(lp, targets, il, tl, delay_penalty=math.inf)
+    with pytest.raises(TypeError, match=r"delay_penalty must be a real number, got '1'"): posteriors(lp, targets, il, tl, delay_penalty='1')

@@ -6,7 +6,7 @@ import torch.nn as nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import seqdist.gru as sgru
 from seqdist.gru import GRU, gru, gru_layer, gru_layer_reference
-from seqdist.utils import emulator_options
+from seqdist.utils import emulator_options, count_launches
 
 def pair(I, H, dtype=torch.float64, backend='auto', **kw):
     "An nn.GRU and our GRU with the same weights."
@@ -319,16 +319,13 @@ def test_bench_gru_quick_rows():
     diffs = [float(v) for v in re.findall(r'diff ([0-9.e+-]+)', rows[0]['check'])]
     assert max(diffs) < 1e-5
 
-def test_launch_count_one_gate_kernel_per_step_and_direction(monkeypatch):
+def test_launch_count_one_gate_kernel_per_step_and_direction():
     "The CUDA path launches exactly one gate kernel per step, direction and layer, forward and backward."
-    calls = []
-    orig = sgru._CUDAGates._launch
-    monkeypatch.setattr(sgru._CUDAGates, '_launch', lambda self, name, *a: (calls.append(name), orig(self, name, *a)))
     m = GRU(3, 4, num_layers=2, bidirectional=True, backend='cuda').double()
-    y, h = m(torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True))
-    assert calls.count('gru_gates_forward') == 5 * 2 * 2 and calls.count('gru_gates_backward') == 0
-    y.sum().backward()
-    assert calls.count('gru_gates_backward') == 5 * 2 * 2
+    with count_launches() as launches: y, h = m(torch.randn(5, 2, 3, dtype=torch.float64, requires_grad=True))
+    assert launches == {'gru_gates_forward': 5 * 2 * 2}
+    with count_launches() as launches: y.sum().backward()
+    assert launches == {'gru_gates_backward': 5 * 2 * 2}
 
 def test_gru_kernels_compile_for_gpus():
     from seqdist.utils import gpu_compiler, check_gpu_compile

@@ -70,6 +70,8 @@ def test_launch_by_parameter_name():
         reduce((2,), (32,), x=x, out=by_name)
     with pytest.raises(TypeError, match=r"kernel block_sum has no parameter 'rows' \(its parameters: float\* x, float\* out, int cols\)"):
         reduce((2,), (32,), x=x, out=by_name, cols=8, rows=2)
+    with pytest.raises(TypeError, match=r"kernel block_sum has no parameter 'rows'"):
+        reduce((2,), (32,), x=x, out=by_name, rows=8)               # as many names as parameters, one of them wrong
     with pytest.raises(TypeError, match=r"kernel block_sum: pass its arguments as a tuple or by name, not both"):
         reduce((2,), (32,), (x, by_name), cols=8)
     with pytest.raises(TypeError, match=r"kernel block_sum: missing argument 'x'"):

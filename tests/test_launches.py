@@ -34,7 +34,7 @@ def test_ctc_budget():
     T, N, C = 20, 3, 6
     lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
                                    torch.tensor([5, 3, 4]))
-    launches, ops = budget(lambda: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, backend='cuda'))
+    launches, ops = budget(lambda: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, 0.0, backend='cuda'))
     assert launches == {'ctc_alpha_beta': 1, 'ctc_posteriors': 1}
     assert ops.total <= 36, ops.ops          # lengths and labels on the CPU are checked there (host reads, no GPU wait)
 
@@ -46,7 +46,7 @@ def test_ctc_with_lengths_on_the_gpu_reads_nothing_on_the_host(monkeypatch):
     T, N, C = 20, 3, 6
     lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
                                    torch.tensor([5, 3, 4]))
-    compute = lambda lp, tg, il, tl, backend: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, backend=backend)
+    compute = lambda lp, tg, il, tl, backend: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, 0.0, backend=backend)
     expected = compute(lp, tg, il, tl, 'cpu')
     launches, ops = budget(lambda: compute(lp, tg, il, tl, 'cuda'))
     assert ops.host_reads == 0, ops.ops

@@ -90,6 +90,25 @@ def test_unused_output_and_no_grad():
     lse, argmax = TOY.compute(x, torch.tensor(1.0))
     assert not lse.requires_grad and torch.equal(argmax, x.argmax(1))
 
+def test_calls_with_nothing_to_differentiate_skip_autograd(monkeypatch):
+    """With no gradient to record (no_grad, or no differentiable input requiring one) the forward runs without the
+    autograd.Function: same outputs, nothing saved, less host time (inference calls)."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    want = TOY(x, torch.tensor(1.5, dtype=torch.float64))
+    import seqdist.ops
+    def no_function(*args): raise AssertionError("the autograd.Function ran with nothing to differentiate")
+    monkeypatch.setattr(seqdist.ops._Eager, 'apply', no_function)
+    for backend in ('cpu', 'cuda'):
+        CALLS.clear()
+        got = TOY(x, torch.tensor(1.5, dtype=torch.float64), backend=backend)          # no input requires grad
+        with torch.no_grad(): got_no_grad = TOY(x.requires_grad_(), torch.tensor(1.5, dtype=torch.float64), backend=backend)
+        x.requires_grad_(False)
+        for g in (got, got_no_grad):
+            torch.testing.assert_close(g[0], want[0]); assert torch.equal(g[1], want[1]) and g[0].grad_fn is None
+        assert CALLS[backend, True] == 2, CALLS                # checked once per call all the same
+    with pytest.raises(AssertionError, match="autograd.Function ran"):
+        TOY(x.requires_grad_(), torch.tensor(1.5, dtype=torch.float64), backend='cpu')
+
 @pytest.mark.parametrize('backend, message', [
     ('gpu', "backend must be 'auto', 'cpu', 'cuda' or 'reference', got 'gpu'"),
     ('', "backend must be 'auto', 'cpu', 'cuda' or 'reference', got ''")])

@@ -1,17 +1,18 @@
 """RNN-T: the reference equals brute force and passes gradcheck; the closed-form gradient equals autograd; FastEmit
-equals its formula; the three paths (reference, numba, CUDA source in the emulator) agree; torchaudio agrees on 200+
-randomised cases; edge cases, bad inputs, torch.compile, low precision, 64-bit offsets."""
+equals its formula; the delay penalty equals the loss of shifted log-probabilities; the three paths (reference, numba,
+CUDA source in the emulator) agree; torchaudio agrees on 200+ randomised cases; edge cases, bad inputs, torch.compile,
+low precision, 64-bit offsets."""
 import math, random, pytest, torch
 import seqdist.rnnt as rnnt
 from seqdist.core import Log, Max
 from seqdist.rnnt import (rnnt_loss, RNNTLoss, rnnt_op, rnnt_edges_op, posteriors, viterbi_alignments, best_path,
-                          edge_log_probs, logz_reference, logz_brute_force, clean_targets, row_offsets)
+                          edge_log_probs, logz_reference, logz_brute_force, clean_targets, row_offsets, delay_offsets)
 from seqdist.ops import launch_limits
 from seqdist.utils import emulator_options
 
-def edges(x, y, il, tl, blank, S, fused, backend):
+def edges(x, y, il, tl, blank, S, fused, backend, delay_penalty=0.0):
     "log Z (B,) and the edges (B, T, U+1, 2) in semiring S by `backend`."
-    return rnnt_edges_op.compute(x, y, il, tl, blank, fused, S.name, backend=backend)
+    return rnnt_edges_op.compute(x, y, il, tl, blank, fused, S.name, delay_penalty, backend=backend)
 
 def random_case(rng, dtype=torch.float64, max_B=4, max_T=8, max_U=5, max_V=7, full=False):
     "Random logits, targets with garbage padding, lengths (full: max lengths = the tensor's, as torchaudio wants)."
@@ -355,6 +356,11 @@ BAD = [
     (dict(clamp='1'), TypeError, r"clamp must be a real number, got '1'"),
     (dict(fastemit_lambda=-0.1), ValueError, r"fastemit_lambda must be >= 0, got -0.1"),
     (dict(fastemit_lambda=math.nan), ValueError, r"fastemit_lambda must be finite, got nan"),
+    (dict(delay_penalty=math.inf), ValueError, r"delay_penalty must be finite, got inf"),
+    (dict(delay_penalty=math.nan), ValueError, r"delay_penalty must be finite, got nan"),
+    (dict(delay_penalty='0.1'), TypeError, r"delay_penalty must be a real number, got '0.1'"),
+    (dict(delay_penalty=None), TypeError, r"delay_penalty must be a real number, got None"),
+    (dict(delay_penalty=torch.tensor(0.1)), TypeError, r"delay_penalty must be a real number, got tensor\(0.1000\)"),
     (dict(backend='gpu'), ValueError, r"backend must be 'auto', 'cpu', 'cuda' or 'reference', got 'gpu'"),
 ]
 
@@ -391,9 +397,10 @@ def test_the_ops_pass_opcheck(backend):
     # full lengths: the CUDA path's saved lattice is left unwritten past a sequence's lengths (never read), and
     # opcheck compares every output element between eager and traced calls
     targets, ll, tl = torch.tensor([[1, 2, 3], [4, 5, 1]]), torch.tensor([5, 5]), torch.tensor([3, 3])
-    torch.library.opcheck(rnnt_op.custom_op, (logits, targets, ll, tl, 0, True, -1.0, 0.0, backend))
-    for S in (Log, Max):
-        torch.library.opcheck(rnnt_edges_op.custom_op, (logits.detach(), targets, ll, tl, 0, True, S.name, backend))
+    for delay in (0.0, 0.1):
+        torch.library.opcheck(rnnt_op.custom_op, (logits, targets, ll, tl, 0, True, -1.0, 0.0, delay, backend))
+        for S in (Log, Max):
+            torch.library.opcheck(rnnt_edges_op.custom_op, (logits.detach(), targets, ll, tl, 0, True, S.name, delay, backend))
 
 def test_inputs_are_checked_and_cleaned_once_per_forward_and_backward(monkeypatch):
     "The backward takes the forward's state: the targets are cleaned (and their values checked) once per fwd+bwd."
@@ -422,3 +429,133 @@ def test_check_targets_checks_and_clean_targets_cleans():
         with pytest.raises(ValueError, match=message): rnnt.check_targets(x, a['y'], a['il'], a['tl'], 0)
         with pytest.raises(ValueError, match=message): clean_targets(x, a['y'], a['il'], a['tl'], 0)
         clean_targets(x, a['y'], a['il'], a['tl'], 0, check=False)           # unchecked: no error
+
+# The delay penalty (k2's): delay_penalty * ((T_b - 1)/2 - t) added to every label edge's log-probability in frame t
+
+def shifted(x, il, blank, dp, fused):
+    "The log-probabilities with the delay offsets added to every non-blank column: what the penalised loss reads."
+    lp = x.log_softmax(-1) if fused else x
+    V = x.shape[-1]
+    return lp + (delay_offsets(il, x.shape[1], dp)[:, :, None, None] * (torch.arange(V) != blank % V)).to(x.dtype)
+
+def test_delay_offsets_are_k2s():
+    il = torch.tensor([5, 2], dtype=torch.int32)
+    got = delay_offsets(il, 5, 0.1)
+    assert got.dtype == torch.float64 and got.shape == (2, 5)
+    want = [[0.1 * ((5 - 1) / 2 - t) for t in range(5)], [0.1 * ((2 - 1) / 2 - t) for t in range(5)]]
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-15)
+    import seqdist.tdt as tdt, seqdist.joint as joint           # one definition, re-exported where it was
+    assert tdt.delay_offsets is joint.delay_offsets is delay_offsets
+    assert 'delay_offsets' in tdt.__all__ and 'delay_offsets' in joint.__all__
+
+@pytest.mark.parametrize('backend', ['reference', 'cpu', 'cuda'])
+def test_delay_penalty_equals_the_loss_of_shifted_log_probs(backend):
+    """Value and gradient equal `rnnt_loss(fused_log_softmax=False)` of the shifted log-probabilities: with fused
+    logits, both differentiated through autograd to the raw logits (the log_softmax inside `shifted`); with
+    log-probabilities, w.r.t. them directly (both sides take them as they are). FastEmit composes the same way."""
+    rng = random.Random(20)
+    for case in range(8 if backend == 'cuda' else 20):
+        x, y, il, tl, blank = random_case(rng)
+        dp, lam = rng.choice([0.01, 0.3, -0.2, 1.5]), rng.choice([0.0, 0.0, 0.02])
+        for fused in (True, False):
+            xx = x if fused else x.log_softmax(-1)
+            kw = dict(reduction='none', fastemit_lambda=lam)
+            ours = loss_and_grad(xx, y, il, tl, blank, fused_log_softmax=fused, delay_penalty=dp, backend=backend, **kw)
+            f = lambda z: rnnt_loss(shifted(z, il, blank, dp, fused), y, il, tl, blank, fused_log_softmax=False,
+                                    backend='cpu', **kw)
+            want = loss_and_grad_with(lambda z, *a, **k: f(z), xx, y, il, tl, blank)
+            assert_same(ours[0], want[0], **TOL64); assert_same(ours[1], want[1], **TOL64)
+            plain = loss_and_grad(xx, y, il, tl, blank, fused_log_softmax=fused, backend=backend, **kw)
+            if ((tl > 0) & (il > 1)).any(): assert not torch.equal(ours[0], plain[0])   # (one frame: all offsets 0)
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_delay_three_paths_agree_on_random_cases(dtype):
+    "Variable lengths, garbage padding, any blank, clamp, FastEmit, fused or not, every reduction, with a delay penalty."
+    rng = random.Random(21 if dtype == torch.float64 else 22)
+    for case in range(16):
+        x, y, il, tl, blank = random_case(rng, dtype)
+        kw = dict(reduction=rng.choice(['none', 'sum', 'mean']), clamp=rng.choice([-1, -1, 0.05]),
+                  fastemit_lambda=rng.choice([0.0, 0.01]), fused_log_softmax=rng.random() < 0.8,
+                  delay_penalty=rng.choice([0.01, 0.2, -0.1, 2.0]))
+        if not kw['fused_log_softmax']: x = x.double().log_softmax(-1).to(dtype)
+        with emulator_options(seed=case):
+            three_paths(x, y, il, tl, blank, emulated=case % 2 == 0, **kw)
+
+def test_delay_with_clamp_clamps_the_penalised_gradient():
+    torch.manual_seed(23)
+    x = torch.randn(2, 6, 3, 4, dtype=torch.float64) * 3
+    y, il, tl = torch.tensor([[1, 2], [2, 1]]), torch.tensor([6, 4]), torch.tensor([2, 2])
+    for backend in ('reference', 'cpu', 'cuda'):
+        _, g = loss_and_grad(x, y, il, tl, 0, reduction='sum', delay_penalty=0.4, backend=backend)
+        l, gc = loss_and_grad(x, y, il, tl, 0, reduction='sum', clamp=0.05, delay_penalty=0.4, backend=backend)
+        assert (g.abs() > 0.05).any() and not torch.equal(g, loss_and_grad(x, y, il, tl, 0, reduction='sum', backend=backend)[1])
+        torch.testing.assert_close(gc, g.clamp(-0.05, 0.05), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(l, loss_and_grad(x, y, il, tl, 0, reduction='sum', delay_penalty=0.4, backend=backend)[0])
+
+@pytest.mark.parametrize('backend', ['reference', 'cpu', 'cuda'])
+@pytest.mark.parametrize('fused', [True, False])
+def test_delay_gradcheck(backend, fused):
+    torch.manual_seed(24)
+    x = torch.randn(2, 5, 3, 5, dtype=torch.float64)
+    if not fused: x = x.log_softmax(-1)
+    y, il, tl = torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 3]), torch.tensor([2, 1])
+    f = lambda x: rnnt_loss(x, y, il, tl, blank=0, reduction='none', fused_log_softmax=fused, delay_penalty=0.3,
+                            fastemit_lambda=0.0, backend=backend)
+    assert torch.autograd.gradcheck(f, (x.requires_grad_(),))
+
+@pytest.mark.parametrize('S', [Log, Max])
+def test_delay_posteriors_and_best_path_are_those_of_the_shifted_lattice(S):
+    "posteriors, viterbi_alignments and best_path take the penalty: those of the shifted log-probabilities, on every path."
+    rng = random.Random(25)
+    for case in range(10):
+        x, y, il, tl, blank = random_case(rng, max_T=7, max_U=4)
+        dp = rng.choice([0.2, -0.3, 1.0])
+        want = posteriors(shifted(x, il, blank, dp, True), y, il, tl, blank, S, fused_log_softmax=False)
+        for backend in ('reference', 'cpu', 'cuda'):
+            got = posteriors(x, y, il, tl, blank, S, delay_penalty=dp, backend=backend)
+            assert_same(got, want, **TOL64)
+        if S is Max:
+            assert torch.equal(viterbi_alignments(x, y, il, tl, blank, delay_penalty=dp), want)
+            frames, score = best_path(shifted(x, il, blank, dp, True), y, il, tl, blank, fused_log_softmax=False)
+            for backend in ('cpu', 'cuda'):
+                f2, s2 = best_path(x, y, il, tl, blank, delay_penalty=dp, backend=backend)
+                assert torch.equal(f2, frames); assert_same(s2, score, **TOL64)
+
+def test_delay_moves_the_labels_earlier():
+    """A positive penalty tilts the paths by exp(-delay * sum_u t_u), so the expected sum of the labels' frames falls
+    (its derivative in the penalty is minus its variance); a negative one raises it (same logits)."""
+    torch.manual_seed(26)
+    x = torch.randn(2, 30, 4, 6, dtype=torch.float64)
+    y, il, tl = torch.tensor([[1, 2, 3], [4, 5, 1]]), torch.tensor([30, 20]), torch.tensor([3, 3])
+    def mean_frame(dp):
+        pe = posteriors(x, y, il, tl, 0, delay_penalty=dp)[..., :3, 1]          # (B, T, U): label u from (t, u)
+        return (pe * torch.arange(30, dtype=x.dtype)[None, :, None]).sum((1, 2))   # (B,): the labels' frames, summed
+    early, plain, late = mean_frame(0.5), mean_frame(0.0), mean_frame(-0.5)
+    assert (early < plain).all() and (plain < late).all()
+
+def test_delay_torch_compile_fullgraph():
+    torch.manual_seed(27)
+    x = torch.randn(3, 6, 4, 7).requires_grad_()
+    y, il, tl = torch.randint(1, 7, (3, 3), dtype=torch.int32), torch.tensor([6, 4, 1], dtype=torch.int32), torch.tensor([3, 1, 0], dtype=torch.int32)
+    def f(x): return rnnt_loss(x * 2.0, y, il, tl, blank=0, fastemit_lambda=0.01, delay_penalty=0.2) * 3.0
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(fx_graph_cache=False):
+        eager, comp = f(x), torch.compile(f, fullgraph=True)(x)
+    assert not torch.equal(eager, rnnt_loss(x * 2.0, y, il, tl, blank=0) * 3.0)
+    torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(comp, x)[0], torch.autograd.grad(eager, x)[0], rtol=1e-5, atol=1e-7)
+
+def test_delay_module_equals_function():
+    torch.manual_seed(28)
+    x = torch.randn(2, 5, 3, 6, requires_grad=True)
+    y, il, tl = torch.randint(0, 5, (2, 2), dtype=torch.int32), torch.tensor([5, 4], dtype=torch.int32), torch.tensor([2, 1], dtype=torch.int32)
+    m = RNNTLoss(reduction='sum', fastemit_lambda=0.01, delay_penalty=0.1)
+    assert torch.equal(m(x, y, il, tl), rnnt_loss(x, y, il, tl, -1, -1, 'sum', True, 0.01, 0.1))
+
+@pytest.mark.parametrize('bad,error,message', [
+    (math.inf, ValueError, r"delay_penalty must be finite, got inf"),
+    ('0.1', TypeError, r"delay_penalty must be a real number, got '0.1'"),
+    (True, TypeError, r"delay_penalty must be a real number, got True")])
+def test_delay_bad_input_in_the_alignment_functions(bad, error, message):
+    for f in (posteriors, viterbi_alignments, best_path):
+        with pytest.raises(error, match=message): f(x0, y0, il0, tl0, delay_penalty=bad)
