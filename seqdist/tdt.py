@@ -205,14 +205,18 @@ def _ssum(c, n, use_max):
     return m + np.log(s)
 
 @numba.njit(cache=_CACHE, fastmath={'reassoc', 'contract'})
-def _edge_scores(x, b, Tb, Ub, y, V, D, table, sigmas, delay_penalty, precise, E, lse):
-    "E[t, u, k]: the score of edge k leaving node (t, u) of sequence b; lse[t, u] the token and duration log-sum-exps."
+def _edge_scores(x, b, Tb, Ub, y, V, D, table, sigmas, delay_penalty, precise, E, lse, lse_tok, saved):
+    """E[t, u, k]: the score of edge k leaving node (t, u) of sequence b; lse[t, u] the token and duration log-sum-exps;
+    lse_tok[t, u] the tokens' alone: read if `saved` (no pass over the V tokens of the row), else written."""
     K = table.shape[0]
     for t in range(Tb):
         delay = delay_penalty * ((Tb - 1) * 0.5 - t)
         for u in range(Ub + 1):
             row = x[b, t, u]
-            lt = _row_lse(row[:V], precise)
+            if saved: lt = lse_tok[t, u]
+            else:
+                lt = _row_lse(row[:V], precise)
+                lse_tok[t, u] = lt
             ld = _row_lse(row[V:], precise) if D > 0 else 0.0
             lse[t, u, 0], lse[t, u, 1] = lt, ld
             for k in range(K):
@@ -271,15 +275,15 @@ def _beta(E, Tb, Ub, table, lat, Bt, cand):
             Bt[t, u] = _ssum(cand, n, False)
 
 @numba.njit(parallel=True, cache=_CACHE)
-def _tdt_forward_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, L, logz):
-    "logz[l, b]: log Z of lattice l of sequence b (Log or Max)."
+def _tdt_forward_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, L, logz, lse_tok, alpha):
+    """logz[l, b]: log Z of lattice l of sequence b (Log or Max); the rows' token log-sum-exps lse_tok[b] (B, T, U+1)
+    and alpha[l, b] (L, B, T, U+1) are kept for the gradient."""
     B, K = x.shape[0], table.shape[0]
     for b in numba.prange(B):
         Tb, Ub = Tl[b], Ul[b]
-        E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
-        A, cand = np.empty((Tb, Ub + 1)), np.empty(K)
-        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse)
-        for l in range(L): logz[l, b] = _alpha(E, Tb, Ub, table, l, use_max, A, cand)
+        E, lse, cand = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2)), np.empty(K)
+        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse, lse_tok[b], False)
+        for l in range(L): logz[l, b] = _alpha(E, Tb, Ub, table, l, use_max, alpha[l, b], cand)
 
 @numba.njit(inline='always')
 def _posteriors(E, A, Bt, logz, t, u, Tb, Ub, table, weights, P):
@@ -290,23 +294,22 @@ def _posteriors(E, A, Bt, logz, t, u, Tb, Ub, table, weights, P):
         P[k] = weights[l] * (np.exp(lp) if lp > -700.0 or lp != lp else 0.0)
 
 @numba.njit(parallel=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
-def _tdt_grad_cpu(x, y, Tl, Ul, V, D, table, sigmas, weights, delay_penalty, precise, L, g, clamp, lam, grad):
-    "grad[b] = g[b] * d(cost_b)/dx[b]: the token part clamped to [-clamp, clamp] before the scaling if clamp > 0."
+def _tdt_grad_cpu(x, y, Tl, Ul, V, D, table, sigmas, weights, delay_penalty, precise, L, lse_tok, alpha, logz_all, g,
+                  clamp, lam, grad):
+    """grad[b] = g[b] * d(cost_b)/dx[b], from the forward's token log-sum-exps, alphas and log Zs: the token part
+    clamped to [-clamp, clamp] before the scaling if clamp > 0."""
     B, T, U1, W = x.shape
     K = table.shape[0]
     for b in numba.prange(B):
         Tb, Ub, gb = Tl[b], Ul[b], g[b]
         E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
-        A, Bt = np.empty((L, Tb, Ub + 1)), np.empty((L, Tb, Ub + 1))
-        cand, P, Q, logz = np.empty(K), np.empty(K), np.empty(max(D, 1)), np.empty(L)
+        A, Bt, logz = alpha[:, b], np.empty((L, Tb, Ub + 1)), logz_all[:, b]
+        cand, P, Q = np.empty(K), np.empty(K), np.empty(max(D, 1))
         ok = gb != 0.0
+        for l in range(L): ok = ok and logz[l] != -np.inf     # (an infeasible lattice: no gradient; NaN gives NaN)
         if ok:
-            _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse)
-            for l in range(L):
-                logz[l] = _alpha(E, Tb, Ub, table, l, False, A[l], cand)
-                ok = ok and logz[l] != -np.inf                 # (an infeasible lattice: no gradient; NaN gives NaN)
-            if ok:
-                for l in range(L): _beta(E, Tb, Ub, table, l, Bt[l], cand)
+            _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse, lse_tok[b], True)
+            for l in range(L): _beta(E, Tb, Ub, table, l, Bt[l], cand)
         for t in range(T):
             for u in range(U1):
                 out = grad[b, t, u]
@@ -470,20 +473,32 @@ def _ref_backward(s, outputs, grads):
 # the numba kernels
 def _cpu_args(s): return s.x.numpy(), s.y.numpy(), s.il.numpy(), s.tl.numpy(), s.V, s.D, s.table
 
-def _cpu_logz(s, use_max=False):
-    logz = np.empty((s.L, s.x.shape[0]))
+def _cpu_views(buf, s):
+    "The CPU lattice buffer's rows' token log-sum-exps (B, T, U+1), alphas (L, B, T, U+1) and log Zs (L, B), as numpy."
+    B, T, U1, _ = s.x.shape
+    nodes = B * T * U1
+    lse, alpha, logz = buf.split([nodes, s.L * nodes, s.L * B])
+    return lse.view(B, T, U1).numpy(), alpha.view(s.L, B, T, U1).numpy(), logz.view(s.L, B).numpy()
+
+def _cpu_lattice(s, use_max=False):
+    """log Z (L, B) of the lattices by the numba kernel, and the buffer (float64) that the gradient reads: the rows'
+    token log-sum-exps and the alphas (the gradient need not pass over the tokens twice nor run the forward again)."""
+    B, T, U1, _ = s.x.shape
+    buf = torch.empty(B * T * U1 * (1 + s.L) + s.L * B, dtype=torch.float64)
+    lse, alpha, logz = _cpu_views(buf, s)
     with _numba_threads(s.x):
-        _tdt_forward_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, use_max, s.L, logz)
-    return torch.from_numpy(logz)
+        _tdt_forward_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, use_max, s.L, logz, lse, alpha)
+    return torch.from_numpy(logz), buf
 
 def _cpu_forward(s):
-    return _costs(_cpu_logz(s), s.weights), s.x.new_empty(0, dtype=torch.float64)
+    logz, buf = _cpu_lattice(s)
+    return _costs(logz, s.weights), buf
 
 def _cpu_backward(s, outputs, grads):
     x = s.x
     grad = (empty_large if x.numel() * x.element_size() >= _POOLED else torch.empty)(x.shape, dtype=x.dtype)
     with _numba_threads(x):
-        _tdt_grad_cpu(*_cpu_args(s), s.sigmas, s.weights, float(s.dp), s.precise, s.L,
+        _tdt_grad_cpu(*_cpu_args(s), s.sigmas, s.weights, float(s.dp), s.precise, s.L, *_cpu_views(outputs[1], s),
                       grads[0].detach().double().contiguous().numpy(), float(s.clamp), float(s.lam), grad.numpy())
     return {'logits': grad.to(s.dtype)}
 
@@ -491,7 +506,8 @@ def _cpu_backward(s, outputs, grads):
 def _fake(a, backend):
     B, T, U1, _ = a.logits.shape
     L = 2 if 0 < a.omega < 1 else 1
-    n = B * T * U1 * (2 + 2 * L) + L * B if backend == 'cuda' else 0
+    per_node = {'cuda': 2 + 2 * L, 'cpu': 1 + L}.get(backend)     # the lattice the backward reads (reference: none)
+    n = B * T * U1 * per_node + L * B if per_node else 0
     return a.logits.new_empty(B, dtype=torch.float64), a.logits.new_empty(n, dtype=torch.float64)
 
 tdt_op = Op(f'{_OPS}::tdt',
@@ -577,7 +593,7 @@ def _tdt_edges_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, us
         if logz[b] == -np.inf: continue
         E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
         A, cand = np.empty((1, Tb, Ub + 1)), np.empty(K)
-        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse)
+        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse, np.empty((Tb, Ub + 1)), False)
         _alpha(E, Tb, Ub, table, 0, use_max, A[0], cand)
         if use_max:                                     # from the end, the incoming edge that gave each alpha
             t, u = Tb, Ub
@@ -618,7 +634,7 @@ def lattice_edges(logits, targets, logit_lengths, target_lengths, durations, big
             logz, post = _ref_lattices(s, S, True)
             return logz[0].to(s.x.dtype), post.to(s.x.dtype)
         if backend == 'cpu':
-            logz = _cpu_logz(s, S is Max)[0]
+            logz = _cpu_lattice(s, S is Max)[0][0]
             edges = torch.zeros(B, T, U1, K, dtype=s.x.dtype)
             with _numba_threads(s.x):
                 _tdt_edges_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, S is Max, logz.numpy(), edges.numpy())
