@@ -730,7 +730,7 @@ def tdt_loss_pytorch(logits, targets, logit_lengths, target_lengths, durations=(
     sl = F.pad(skew(sl)[..., :-1], (1, 0), value=zero).unbind(1)               # labels: by the node they enter
     alpha = x.new_full((B, U1), zero)
     alpha[:, 0] = 0.0                                                            # diagonal 0: the start node (0, 0)
-    alphas, entered = [alpha], x.new_full((B, len(o), U1), zero)           # entered[:, o - 1]: into diagonal n + o
+    alphas, entered = [alpha], x.new_full((B, len(o), U1), zero)               # entered[:, o - 1]: into diagonal n + o
     for n in range(N - 1):
         shifted = F.pad(alpha[:, :-1], (1, 0), value=zero)                       # alpha[u - 1]: labels enter u from u - 1
         entered = torch.logaddexp(entered, torch.logaddexp(alpha[:, None] + sb[n], shifted[:, None] + sl[n]))
