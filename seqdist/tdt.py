@@ -7,7 +7,7 @@ __all__ = ['MAX_DURATIONS', 'tdt_op', 'TDT_SHAPES', 'check_durations', 'tdt_inpu
            'multiblank_edges', 'edge_table', 'edge_scores', 'logz_reference', 'tdt_brute_force',
            'multiblank_brute_force', 'grad_from_edges', 'tdt_loss', 'multiblank_rnnt_loss', 'TDTLoss',
            'MultiblankRNNTLoss', 'lattice_edges', 'tdt_alignments', 'multiblank_alignments', 'tdt_best_path',
-           'tdt_inputs_for', 'load_hf_tdt_loss', 'bench_tdt', 'tdt_peak_extra_mb', 'delay_offsets']
+           'tdt_loss_pytorch', 'tdt_inputs_for', 'load_hf_tdt_loss', 'tdt_peak_extra_mb', 'bench_tdt', 'delay_offsets']
 
 # %% ../nbs/09_tdt.ipynb #e1e4e656
 import math
@@ -203,14 +203,18 @@ def _ssum(c, n, use_max):
     return m + np.log(s)
 
 @numba.njit(cache=_CACHE, fastmath={'reassoc', 'contract'})
-def _edge_scores(x, b, Tb, Ub, y, V, D, table, sigmas, delay_penalty, precise, E, lse):
-    "E[t, u, k]: the score of edge k leaving node (t, u) of sequence b; lse[t, u] the token and duration log-sum-exps."
+def _edge_scores(x, b, Tb, Ub, y, V, D, table, sigmas, delay_penalty, precise, E, lse, lse_tok, saved):
+    """E[t, u, k]: the score of edge k leaving node (t, u) of sequence b; lse[t, u] the token and duration log-sum-exps;
+    lse_tok[t, u] the tokens' alone: read if `saved` (no pass over the V tokens of the row), else written."""
     K = table.shape[0]
     for t in range(Tb):
         delay = delay_penalty * ((Tb - 1) * 0.5 - t)
         for u in range(Ub + 1):
             row = x[b, t, u]
-            lt = fast_logsumexp(row[:V], precise)
+            if saved: lt = lse_tok[t, u]
+            else:
+                lt = fast_logsumexp(row[:V], precise)
+                lse_tok[t, u] = lt
             ld = fast_logsumexp(row[V:], precise) if D > 0 else 0.0
             lse[t, u, 0], lse[t, u, 1] = lt, ld
             for k in range(K):
@@ -269,15 +273,15 @@ def _beta(E, Tb, Ub, table, lat, Bt, cand):
             Bt[t, u] = _ssum(cand, n, False)
 
 @numba.njit(parallel=True, cache=_CACHE)
-def _tdt_forward_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, L, logz):
-    "logz[l, b]: log Z of lattice l of sequence b (Log or Max)."
+def _tdt_forward_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, L, logz, lse_tok, alpha):
+    """logz[l, b]: log Z of lattice l of sequence b (Log or Max); the rows' token log-sum-exps lse_tok[b] (B, T, U+1)
+    and alpha[l, b] (L, B, T, U+1) are kept for the gradient."""
     B, K = x.shape[0], table.shape[0]
     for b in numba.prange(B):
         Tb, Ub = Tl[b], Ul[b]
-        E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
-        A, cand = np.empty((Tb, Ub + 1)), np.empty(K)
-        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse)
-        for l in range(L): logz[l, b] = _alpha(E, Tb, Ub, table, l, use_max, A, cand)
+        E, lse, cand = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2)), np.empty(K)
+        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse, lse_tok[b], False)
+        for l in range(L): logz[l, b] = _alpha(E, Tb, Ub, table, l, use_max, alpha[l, b], cand)
 
 @numba.njit(inline='always')
 def _posteriors(E, A, Bt, logz, t, u, Tb, Ub, table, weights, P):
@@ -288,23 +292,22 @@ def _posteriors(E, A, Bt, logz, t, u, Tb, Ub, table, weights, P):
         P[k] = weights[l] * (np.exp(lp) if lp > -700.0 or lp != lp else 0.0)
 
 @numba.njit(parallel=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
-def _tdt_grad_cpu(x, y, Tl, Ul, V, D, table, sigmas, weights, delay_penalty, precise, L, g, clamp, lam, grad):
-    "grad[b] = g[b] * d(cost_b)/dx[b]: the token part clamped to [-clamp, clamp] before the scaling if clamp > 0."
+def _tdt_grad_cpu(x, y, Tl, Ul, V, D, table, sigmas, weights, delay_penalty, precise, L, lse_tok, alpha, logz_all, g,
+                  clamp, lam, grad):
+    """grad[b] = g[b] * d(cost_b)/dx[b], from the forward's token log-sum-exps, alphas and log Zs: the token part
+    clamped to [-clamp, clamp] before the scaling if clamp > 0."""
     B, T, U1, W = x.shape
     K = table.shape[0]
     for b in numba.prange(B):
         Tb, Ub, gb = Tl[b], Ul[b], g[b]
         E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
-        A, Bt = np.empty((L, Tb, Ub + 1)), np.empty((L, Tb, Ub + 1))
-        cand, P, Q, logz = np.empty(K), np.empty(K), np.empty(max(D, 1)), np.empty(L)
+        A, Bt, logz = alpha[:, b], np.empty((L, Tb, Ub + 1)), logz_all[:, b]
+        cand, P, Q = np.empty(K), np.empty(K), np.empty(max(D, 1))
         ok = gb != 0.0
+        for l in range(L): ok = ok and logz[l] != -np.inf     # (an infeasible lattice: no gradient; NaN gives NaN)
         if ok:
-            _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse)
-            for l in range(L):
-                logz[l] = _alpha(E, Tb, Ub, table, l, False, A[l], cand)
-                ok = ok and logz[l] != -np.inf                 # (an infeasible lattice: no gradient; NaN gives NaN)
-            if ok:
-                for l in range(L): _beta(E, Tb, Ub, table, l, Bt[l], cand)
+            _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse, lse_tok[b], True)
+            for l in range(L): _beta(E, Tb, Ub, table, l, Bt[l], cand)
         for t in range(T):
             for u in range(U1):
                 out = grad[b, t, u]
@@ -460,20 +463,32 @@ def _ref_backward(s, outputs, grads):
 # the numba kernels
 def _cpu_args(s): return s.x.numpy(), s.y.numpy(), s.il.numpy(), s.tl.numpy(), s.V, s.D, s.table
 
-def _cpu_logz(s, use_max=False):
-    logz = np.empty((s.L, s.x.shape[0]))
+def _cpu_views(buf, s):
+    "The CPU lattice buffer's rows' token log-sum-exps (B, T, U+1), alphas (L, B, T, U+1) and log Zs (L, B), as numpy."
+    B, T, U1, _ = s.x.shape
+    nodes = B * T * U1
+    lse, alpha, logz = buf.split([nodes, s.L * nodes, s.L * B])
+    return lse.view(B, T, U1).numpy(), alpha.view(s.L, B, T, U1).numpy(), logz.view(s.L, B).numpy()
+
+def _cpu_lattice(s, use_max=False):
+    """log Z (L, B) of the lattices by the numba kernel, and the buffer (float64) that the gradient reads: the rows'
+    token log-sum-exps and the alphas (the gradient need not pass over the tokens twice nor run the forward again)."""
+    B, T, U1, _ = s.x.shape
+    buf = torch.empty(B * T * U1 * (1 + s.L) + s.L * B, dtype=torch.float64)
+    lse, alpha, logz = _cpu_views(buf, s)
     with numba_threads(s.x):
-        _tdt_forward_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, use_max, s.L, logz)
-    return torch.from_numpy(logz)
+        _tdt_forward_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, use_max, s.L, logz, lse, alpha)
+    return torch.from_numpy(logz), buf
 
 def _cpu_forward(s):
-    return _costs(_cpu_logz(s), s.weights), s.x.new_empty(0, dtype=torch.float64)
+    logz, buf = _cpu_lattice(s)
+    return _costs(logz, s.weights), buf
 
 def _cpu_backward(s, outputs, grads):
     x = s.x
     grad = empty_gradient(x)
     with numba_threads(x):
-        _tdt_grad_cpu(*_cpu_args(s), s.sigmas, s.weights, float(s.dp), s.precise, s.L,
+        _tdt_grad_cpu(*_cpu_args(s), s.sigmas, s.weights, float(s.dp), s.precise, s.L, *_cpu_views(outputs[1], s),
                       grads[0].detach().double().contiguous().numpy(), float(s.clamp), float(s.lam), grad.numpy())
     return {'logits': grad.to(s.dtype)}
 
@@ -481,7 +496,8 @@ def _cpu_backward(s, outputs, grads):
 def _fake(a, backend):
     B, T, U1, _ = a.logits.shape
     L = 2 if 0 < a.omega < 1 else 1
-    n = B * T * U1 * (2 + 2 * L) + L * B if backend == 'cuda' else 0
+    per_node = {'cuda': 2 + 2 * L, 'cpu': 1 + L}.get(backend)     # the lattice the backward reads (reference: none)
+    n = B * T * U1 * per_node + L * B if per_node else 0
     return a.logits.new_empty(B, dtype=torch.float64), a.logits.new_empty(n, dtype=torch.float64)
 
 tdt_op = Op(f'{_OPS}::tdt',
@@ -568,7 +584,7 @@ def _tdt_edges_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, us
         if logz[b] == -np.inf: continue
         E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
         A, cand = np.empty((1, Tb, Ub + 1)), np.empty(K)
-        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse)
+        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse, np.empty((Tb, Ub + 1)), False)
         _alpha(E, Tb, Ub, table, 0, use_max, A[0], cand)
         if use_max:                                     # from the end, the incoming edge that gave each alpha
             t, u = Tb, Ub
@@ -609,7 +625,7 @@ def lattice_edges(logits, targets, logit_lengths, target_lengths, durations, big
             logz, post = _ref_lattices(s, S, True)
             return logz[0].to(s.x.dtype), post.to(s.x.dtype)
         if backend == 'cpu':
-            logz = _cpu_logz(s, S is Max)[0]
+            logz = _cpu_lattice(s, S is Max)[0][0]
             edges = torch.zeros(B, T, U1, K, dtype=s.x.dtype)
             with numba_threads(s.x):
                 _tdt_edges_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, S is Max, logz.numpy(), edges.numpy())
@@ -658,6 +674,61 @@ def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 
     dur = torch.where(hit, d[emit.sum(1).argmax(2)], -1)
     return frames, dur, score
 
+# %% ../nbs/09_tdt.ipynb #tdtanchor-code
+_LOG_ZERO = -1e30     # the anchor's finite log-zero: autograd through logaddexp(-inf, -inf) would give NaN
+
+def _by_entry(lp, dlp, durations, shift):
+    """(B, T, U+1, O) scores of the edges leaving each node by the anti-diagonal they enter, n + o for o = 1..O:
+    lp (B, T, U+1, 1) plus the log-probability of duration o - shift (0: blanks, 1: labels), log-zero if none."""
+    col = {d: i for i, d in enumerate(durations)}
+    cols = [col.get(o - shift, -1) for o in range(1, max(durations) + 2)]
+    has = torch.tensor([c >= 0 for c in cols], device=lp.device)
+    return torch.where(has, lp + dlp[..., [max(c, 0) for c in cols]], _LOG_ZERO)
+
+def tdt_loss_pytorch(logits, targets, logit_lengths, target_lengths, durations=(0, 1, 2, 3, 4), blank=-1, sigma=0.0,
+                     reduction='mean'):
+    """The TDT loss in plain PyTorch, differentiated by autograd: NeMo's forward recursion pushed along the
+    anti-diagonals n = t + u, the whole batch and every node of a diagonal in a few tensor operations per diagonal.
+    Arguments and result as `tdt_loss`'s (no omega, FastEmit, clamp or delay penalty); float32 or float64 (other
+    floats are computed in float32); finite logits. The benchmarks' anchor, and a third check of `tdt_loss`."""
+    if reduction not in _REDUCTIONS: raise ValueError(f"reduction must be 'none', 'sum', 'mean' or 'mean_volume', got {reduction!r}")
+    sigma = finite_real(sigma, 'sigma')
+    durations, V, blank = tdt_inputs(logits, targets, logit_lengths, target_lengths, durations, blank)
+    B, T, U1, W = logits.shape
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    dev, zero = x.device, _LOG_ZERO
+    il, tl = logit_lengths.to(dev).long(), target_lengths.to(dev).long()
+    y, _, _ = clean_targets(x[..., :V], targets, il, tl, blank, check=False)    # (B, U+1), blank past each length
+    tok, dur = x.split([V, W - V], -1)
+    cols = torch.stack([torch.full_like(y, blank), y], -1)[:, None].expand(B, T, U1, 2)
+    lp = tok.log_softmax(-1).gather(3, cols) - sigma                             # (B, T, U+1, 2): the blank, the label
+    dlp = dur.log_softmax(-1)                                                    # (B, T, U+1, D)
+    t, o = torch.arange(T, device=dev), torch.arange(1, max(durations) + 2, device=dev)
+    sb = _by_entry(lp[..., :1], dlp, durations, 0)                               # a blank of duration d enters n + d,
+    sl = _by_entry(lp[..., 1:], dlp, durations, 1)                               # a label of duration d enters n + d + 1
+    sl = torch.where(t[:, None, None] + o - 1 < il[:, None, None, None], sl, zero)   # labels end before frame T_b
+    # skewed: (B, N, O, U+1), the scores of node (n - u, u) at [:, n, :, u]; then one tensor per diagonal (autograd
+    # stacks their gradients once, where a slice per diagonal would add a gradient the size of the whole)
+    N = int((il + tl).max()) + 1                                                 # the last node (T_b, U_b) is on T_b + U_b
+    u = torch.arange(U1, device=dev)
+    ts = torch.arange(N, device=dev)[:, None] - u                                # (N, U+1): the frame of node (n - u, u)
+    on_grid = ((ts >= 0) & (ts < T))[..., None]
+    skew = lambda s: torch.where(on_grid, s[:, ts.clamp(0, T - 1), u], zero).transpose(2, 3)
+    sb = skew(sb).unbind(1)
+    sl = F.pad(skew(sl)[..., :-1], (1, 0), value=zero).unbind(1)               # labels: by the node they enter
+    alpha = x.new_full((B, U1), zero)
+    alpha[:, 0] = 0.0                                                            # diagonal 0: the start node (0, 0)
+    alphas, entered = [alpha], x.new_full((B, len(o), U1), zero)               # entered[:, o - 1]: into diagonal n + o
+    for n in range(N - 1):
+        shifted = F.pad(alpha[:, :-1], (1, 0), value=zero)                       # alpha[u - 1]: labels enter u from u - 1
+        entered = torch.logaddexp(entered, torch.logaddexp(alpha[:, None] + sb[n], shifted[:, None] + sl[n]))
+        alpha = entered[:, 0]                                                    # diagonal n + 1 has all its inputs
+        alphas.append(alpha)
+        entered = F.pad(entered[:, 1:], (0, 0, 0, 1), value=zero)
+    logz = torch.stack(alphas, 1)[torch.arange(B, device=dev), il + tl, tl]     # alpha(T_b, U_b): only blanks enter it
+    costs = torch.where(logz < zero / 2, math.inf, -logz)                        # no path: inf, as tdt_loss
+    return _reduce(costs.to(logits.dtype), target_lengths, reduction)
+
 # %% ../nbs/09_tdt.ipynb #e87e72bd
 TDT_SHAPES = [(8, 200, 50, 128, 5), (4, 300, 80, 1024, 5)]    # B, T, U, V, D
 
@@ -676,45 +747,81 @@ def load_hf_tdt_loss():
         return hf_tdt_loss
     except Exception: return None
 
-def bench_tdt(quick=False, shapes=None, device='cpu', warmup=2, reps=7):
-    """fwd+bwd of `tdt_loss` against our `rnnt_loss` on the same (B, T, U, V) and against the best PyTorch TDT loss
-    (transformers' where installed, else our reference), timed alternately in one run; rows like seqdist.bench's."""
+def _bench_loss(which, V, durations):
+    """f(x, y, il, tl): the loss `which` of logits x (B, T, U+1, V + D), blank V - 1, reduction 'mean' over the batch:
+    'tdt' (ours), 'pytorch' (`tdt_loss_pytorch`), 'transformers' (its TDT loss) or 'rnnt' (our `rnnt_loss` of x's
+    first V columns: the caller passes those alone)."""
+    if which == 'tdt': return lambda x, y, il, tl: tdt_loss(x, y, il, tl, durations)
+    if which == 'pytorch': return lambda x, y, il, tl: tdt_loss_pytorch(x, y, il, tl, durations)
+    if which == 'rnnt': return lambda x, y, il, tl: rnnt_loss(x, y, il, tl, blank=V - 1)
+    if which == 'transformers':
+        hf = load_hf_tdt_loss()
+        return lambda x, y, il, tl: hf(x[..., :V], x[..., V:], y.long(), il, tl, V - 1, durations, reduction='mean_batch')
+    raise ValueError(f"which must be 'tdt', 'pytorch', 'transformers' or 'rnnt', got {which!r}")
+
+_PEAK_SETUP = '''
+from seqdist.tdt import _bench_loss, tdt_inputs_for
+def inputs(B, T, U, V):
+    x, y, il, tl = tdt_inputs_for(B, T, U, V, {D})
+    return (x.detach()[..., :V].contiguous().requires_grad_() if {which!r} == 'rnnt' else x), y, il, tl
+x, y, il, tl = inputs(2, 64, 63, 128)              # warm-up: compilation, the thread pools of numba and torch
+torch.autograd.grad(_bench_loss({which!r}, 128, list(range({D})))(x, y, il, tl), x)
+f = _bench_loss({which!r}, {V}, list(range({D})))
+x, y, il, tl = inputs({B}, {T}, {U}, {V})
+'''
+
+def tdt_peak_extra_mb(B, T, U, V, D=5, loss='tdt'):
+    """Peak extra resident memory (MB) of one fwd+bwd of `loss` (as `_bench_loss`: 'tdt', 'pytorch', 'transformers',
+    'rnnt') on random float32 logits (B, T, U+1, V + D) on the CPU, gradient included, in a fresh process; and the
+    logits' MB (V + D columns)."""
+    return (peak_rss_mb(_PEAK_SETUP.format(which=loss, B=B, T=T, U=U, V=V, D=D), "g, = torch.autograd.grad(f(x, y, il, tl), x)"),
+            B * T * (U + 1) * (V + D) * 4 / 2**20)
+
+def bench_tdt(quick=False, shapes=None, device='cpu', warmup=2, reps=7, memory=None):
+    """fwd+bwd of `tdt_loss` against the PyTorch TDT losses a user would otherwise pick (`tdt_loss_pytorch`, and
+    transformers' where it imports) and against our `rnnt_loss` on the same (B, T, U, V) (what the durations cost),
+    all called in turn on the same inputs; rows like seqdist.bench's. With `memory` (default: not `quick`), each one's
+    peak extra memory (CPU: resident memory of a fresh process; GPU: allocated memory) and, in the `rnnt_loss` row,
+    `tdt_loss`'s over the logits' size."""
     shapes = shapes or ([(2, 20, 5, 16, 5)] if quick else TDT_SHAPES)
     if quick: warmup, reps = 1, 3
-    hf = load_hf_tdt_loss()
+    memory = not quick if memory is None else memory
+    cuda = torch.device(device).type == 'cuda'
+    anchors = {'pytorch': 'PyTorch TDT loss (tdt_loss_pytorch)'}
+    if load_hf_tdt_loss() is not None:
+        import transformers
+        anchors['transformers'] = f"transformers {transformers.__version__} tdt_loss"
+    anchors['rnnt'] = 'seqdist rnnt_loss (no durations)'
     rows = []
     for B, T, U, V, D in shapes:
         durations = list(range(D))
         x, y, il, tl = tdt_inputs_for(B, T, U, V, D, device)
         xr = x.detach()[..., :V].contiguous().requires_grad_()
-        def run(f, x):
-            loss = f(x)
-            out = loss.detach(), torch.autograd.grad(loss, x)[0]
-            if device != 'cpu': torch.cuda.synchronize()
-            return out
-        ours = lambda: run(lambda x: tdt_loss(x, y, il, tl, durations), x)
-        rnnt = lambda: run(lambda x: rnnt_loss(x, y, il, tl, blank=V - 1), xr)
-        if hf is not None:
-            name = 'transformers tdt_loss'
-            anchor = lambda: run(lambda x: hf(x[..., :V], x[..., V:], y.long(), il, tl, V - 1, durations, reduction='mean_batch'), x)
-        else:
-            name = 'PyTorch TDT (seqdist reference)'
-            anchor = lambda: run(lambda x: tdt_loss(x, y, il, tl, durations, backend='reference'), x)
-        (l_o, g_o), (l_a, g_a) = ours(), anchor()
-        t_o, t_r, t_a = alternated_median_ms(ours, rnnt, anchor, warmup=warmup, reps=reps)
+        def call(which):
+            f, xw = _bench_loss(which, V, durations), (xr if which == 'rnnt' else x)
+            def run():
+                loss = f(xw, y, il, tl)
+                out = loss.detach(), torch.autograd.grad(loss, xw)[0]
+                if cuda: torch.cuda.synchronize()
+                return out
+            return run
+        runs = {k: call(k) for k in ('tdt', *anchors)}
+        l_o, g_o = runs['tdt']()
+        def agreement(k):
+            l_a, g_a = runs[k]()
+            return f"loss diff {abs(l_o - l_a).item():.1e}, grad diff {(g_o - g_a).abs().max().item():.1e}"
+        checks = {k: agreement(k) for k in anchors if k != 'rnnt'}
+        del l_o, g_o
+        ms = dict(zip(runs, alternated_median_ms(*runs.values(), warmup=warmup, reps=reps)))
+        from seqdist.timing import peak_gpu_mb
+        mb = {k: (peak_gpu_mb(r, device) if cuda else tdt_peak_extra_mb(B, T, U, V, D, k)[0]) for k, r in runs.items()} if memory else {}
+        logits_mb = x.numel() * x.element_size() / 2**20
         shape = f"B={B} T={T} U={U} V={V} D={D}"
-        rows.append(dict(op='tdt_loss fwd+bwd', shape=shape, anchor=name, anchor_ms=t_a, ours_ms=t_o, ratio=t_a / t_o,
-                         check=f"loss diff {abs(l_o - l_a).item():.1e}, grad diff {(g_o - g_a).abs().max().item():.1e}"))
-        rows.append(dict(op='tdt_loss fwd+bwd', shape=shape, anchor='seqdist rnnt_loss (no durations)', anchor_ms=t_r,
-                         ours_ms=t_o, ratio=t_r / t_o, check=f"tdt_loss takes {t_o / t_r:.2f}x rnnt_loss's time"))
+        for k, name in anchors.items():
+            check = checks.get(k) or f"tdt_loss takes {ms['tdt'] / ms['rnnt']:.2f}x rnnt_loss's time" + (
+                f"; its peak extra memory is {mb['tdt'] / logits_mb:.2f}x the logits' {logits_mb:.0f} MB" if memory else '')
+            row = dict(op='tdt_loss fwd+bwd', shape=shape, anchor=name, anchor_ms=ms[k], ours_ms=ms['tdt'],
+                       ratio=ms[k] / ms['tdt'], check=check)
+            if memory: row.update(anchor_mb=mb[k], ours_mb=mb['tdt'])
+            rows.append(row)
     return rows
-
-def tdt_peak_extra_mb(B, T, U, V, D=5, loss='tdt'):
-    "Peak extra resident memory (MB) of one fwd+bwd (float32, CPU) in a fresh process, and the logits' MB."
-    setup = (f"from seqdist.tdt import tdt_loss, tdt_inputs_for\nfrom seqdist.rnnt import rnnt_loss\n"
-             f"f = (lambda x, y, il, tl: tdt_loss(x, y, il, tl, list(range({D})))) if {loss!r} == 'tdt' else "
-             f"(lambda x, y, il, tl: rnnt_loss(x[..., :{V}], y, il, tl, blank={V} - 1))\n"
-             f"x, y, il, tl = tdt_inputs_for(2, 64, 63, 128, {D})\ntorch.autograd.grad(f(x, y, il, tl), x)\n"
-             f"x, y, il, tl = tdt_inputs_for({B}, {T}, {U}, {V}, {D})\n"
-             f"x = x if {loss!r} == 'tdt' else x.detach()[..., :{V}].contiguous().requires_grad_()")
-    return peak_rss_mb(setup, "g, = torch.autograd.grad(f(x, y, il, tl), x)"), B * T * (U + 1) * (V + D) * 4 / 2**20

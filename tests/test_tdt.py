@@ -519,3 +519,60 @@ def test_targets_are_checked_and_cleaned_once_per_forward_and_backward(monkeypat
             calls.clear()
             torch.autograd.grad(tdt.tdt_loss(x, y, il, tl, blank=0, backend=backend, **kw), x)
             assert calls == [True], (backend, kw, calls)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The PyTorch TDT loss (the benchmarks' anchor): a third implementation, vectorised over anti-diagonals
+from seqdist.tdt import tdt_loss_pytorch, load_hf_tdt_loss, bench_tdt
+
+@pytest.mark.parametrize('durations', [(0, 1, 2, 3, 4), (0, 1, 2), (1, 2), (0, 1, 2, 3, 4, 5, 6, 7, 8)])
+def test_pytorch_tdt_loss_equals_tdt_loss(durations):
+    "float64, variable lengths (U = 0 and T = 1 occur), garbage target padding, any blank, sigma, every reduction."
+    rng = random.Random(40 + len(durations))
+    for _ in range(8):
+        x, y, il, tl, durations, blank = random_tdt(rng, durations, max_B=4, max_T=12, max_U=5)
+        kw = dict(sigma=rng.choice([0.0, 0.05, 0.3]), reduction=rng.choice(['none', 'sum', 'mean', 'mean_volume']))
+        ours = loss_and_grad(tdt_loss, x, y, il, tl, durations, blank, backend='cpu', **kw)
+        theirs = loss_and_grad(tdt_loss_pytorch, x, y, il, tl, durations, blank, **kw)
+        assert_same(theirs[0], ours[0], **TOL64); assert_same(theirs[1], ours[1], **TOL64)
+
+def test_pytorch_tdt_loss_infeasible_is_inf_with_zero_gradient():
+    "Durations (1, 2) take a frame per label: 3 labels in 2 frames have no path (inf, no gradient), as in tdt_loss."
+    x = torch.randn(2, 2, 4, 6 + 2, dtype=torch.float64)
+    y, il, tl = torch.tensor([[1, 2, 3], [1, 2, 3]]), torch.tensor([2, 2]), torch.tensor([3, 1])
+    theirs = loss_and_grad(tdt_loss_pytorch, x, y, il, tl, (1, 2), reduction='none')
+    ours = loss_and_grad(tdt_loss, x, y, il, tl, (1, 2), reduction='none')
+    assert theirs[0][0] == math.inf and math.isfinite(theirs[0][1]) and (theirs[1][0] == 0).all()
+    assert_same(theirs[0], ours[0], **TOL64); assert_same(theirs[1], ours[1], **TOL64)
+
+def test_pytorch_tdt_loss_float32_close_to_float64():
+    x, y, il, tl = tdt.tdt_inputs_for(2, 30, 8, 20, dtype=torch.float64)
+    il, tl = torch.tensor([30, 17]), torch.tensor([8, 3])
+    l64, g64 = loss_and_grad(tdt_loss_pytorch, x, y, il, tl, reduction='none')
+    l32, g32 = loss_and_grad(tdt_loss_pytorch, x.float(), y, il, tl, reduction='none')
+    assert l32.dtype == g32.dtype == torch.float32
+    assert_same(l32, l64, **TOL32_REF); assert_same(g32, g64, **TOL32_REF)
+
+def test_transformers_tdt_loss_equals_tdt_loss():
+    "transformers' Parakeet TDT loss (the other anchor of bench_tdt), where it is installed (not by `make install`)."
+    hf = load_hf_tdt_loss()
+    if hf is None: pytest.skip("transformers is not installed")
+    rng = random.Random(50)
+    for durations in [(0, 1, 2, 3, 4), (0, 1, 2)]:
+        for _ in range(4):
+            x, y, il, tl, durations, blank = random_tdt(rng, durations, max_B=4, max_T=12, max_U=5)
+            V, sigma = x.shape[-1] - len(durations), rng.choice([0.0, 0.05])
+            yc = torch.where(torch.arange(y.shape[1])[None] < tl[:, None], y, 0)
+            theirs = hf(x[..., :V], x[..., V:], yc, il, tl, blank % V, list(durations), sigma=sigma, reduction='none')
+            ours = tdt_loss(x, y, il, tl, durations, blank, sigma=sigma, reduction='none')
+            torch.testing.assert_close(theirs.double(), ours, rtol=1e-5, atol=1e-5)    # (it computes in float32)
+
+def test_bench_tdt_quick_rows():
+    "The rows seqdist-bench prints: the anchors agree with tdt_loss; times and peak memory (fresh processes) measured."
+    import re
+    rows = bench_tdt(quick=True, memory=True)
+    assert rows[0]['anchor'] == 'PyTorch TDT loss (tdt_loss_pytorch)' and rows[-1]['anchor'].startswith('seqdist rnnt_loss')
+    assert all(r['ours_ms'] > 0 and r['anchor_ms'] > 0 and r['ours_mb'] >= 0 and r['anchor_mb'] >= 0 for r in rows)
+    for r in rows[:-1]:
+        loss_diff, grad_diff = map(float, re.fullmatch(r"loss diff (\S+), grad diff (\S+)", r['check']).groups())
+        assert loss_diff < 1e-4 and grad_diff < 1e-5, r
+    assert "x the logits'" in rows[-1]['check']
