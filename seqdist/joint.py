@@ -42,23 +42,16 @@ def _node_stats(z, y, blank):
     lse = z.logsumexp(-1)
     return lse, torch.stack([z[..., blank], z.gather(3, y[:, None, :, None].expand(*z.shape[:3], 1))[..., 0]], -1) - lse[..., None]
 
-def _rnnt_costs(s, logits, fused_log_softmax, clamp):
+def _rnnt_costs(s, logits):
     "`rnnt_loss(..., reduction='none')` of `logits` (float64): rnnt's op on the targets and lengths `_prepare` checked."
-    return rnnt_op(logits, s.y, s.il, s.tl, s.blank, fused_log_softmax, clamp, s.fastemit_lambda, 0.0, check=False)[0]
+    return rnnt_op(logits, s.y, s.il, s.tl, s.blank, True, s.clamp, s.fastemit_lambda, s.delay_penalty, check=False)[0]
 
 def _reference_forward(s):
-    "costs (B,), lse and edge log-probs: the joiner's logits, then `rnnt_loss` (the composition)."
+    "costs (B,), lse and edge log-probs (delay penalty included): the joiner's logits, then `rnnt_loss` (the composition)."
     z = joint_logits(s.e, s.p, s.W, s.bias, s.activation)                    # (B, T, U+1, V)
     lse, edge_lp = _node_stats(z, s.y, s.blank)
-    if s.delay_penalty == 0: return _rnnt_costs(s, z, True, s.clamp), lse, edge_lp
-    if s.clamp > 0: raise ValueError("backend='reference' takes clamp or delay_penalty, not both (the composition "
-                                     "through rnnt_loss would clamp the log-probabilities' gradient)")
-    pen = delay_offsets(s.il, z.shape[1], s.delay_penalty)
-    nonblank = (torch.arange(z.shape[-1], device=z.device) != s.blank).to(z.dtype)
-    lp = z.log_softmax(-1) + pen.to(z.dtype)[:, :, None, None] * nonblank
-    costs = _rnnt_costs(s, lp, False, -1.0)
-    edge_lp[..., 1] += pen[:, :, None]
-    return costs, lse, edge_lp
+    if s.delay_penalty: edge_lp[..., 1] += delay_offsets(s.il, z.shape[1], s.delay_penalty)[:, :, None]
+    return _rnnt_costs(s, z), lse, edge_lp
 
 # %% ../nbs/06b_joint.ipynb #2f4abac8
 JOINT_TILE_BYTES = 8 << 20   # the most bytes of logits in the tiles in flight (one per worker)

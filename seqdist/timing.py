@@ -103,7 +103,8 @@ def markdown_table(rows):
     lines = ["| op | shape | anchor | anchor ms | ours ms | speed-up |" + (" anchor MB | ours MB |" if mem else "") + " check |",
              "|---|---|---|---|---|---|" + ("---|---|" if mem else "") + "---|"]
     for r in rows:
-        extra = f" {r.get('anchor_mb', float('nan')):.0f} | {r.get('ours_mb', float('nan')):.0f} |" if mem else ""
+        mb = lambda k: f"{r[k]:.0f}" if r.get(k) == r.get(k) and k in r else '–'   # (missing or NaN: not measured)
+        extra = f" {mb('anchor_mb')} | {mb('ours_mb')} |" if mem else ""
         lines.append(f"| {r['op']} | {r['shape']} | {r['anchor']} | {r['anchor_ms']:.2f} | {r['ours_ms']:.2f} | "
                      f"{r['ratio']:.2f}x |{extra} {r['check']} |")
     return '\n'.join(lines)

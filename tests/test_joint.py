@@ -129,10 +129,13 @@ def test_clamp_with_delay_penalty_equals_the_closed_form():
         ins = [xs[k] for k in PARAMS if xs[k] is not None]
         assert_relative(got, [costs, *torch.autograd.grad(z, ins, dz)], 1e-9, str(kw))
 
-def test_reference_refuses_clamp_with_delay_penalty():
-    case = random_case(random.Random(1))
-    with pytest.raises(ValueError, match="takes clamp or delay_penalty, not both"):
-        joint_rnnt_loss(**case, clamp=0.1, delay_penalty=0.1, backend='reference')
+def test_reference_takes_clamp_with_delay_penalty():
+    "The composition runs rnnt_loss with its own delay penalty: clamp, FastEmit and the penalty compose as fused."
+    rng = random.Random(1)
+    for _ in range(4):
+        case = random_case(rng)
+        kw = dict(clamp=rng.choice([0.02, 0.2]), delay_penalty=rng.choice([0.1, -0.3]), fastemit_lambda=0.2, reduction='none')
+        assert_relative(loss_and_grads(case, **kw, backend='reference'), loss_and_grads(case, **kw, backend='cpu'), 1e-9, str(kw))
 
 @pytest.mark.parametrize('backend', ['reference', 'cpu'])
 def test_gradcheck(backend):
