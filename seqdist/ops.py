@@ -143,6 +143,7 @@ class Op:
     def compute(self, *args, backend='auto', check=True):
         """The outputs without autograd (the forward alone), e.g. for posteriors and alignments; traceable by
         torch.compile. `check` as for a call."""
+        if len(args) != len(self.inputs): raise TypeError(f"{self.name} takes {len(self.inputs)} inputs {self.inputs}, got {len(args)}")
         backend = resolve_backend(backend, args[self._tensor[0]], self.backends, self.inputs[self._tensor[0]])
         if backend in self._kernel_backends and torch.compiler.is_compiling():
             with torch.no_grad(): out = self.custom_op(*args, backend)

@@ -144,6 +144,7 @@ def test_numba_threads():
 def test_bad_input_checked_in_prepare():
     with pytest.raises(ValueError, match=r"x must be \(N, D\), got \(3,\)"): TOY(torch.randn(3), torch.tensor(1.0))
     with pytest.raises(TypeError, match="takes 2 inputs"): TOY(torch.randn(3, 2))
+    with pytest.raises(TypeError, match="takes 2 inputs"): TOY.compute(torch.randn(3, 2))
 
 def test_resolve_backend():
     x = torch.zeros(1)
