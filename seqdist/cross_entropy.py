@@ -22,7 +22,7 @@ from .kernel import load_kernel
 from .memory import empty_large
 from .checks import on_host, require, to_device
 from .compile_check import resource_budget
-from .ops import Op, AUTOGRAD, op_namespace, max_threads, resolve_backend
+from .ops import Op, AUTOGRAD, op_namespace, max_threads, resolve_backend, parallel_for
 from .timing import paired_median_ms, alternated_median_ms, peak_rss_mb
 _CACHE = __name__ != "__main__"  # numba caches compiled kernels for the package, not for notebook cells
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -104,13 +104,13 @@ def _capped_overload(v, cap):
         return np.copysign(cap * (1.0 - e) / (1.0 + e), v)
     return capped64
 
-@numba.njit(parallel=True, fastmath=_FASTMATH, cache=_CACHE)
-def _ce_forward_cpu(x, target, weight, ignore_index, eps, cap, lse, ce):
-    "lse[i] and ce[i] (the smoothed, weighted loss of row i; 0 if ignored) of the logits x (M, C)."
+@numba.njit(nogil=True, fastmath=_FASTMATH, cache=_CACHE)
+def _ce_forward_cpu(x, target, weight, ignore_index, eps, cap, lse, ce, lo, hi):
+    "lse[i] and ce[i] (the smoothed, weighted loss of row i; 0 if ignored) of the logits x (M, C), for lo <= i < hi."
     M, C = x.shape
     has_w = weight.shape[0] > 0
     W = weight.astype(np.float64).sum() if has_w else float(C)
-    for i in numba.prange(M):
+    for i in range(lo, hi):
         r = x[i]
         m = r[0]
         for c in range(C): m = max(m, r[c])
@@ -144,14 +144,14 @@ def _ce_forward_cpu(x, target, weight, ignore_index, eps, cap, lse, ce):
             loss += eps / C * (W * z - sx)
         ce[i] = loss
 
-@numba.njit(parallel=True, fastmath=_FASTMATH, cache=_CACHE)
-def _ce_backward_cpu(x, target, weight, ignore_index, eps, cap, lse, g_ce, g_lse, zc, grad):
-    """grad (M, C) = d/dx of sum_i (g_ce[i] ce[i] + g_lse[i] lse[i] + zc[i] lse[i]**2). grad may be x itself
-    (each row is read before it is overwritten)."""
+@numba.njit(nogil=True, fastmath=_FASTMATH, cache=_CACHE)
+def _ce_backward_cpu(x, target, weight, ignore_index, eps, cap, lse, g_ce, g_lse, zc, grad, lo, hi):
+    """grad (M, C) = d/dx of sum_i (g_ce[i] ce[i] + g_lse[i] lse[i] + zc[i] lse[i]**2), rows lo <= i < hi. grad may be
+    x itself (each row is read before it is overwritten)."""
     M, C = x.shape
     has_w = weight.shape[0] > 0
     W = weight.astype(np.float64).sum() if has_w else float(C)
-    for i in numba.prange(M):
+    for i in range(lo, hi):
         r, gr = x[i], grad[i]
         t = target[i]
         z = lse[i]
@@ -223,10 +223,12 @@ def _rows_cpu(x, target, o):
     M, C = x.shape
     tg = target.contiguous().numpy()
     ce, lse = torch.empty(M, dtype=o.dt), torch.empty(M, dtype=o.dt)
-    if x.dtype == o.dt: _ce_forward_cpu(x.numpy(), tg, o.w, o.ignore_index, o.eps, o.cap, lse.numpy(), ce.numpy())
+    if x.dtype == o.dt:
+        parallel_for(_ce_forward_cpu, M, x.numpy(), tg, o.w, o.ignore_index, o.eps, o.cap, lse.numpy(), ce.numpy(), work=x.numel())
     else:
         for i, j in _row_chunks(M, C):
-            _ce_forward_cpu(x[i:j].to(o.dt).numpy(), tg[i:j], o.w, o.ignore_index, o.eps, o.cap, lse[i:j].numpy(), ce[i:j].numpy())
+            parallel_for(_ce_forward_cpu, j - i, x[i:j].to(o.dt).numpy(), tg[i:j], o.w, o.ignore_index, o.eps, o.cap,
+                         lse[i:j].numpy(), ce[i:j].numpy(), work=(j - i) * C)
     return ce, lse
 
 def _rows_grad_cpu(x, target, o, lse, g_ce, g_lse, zc=None, out=None):
@@ -238,11 +240,14 @@ def _rows_grad_cpu(x, target, o, lse, g_ce, g_lse, zc=None, out=None):
     direct = x.dtype == o.dt
     # (empty_large takes numpy's dtypes only: fp16/bf16 gradients come from torch.empty)
     grad = out if out is not None else (empty_large((M, C), x.dtype) if direct else torch.empty((M, C), dtype=x.dtype))
-    if direct: _ce_backward_cpu(x.numpy(), tg, o.w, o.ignore_index, o.eps, o.cap, lse, g_ce, g_lse, zc, grad.numpy())
+    if direct:
+        parallel_for(_ce_backward_cpu, M, x.numpy(), tg, o.w, o.ignore_index, o.eps, o.cap, lse, g_ce, g_lse, zc, grad.numpy(),
+                     work=x.numel())
     else:
         for i, j in _row_chunks(M, C):
             xi = x[i:j].to(o.dt)
-            _ce_backward_cpu(xi.numpy(), tg[i:j], o.w, o.ignore_index, o.eps, o.cap, lse[i:j], g_ce[i:j], g_lse[i:j], zc[i:j], xi.numpy())
+            parallel_for(_ce_backward_cpu, j - i, xi.numpy(), tg[i:j], o.w, o.ignore_index, o.eps, o.cap, lse[i:j], g_ce[i:j],
+                         g_lse[i:j], zc[i:j], xi.numpy(), work=(j - i) * C)
             grad[i:j] = xi
     return grad
 

@@ -18,7 +18,7 @@ from .core import semiring, Log, Max, semiring_sum2
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import to_device, on_host, require, check_labels
 from .compile_check import resource_budget
-from .ops import Op, op_namespace, resolve_backend, max_threads
+from .ops import Op, op_namespace, resolve_backend, max_threads, parallel_for
 
 # %% ../nbs/02_ctc.ipynb #30579401
 def interleave_blanks(targets, blank_idx: int):
@@ -282,14 +282,14 @@ def _frames_needed(ext, L):
         if ext[2 * k + 1] == ext[2 * k - 1]: repeats += 1
     return L + repeats
 
-@numba.njit(parallel=True, cache=_CACHE)
-def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, delay, use_max, g, grad, by_state):
-    """logZ of each sequence (N,), and, if `g` is not empty, `grad[t, n, k] -= g[n] * posterior` (Log) or `-= g[n]`
+@numba.njit(nogil=True, cache=_CACHE)
+def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, delay, use_max, g, grad, by_state, logz, lo, hi):
+    """logz[n], the logZ of each sequence n of the slice lo <= n < hi, and, if `g` is not empty, `grad[t, n, k] -= g[n] * posterior` (Log) or `-= g[n]`
     along the best path (Max), k being the label (or, if by_state, the state), with k2's delay penalty `delay` (the
-    lattice's state offsets, and the constant that `delay_state_offsets` adds to log Z). One thread per sequence."""
+    lattice's state offsets, and the constant that `delay_state_offsets` adds to log Z). One sequence at a time
+    (`parallel_for` runs slices of the batch on threads)."""
     T_max, N, C = lp.shape
-    logz = np.empty(N)
-    for n in numba.prange(N):
+    for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
         n_states = 2 * L + 1
         if T < _frames_needed(ext[n], L):       # infeasible: no path (nothing past this may assume one)
@@ -321,15 +321,14 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, delay, use_max, g, g
         logz[n] = z + shift
         if write_grad and z != -np.inf:
             _backward_log(n, T, n_states, ext[n], slot, skipf, alpha, emit, g[n], grad, beta, by_state)
-    return logz
 
 
-@numba.njit(parallel=True, cache=_CACHE)
-def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
-    "The best path's state at each frame, states[n, t] (left as is past the input length); returns the best scores."
+@numba.njit(nogil=True, cache=_CACHE)
+def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states, best, lo, hi):
+    """The best path's state at each frame, states[n, t] (left as is past the input length), and its score best[n], for
+    the sequences lo <= n < hi."""
     T_max, N, C = lp.shape
-    best = np.empty(N)
-    for n in numba.prange(N):
+    for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
         n_states = 2 * L + 1
         if T < _frames_needed(ext[n], L):       # infeasible: no path, states[n] left as is
@@ -346,7 +345,6 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states):
         for t in range(T - 1, -1, -1):
             states[n, t] = s
             if t > 0: s -= back[t, s]
-    return best
 
 # %% ../nbs/02_ctc.ipynb #d112fcf8
 _LAUNCH_BOUND = {torch.float32: 1024, torch.float64: 512}   # ctc_alpha_beta's largest block: float64 needs 128 registers
@@ -566,10 +564,11 @@ def _ctc_numba(st):
     T, N, C = lp.shape
     width = C if st.posteriors_of == 'labels' else st.ext.shape[1]
     minus_posteriors = torch.zeros(T, N, width, dtype=lp.dtype) if posteriors else lp.new_empty(0)
-    logz = _ctc_cpu(lp.numpy(), st.ext.numpy(), st.input_lengths.numpy(), st.target_lengths.numpy(), st.blank,
-                    float(st.delay_penalty), st.use_max, np.ones(N) if posteriors else np.zeros(0),
-                    minus_posteriors.numpy() if posteriors else np.zeros((0, 0, 0), lp.numpy().dtype),
-                    st.posteriors_of == 'states')
+    logz = np.empty(N)
+    parallel_for(_ctc_cpu, N, lp.numpy(), st.ext.numpy(), st.input_lengths.numpy(), st.target_lengths.numpy(), st.blank,
+                 float(st.delay_penalty), st.use_max, np.ones(N) if posteriors else np.zeros(0),
+                 minus_posteriors.numpy() if posteriors else np.zeros((0, 0, 0), lp.numpy().dtype),
+                 st.posteriors_of == 'states', logz, work=T * N * st.ext.shape[1])
     return torch.from_numpy(logz).to(lp.dtype), minus_posteriors
 
 def _label_grad_torch(st, minus_posteriors, scale):
@@ -714,7 +713,8 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     lp = lp.detach().to(_compute_dtype(lp.dtype))
     if backend == 'cpu':
         state = torch.zeros(N, T, dtype=torch.long)
-        _viterbi_states_cpu(lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy())
+        parallel_for(_viterbi_states_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy(), np.empty(N),
+                     work=T * N * ext.shape[1])
     else:                   # the CUDA kernel (emulated on CPU tensors): one launch, the walk back included
         state = _viterbi_states_cuda(lp.contiguous(), ext, il, tl, int(blank))
     labels = ext.gather(1, state)

@@ -18,7 +18,7 @@ from .core import semiring, Log, Max, SEMIRINGS, semiring_sum2
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import on_host, require, to_device
 from .compile_check import resource_budget
-from .ops import Op, op_namespace, max_threads
+from .ops import Op, op_namespace, max_threads, parallel_for
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
@@ -83,14 +83,14 @@ def _edge_posteriors(stay, move, alpha, beta, logz, S):
     return gs.to(stay.dtype), gm.to(stay.dtype)
 
 # %% ../nbs/03_ctc_simple.ipynb #198db700
-@numba.njit(parallel=True, cache=_CACHE)
-def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta, logz):
-    """Forward and backward scores (T+1, N, L) of the stay/move lattice in log space, one thread per sequence:
+@numba.njit(nogil=True, cache=_CACHE)
+def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta, logz, lo, hi):
+    """Forward and backward scores (T+1, N, L) of the stay/move lattice in log space, of the sequences lo <= n < hi:
     alpha[t+1, s] = stay[t, s] alpha[t, s] + move[t, s-1] alpha[t, s-1]; beta[t, s] = stay[t, s] beta[t+1, s]
     + move[t, s] beta[t+1, s+1]. Paths start in state 0 and end in state lengths[n] - 1, so logz[n] = alpha[T, n,
     lengths[n] - 1] (-inf where no path gets there)."""
     T, N, L = stay.shape
-    for n in numba.prange(N):
+    for n in range(lo, hi):
         Ln = lengths[n]
         for s in range(L): alpha[0, n, s] = -np.inf
         alpha[0, n, 0] = 0.0
@@ -121,7 +121,8 @@ def _scores_numba(stay, move, lengths, S):
     T, N, L = stay.shape
     alpha, beta, logz = torch.empty(T + 1, N, L, dtype=torch.float64), torch.empty(T + 1, N, L, dtype=torch.float64), torch.empty(N, dtype=torch.float64)
     mv = move.contiguous() if L > 1 else stay.new_empty(T, N, 1)
-    _simple_scores_cpu(stay.contiguous().numpy(), mv.numpy(), lengths.cpu().numpy(), S is Max, alpha.numpy(), beta.numpy(), logz.numpy())
+    parallel_for(_simple_scores_cpu, N, stay.contiguous().numpy(), mv.numpy(), lengths.cpu().numpy(), S is Max, alpha.numpy(),
+                 beta.numpy(), logz.numpy(), work=stay.numel())
     return alpha, beta, logz
 
 def _scores_cuda(stay, move, lengths, S):

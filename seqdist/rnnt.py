@@ -21,7 +21,7 @@ from .kernel import load_kernel
 from .memory import empty_gradient
 from .checks import on_host, require, to_device, check_labels, finite_real
 from .compile_check import resource_budget
-from .ops import Op, op_namespace, max_threads, numba_threads
+from .ops import Op, op_namespace, max_threads, parallel_for
 from .timing import paired_median_ms, load_torchaudio, peak_rss_mb
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -128,22 +128,20 @@ def _edge_posteriors(x, lse, y, b, t, u, Tb, Ub, blank, dp, alpha, beta, logz):
     pe = np.exp(a + (np.float64(x[b, t, u, y[u]]) - l + dp * ((Tb - 1) * 0.5 - t)) + beta[t, u + 1] - logz) if u < Ub else 0.0
     return pb, pe
 
-@numba.njit(parallel=True, cache=_CACHE)
-def _rnnt_forward_cpu(x, y, Tl, Ul, blank, fused, dp, precise, use_max):
-    "log Z (B,) of each sequence in the Log (or Max) semiring."
-    B = x.shape[0]
-    logz = np.empty(B)
-    for b in numba.prange(B):
+@numba.njit(nogil=True, cache=_CACHE)
+def _rnnt_forward_cpu(x, y, Tl, Ul, blank, fused, dp, precise, use_max, logz, lo, hi):
+    "logz[b], the log Z of each sequence lo <= b < hi in the Log (or Max) semiring."
+    for b in range(lo, hi):
         Tb, Ub = Tl[b], Ul[b]
         lse, alpha = _utterance_lse(x, b, Tb, Ub, fused, precise), np.empty((Tb, Ub + 1))
         logz[b] = _alpha(x, lse, y[b], b, Tb, Ub, blank, dp, use_max, alpha)
-    return logz
 
-@numba.njit(parallel=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
-def _rnnt_grad_cpu(x, y, Tl, Ul, blank, fused, dp, precise, logz, g, clamp, lam, grad):
-    "grad[b] = g[b] * d(-log Z_b)/dx[b] (clamped to [-clamp, clamp] before the scaling if clamp > 0), FastEmit lam."
+@numba.njit(nogil=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
+def _rnnt_grad_cpu(x, y, Tl, Ul, blank, fused, dp, precise, logz, g, clamp, lam, grad, lo, hi):
+    """grad[b] = g[b] * d(-log Z_b)/dx[b] (clamped to [-clamp, clamp] before the scaling if clamp > 0), FastEmit lam,
+    for lo <= b < hi."""
     B, T, U1, V = x.shape
-    for b in numba.prange(B):
+    for b in range(lo, hi):
         Tb, Ub, z, gb = Tl[b], Ul[b], logz[b], g[b]
         ok = gb != 0.0 and z != -np.inf               # (a NaN log Z gives NaN gradients)
         lse, alpha, beta = _utterance_lse(x, b, Tb, Ub, fused and ok, precise), np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
@@ -176,11 +174,11 @@ def _rnnt_grad_cpu(x, y, Tl, Ul, blank, fused, dp, precise, logz, g, clamp, lam,
                 if clamp > 0.0:
                     for v in range(V): out[v] = min(max(out[v], -clamp), clamp) * gb
 
-@numba.njit(parallel=True, cache=_CACHE)
-def _rnnt_edges_cpu(x, y, Tl, Ul, blank, fused, dp, precise, use_max, logz, edges):
-    "edges[b, t, u] = posteriors of the (blank, label) edges leaving (t, u) (Log), or the best path as 0/1 (Max)."
-    B = x.shape[0]
-    for b in numba.prange(B):
+@numba.njit(nogil=True, cache=_CACHE)
+def _rnnt_edges_cpu(x, y, Tl, Ul, blank, fused, dp, precise, use_max, logz, edges, lo, hi):
+    """edges[b, t, u] = posteriors of the (blank, label) edges leaving (t, u) (Log), or the best path as 0/1 (Max), for
+    lo <= b < hi."""
+    for b in range(lo, hi):
         Tb, Ub, z = Tl[b], Ul[b], logz[b]
         if z == -np.inf: continue
         lse, alpha = _utterance_lse(x, b, Tb, Ub, fused, precise), np.empty((Tb, Ub + 1))
@@ -353,7 +351,8 @@ def _numba_args(s):
 
 # The costs (B,) = -log Z and the lattice the backward reads (empty where it reads none), per backend
 def _costs_cpu(s):
-    with numba_threads(s.x): logz = _rnnt_forward_cpu(*_numba_args(s), False)
+    logz = np.empty(s.x.shape[0])
+    parallel_for(_rnnt_forward_cpu, len(logz), *_numba_args(s), False, logz, work=s.x.numel())
     return -torch.from_numpy(logz), s.x.new_empty(0, dtype=torch.float64)
 
 def _costs_cuda(s):
@@ -368,9 +367,8 @@ def _costs_reference(s):
 def _grad_cpu(s, costs, lattice, g):
     x = s.x
     grad = empty_gradient(x)
-    with numba_threads(x):
-        _rnnt_grad_cpu(*_numba_args(s), (-costs).numpy(), g.to(torch.float64).numpy(), float(s.clamp),
-                       float(s.fastemit_lambda), grad.numpy())
+    parallel_for(_rnnt_grad_cpu, x.shape[0], *_numba_args(s), (-costs).numpy(), g.to(torch.float64).numpy(), float(s.clamp),
+                 float(s.fastemit_lambda), grad.numpy(), work=x.numel())
     return grad
 
 def _grad_cuda(s, costs, lattice, g):
@@ -393,9 +391,9 @@ def _edges_cpu(s):
     B, T, U1, V = s.x.shape
     args = *_numba_args(s), SEMIRINGS[s.semiring] is Max
     edges = torch.zeros(B, T, U1, 2, dtype=s.x.dtype)
-    with numba_threads(s.x):
-        logz = _rnnt_forward_cpu(*args)
-        _rnnt_edges_cpu(*args, logz, edges.numpy())
+    logz = np.empty(B)
+    parallel_for(_rnnt_forward_cpu, B, *args, logz, work=s.x.numel())
+    parallel_for(_rnnt_edges_cpu, B, *args, logz, edges.numpy(), work=s.x.numel())
     return torch.from_numpy(logz).to(s.x.dtype), edges
 
 def _edges_cuda(s):

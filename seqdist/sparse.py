@@ -19,7 +19,7 @@ from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .memory import empty_large, tensor_cached
 from .compile_check import resource_budget
 from .ctc import interleave_blanks
-from .ops import Op, AUTOGRAD, op_namespace, resolve_backend, max_threads
+from .ops import Op, AUTOGRAD, op_namespace, resolve_backend, max_threads, parallel_for
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
@@ -56,6 +56,7 @@ _W_RANGE = 300.0   # a frame whose scores span more than this goes to log space;
 
 # %% ../nbs/04_sparse.ipynb #8e8440dc
 LANES = 4         # sequences one thread advances together (the width of an AVX2 register of float64)
+def _bundles(N): return (N + LANES - 1) // LANES   # bundles of LANES sequences in a batch of N
 _TINY = 1e-170    # a scaled score below this fraction of its frame's largest could, times a weight >= e^-300, underflow
 _SHARE_MIN = 1e-20  # a frame's paths must weigh at least this (alpha and beta scaled to max 1): then a stored alpha
                     # that float32 cannot hold (< 1e-38) carries less than 1e-18 of the frame's posterior mass
@@ -105,14 +106,15 @@ def _frame_scales(m0, m1, m2, m3, z0, z1, z2, z3, low):
     low[0] |= z0 * i0 < _TINY; low[1] |= z1 * i1 < _TINY; low[2] |= z2 * i2 < _TINY; low[3] |= z3 * i3 < _TINY
     return i0, i1, i2, i3
 
-@numba.njit(parallel=True, cache=_CACHE, fastmath={'contract'})
-def _bundle_forward(Ms, shift, idx, p0, use_max, precise, alpha, log_scale, ok):
+@numba.njit(nogil=True, cache=_CACHE, fastmath={'contract'})
+def _bundle_forward(Ms, shift, idx, p0, use_max, precise, alpha, log_scale, ok, lo, hi):
     """Forward scores of bundles of LANES sequences in scaled probability space: with w = exp(Ms - shift),
     alpha[t + 1, n, c] = sum_j w[t, n, c, j] * alpha[t, n, idx[c, j]] (max for Max), divided by its frame's largest
     value, whose log goes to log_scale[t + 1, n]. alpha[0] = p0. ok[n] is cleared if a positive score fell below
-    _TINY of its frame's largest (it could underflow later) or a score more than _W_RANGE below its frame's largest."""
+    _TINY of its frame's largest (it could underflow later) or a score more than _W_RANGE below its frame's largest.
+    Bundles lo <= b < hi."""
     T, N, C, NZ = Ms.shape
-    for b in numba.prange((N + LANES - 1) // LANES):
+    for b in range(lo, hi):
         lane_n, nl = _bundle(b, N)
         w, a0, a1 = np.empty((C * NZ, LANES)), np.empty((C, LANES)), np.empty((C, LANES))
         low = np.zeros(LANES, np.bool_)
@@ -150,16 +152,16 @@ def _bundle_forward(Ms, shift, idx, p0, use_max, precise, alpha, log_scale, ok):
         for l in range(nl):
             if low[l]: ok[b * LANES + l] = False
 
-@numba.njit(parallel=True, cache=_CACHE, fastmath={'contract'})
-def _bundle_backward(Ms, shift, idx, out_edges, pT, alpha, log_scale, g, use_max, precise, grad, ok):
+@numba.njit(nogil=True, cache=_CACHE, fastmath={'contract'})
+def _bundle_backward(Ms, shift, idx, out_edges, pT, alpha, log_scale, g, use_max, precise, grad, ok, lo, hi):
     """Backward scores of bundles, scaled like alpha, gathered along each state's outgoing edges (out_edges, padded
     with the index C * NZ of a zero weight), and grad[t, n] = g[n] times the edge posteriors (Log) or g[n] on each
     frame's best edge, the first in (c, j) order (Max); every element of grad[:, n] is written. A frame's total path weight, which normalises its posteriors,
     is known before the frame: alpha[t + 1] (before its normalisation) dotted with beta[t + 1]. ok[n] as forward,
-    and also cleared if that dot product is below _SHARE_MIN."""
+    and also cleared if that dot product is below _SHARE_MIN. Bundles lo <= b < hi."""
     T, N, C, NZ = Ms.shape
     E, D = C * NZ, out_edges.shape[1]
-    for b in numba.prange((N + LANES - 1) // LANES):
+    for b in range(lo, hi):
         lane_n, nl = _bundle(b, N)
         w, at = np.empty((E + 1, LANES)), np.empty((C, LANES))
         b0, b1 = np.empty((C, LANES)), np.empty((C, LANES))
@@ -266,11 +268,11 @@ def _log_backward(Ms, idx, v, n, alpha, beta, g, grad, use_max, with_grad):
                         grad[t, n, c, j] = g * np.exp(e - tot) if tot > -np.inf else 0.0
 
 # %% ../nbs/04_sparse.ipynb #3ffa341d
-@numba.njit(parallel=True, cache=_CACHE)
-def _log_logz_cpu(Ms, idx, v0, vT, use_max, seqs, logz):
-    "logZ in log space of the sequences `seqs`, into logz."
+@numba.njit(nogil=True, cache=_CACHE)
+def _log_logz_cpu(Ms, idx, v0, vT, use_max, seqs, logz, lo, hi):
+    "logZ in log space of the sequences seqs[lo:hi], into logz."
     T, N, C, NZ = Ms.shape
-    for i in numba.prange(seqs.shape[0]):
+    for i in range(lo, hi):
         n = seqs[i]
         alpha = np.empty((T + 1, C))
         _log_forward(Ms, idx, v0[n], n, alpha, use_max)
@@ -278,11 +280,11 @@ def _log_logz_cpu(Ms, idx, v0, vT, use_max, seqs, logz):
         for c in range(C): z = semiring_sum2(z, alpha[T, c] + vT[n, c], use_max)
         logz[n] = z
 
-@numba.njit(parallel=True, cache=_CACHE)
-def _log_grad_cpu(Ms, idx, v0, vT, use_max, seqs, logz, g, grad):
-    "grad[:, n] = g[n] * d logZ_n / d Ms in log space for the sequences `seqs` (zero where logZ is -inf)."
+@numba.njit(nogil=True, cache=_CACHE)
+def _log_grad_cpu(Ms, idx, v0, vT, use_max, seqs, logz, g, grad, lo, hi):
+    "grad[:, n] = g[n] * d logZ_n / d Ms in log space for the sequences seqs[lo:hi] (zero where logZ is -inf)."
     T, N, C, NZ = Ms.shape
-    for i in numba.prange(seqs.shape[0]):
+    for i in range(lo, hi):
         n = seqs[i]
         grad[:, n] = 0.0
         if logz[n] == -np.inf: continue
@@ -290,11 +292,11 @@ def _log_grad_cpu(Ms, idx, v0, vT, use_max, seqs, logz, g, grad):
         _log_forward(Ms, idx, v0[n], n, alpha, use_max)
         _log_backward(Ms, idx, vT[n], n, alpha, beta, g[n], grad, use_max, True)
 
-@numba.njit(parallel=True, cache=_CACHE)
-def _sparse_scores_cpu(Ms, idx, v, use_max, forward, out):
-    "Forward (alpha) or backward (beta) scores (T+1, N, C) in log space, written into out."
+@numba.njit(nogil=True, cache=_CACHE)
+def _sparse_scores_cpu(Ms, idx, v, use_max, forward, out, lo, hi):
+    "Forward (alpha) or backward (beta) scores (T+1, N, C) in log space of the sequences lo <= n < hi, written into out."
     T, N, C, NZ = Ms.shape
-    for n in numba.prange(N):
+    for n in range(lo, hi):
         if forward: _log_forward(Ms, idx, v[n], n, out[:, n, :], use_max)
         else: _log_backward(Ms, idx, v[n], n, out[:, n, :], out[:, n, :], 0.0, np.empty((0, 0, 0, 0)), use_max, False)
 
@@ -336,14 +338,16 @@ def _sparse_forward_numba(Ms, idx, v0, vT, S, for_backward):
     alpha = empty_large((T + 1, N, C), Ms.dtype)       # kept for the backward pass in the scores' precision
     alpha[0] = p0
     log_scale = torch.zeros(T + 1, N, dtype=torch.float64)
-    _bundle_forward(Ms.numpy(), shift.numpy(), idx.numpy(), p0.numpy(), use_max, Ms.dtype == torch.float64, alpha.numpy(), log_scale.numpy(), ok.numpy())
+    parallel_for(_bundle_forward, _bundles(N), Ms.numpy(), shift.numpy(), idx.numpy(), p0.numpy(), use_max, Ms.dtype == torch.float64,
+                 alpha.numpy(), log_scale.numpy(), ok.numpy(), work=Ms.numel())
     last = alpha[T] * pT
     z = last.amax(1) if use_max else last.sum(1)
     ok &= z > 0
     logz = z.log() + log_scale.sum(0) + shift.sum(0) + m0 + mT
     if not ok.all():                                   # (the usual case: every sequence done exactly)
         redo = (~ok).nonzero()[:, 0].numpy()
-        _log_logz_cpu(Ms.numpy(), idx.numpy(), v0.double().numpy(), vT.double().numpy(), use_max, redo, logz.numpy())
+        parallel_for(_log_logz_cpu, len(redo), Ms.numpy(), idx.numpy(), v0.double().numpy(), vT.double().numpy(), use_max, redo,
+                     logz.numpy(), work=Ms.numel())
     if not for_backward: return logz.to(Ms.dtype), Ms.new_empty(0), Ms.new_empty(0, dtype=torch.float64), ok
     frames = torch.stack([torch.cat([shift, shift.new_zeros(1, N)]), log_scale])
     return logz.to(Ms.dtype), alpha, frames, ok
@@ -356,12 +360,13 @@ def _sparse_backward_numba(st, outputs, grads):
     g = torch.where(torch.isfinite(logz), grads[0], 0).double()
     grad = empty_large(Ms.shape, Ms.dtype)
     ok = ok.clone()
-    _bundle_backward(Ms.numpy(), frames[0].numpy(), idx.numpy(), _out_edges_padded(idx).numpy(), _scaled_start(st.vT)[0].numpy(),
-                     alpha.numpy(), frames[1].numpy(), g.numpy(), use_max, Ms.dtype == torch.float64, grad.numpy(), ok.numpy())
+    parallel_for(_bundle_backward, _bundles(Ms.shape[1]), Ms.numpy(), frames[0].numpy(), idx.numpy(), _out_edges_padded(idx).numpy(),
+                 _scaled_start(st.vT)[0].numpy(), alpha.numpy(), frames[1].numpy(), g.numpy(), use_max, Ms.dtype == torch.float64,
+                 grad.numpy(), ok.numpy(), work=Ms.numel())
     if not ok.all():
         redo = (~ok).nonzero()[:, 0].numpy()
-        _log_grad_cpu(Ms.numpy(), idx.numpy(), st.v0.double().numpy(), st.vT.double().numpy(), use_max, redo,
-                      logz.double().numpy(), g.numpy(), grad.numpy())
+        parallel_for(_log_grad_cpu, len(redo), Ms.numpy(), idx.numpy(), st.v0.double().numpy(), st.vT.double().numpy(), use_max,
+                     redo, logz.double().numpy(), g.numpy(), grad.numpy(), work=Ms.numel())
     return {'Ms': grad}
 
 
@@ -520,7 +525,8 @@ def _scores(Ms, idx, v, S, K, backend, forward):
     if backend == 'reference': return (Mv_scan_py if forward else bwd_scores_py)(Ms, idx, v, S)
     if backend == 'cuda': return _scores_cuda(Ms, idx, v, S, K, forward)
     out = Ms.new_empty(Ms.shape[0] + 1, Ms.shape[1], Ms.shape[2])
-    _sparse_scores_cpu(Ms.contiguous().numpy(), idx.numpy(), v.contiguous().numpy(), S is Max, forward, out.numpy())
+    parallel_for(_sparse_scores_cpu, Ms.shape[1], Ms.contiguous().numpy(), idx.numpy(), v.contiguous().numpy(), S is Max, forward,
+                 out.numpy(), work=Ms.numel())
     return out
 
 def fwd_scores_cupy(Ms, idx, v0, S:semiring=Log, K=4, backend='auto'):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .core import semiring, Log, Max, compute_dtype, fast_exp, fast_exp8, fast_logsumexp
 from .rnnt import delay_offsets
 from .utils import load_kernel, empty_gradient, on_host, require, to_device, finite_real, resource_budget
-from .ops import Op, op_namespace, max_threads, resolve_backend, numba_threads
+from .ops import Op, op_namespace, max_threads, resolve_backend, parallel_for
 from .rnnt import rnnt_loss, rnnt_inputs, clean_targets
 from .timing import alternated_median_ms, peak_rss_mb, markdown_table
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
@@ -272,12 +272,12 @@ def _beta(E, Tb, Ub, table, lat, Bt, cand):
                     n += 1
             Bt[t, u] = _ssum(cand, n, False)
 
-@numba.njit(parallel=True, cache=_CACHE)
-def _tdt_forward_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, L, logz, lse_tok, alpha):
-    """logz[l, b]: log Z of lattice l of sequence b (Log or Max); the rows' token log-sum-exps lse_tok[b] (B, T, U+1)
-    and alpha[l, b] (L, B, T, U+1) are kept for the gradient."""
-    B, K = x.shape[0], table.shape[0]
-    for b in numba.prange(B):
+@numba.njit(nogil=True, cache=_CACHE)
+def _tdt_forward_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, L, logz, lse_tok, alpha, lo, hi):
+    """logz[l, b]: log Z of lattice l of sequence b (Log or Max), for lo <= b < hi; the rows' token log-sum-exps
+    lse_tok[b] (B, T, U+1) and alpha[l, b] (L, B, T, U+1) are kept for the gradient."""
+    K = table.shape[0]
+    for b in range(lo, hi):
         Tb, Ub = Tl[b], Ul[b]
         E, lse, cand = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2)), np.empty(K)
         _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, delay_penalty, precise, E, lse, lse_tok[b], False)
@@ -291,14 +291,14 @@ def _posteriors(E, A, Bt, logz, t, u, Tb, Ub, table, weights, P):
         lp = A[l, t, u] + E[t, u, k] + _beta_next(Bt[l], t, u, k, Tb, Ub, table) - logz[l]
         P[k] = weights[l] * (np.exp(lp) if lp > -700.0 or lp != lp else 0.0)
 
-@numba.njit(parallel=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
+@numba.njit(nogil=True, cache=_CACHE, fastmath={'reassoc', 'contract'})
 def _tdt_grad_cpu(x, y, Tl, Ul, V, D, table, sigmas, weights, delay_penalty, precise, L, lse_tok, alpha, logz_all, g,
-                  clamp, lam, grad):
-    """grad[b] = g[b] * d(cost_b)/dx[b], from the forward's token log-sum-exps, alphas and log Zs: the token part
-    clamped to [-clamp, clamp] before the scaling if clamp > 0."""
+                  clamp, lam, grad, lo, hi):
+    """grad[b] = g[b] * d(cost_b)/dx[b] for lo <= b < hi, from the forward's token log-sum-exps, alphas and log Zs: the
+    token part clamped to [-clamp, clamp] before the scaling if clamp > 0."""
     B, T, U1, W = x.shape
     K = table.shape[0]
-    for b in numba.prange(B):
+    for b in range(lo, hi):
         Tb, Ub, gb = Tl[b], Ul[b], g[b]
         E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
         A, Bt, logz = alpha[:, b], np.empty((L, Tb, Ub + 1)), logz_all[:, b]
@@ -476,8 +476,8 @@ def _cpu_lattice(s, use_max=False):
     B, T, U1, _ = s.x.shape
     buf = torch.empty(B * T * U1 * (1 + s.L) + s.L * B, dtype=torch.float64)
     lse, alpha, logz = _cpu_views(buf, s)
-    with numba_threads(s.x):
-        _tdt_forward_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, use_max, s.L, logz, lse, alpha)
+    parallel_for(_tdt_forward_cpu, B, *_cpu_args(s), s.sigmas, float(s.dp), s.precise, use_max, s.L, logz, lse, alpha,
+                 work=s.x.numel())
     return torch.from_numpy(logz), buf
 
 def _cpu_forward(s):
@@ -487,9 +487,9 @@ def _cpu_forward(s):
 def _cpu_backward(s, outputs, grads):
     x = s.x
     grad = empty_gradient(x)
-    with numba_threads(x):
-        _tdt_grad_cpu(*_cpu_args(s), s.sigmas, s.weights, float(s.dp), s.precise, s.L, *_cpu_views(outputs[1], s),
-                      grads[0].detach().double().contiguous().numpy(), float(s.clamp), float(s.lam), grad.numpy())
+    parallel_for(_tdt_grad_cpu, x.shape[0], *_cpu_args(s), s.sigmas, s.weights, float(s.dp), s.precise, s.L,
+                 *_cpu_views(outputs[1], s), grads[0].detach().double().contiguous().numpy(), float(s.clamp), float(s.lam),
+                 grad.numpy(), work=x.numel())
     return {'logits': grad.to(s.dtype)}
 
 # %% ../nbs/09_tdt.ipynb #becd97d9
@@ -575,11 +575,12 @@ class MultiblankRNNTLoss(nn.Module):
                                     self.sigma, self.clamp, self.fastemit_lambda, self.delay_penalty, self.reduction)
 
 # %% ../nbs/09_tdt.ipynb #5de9a58e
-@numba.njit(parallel=True, cache=_CACHE)
-def _tdt_edges_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, logz, edges):
-    "edges[b, t, u, k]: the posterior of edge k (lattice 0) leaving (t, u) (Log), or the best path as 0/1 (Max)."
-    B, K = x.shape[0], table.shape[0]
-    for b in numba.prange(B):
+@numba.njit(nogil=True, cache=_CACHE)
+def _tdt_edges_cpu(x, y, Tl, Ul, V, D, table, sigmas, delay_penalty, precise, use_max, logz, edges, lo, hi):
+    """edges[b, t, u, k]: the posterior of edge k (lattice 0) leaving (t, u) (Log), or the best path as 0/1 (Max), for
+    lo <= b < hi."""
+    K = table.shape[0]
+    for b in range(lo, hi):
         Tb, Ub = Tl[b], Ul[b]
         if logz[b] == -np.inf: continue
         E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
@@ -627,8 +628,8 @@ def lattice_edges(logits, targets, logit_lengths, target_lengths, durations, big
         if backend == 'cpu':
             logz = _cpu_lattice(s, S is Max)[0][0]
             edges = torch.zeros(B, T, U1, K, dtype=s.x.dtype)
-            with numba_threads(s.x):
-                _tdt_edges_cpu(*_cpu_args(s), s.sigmas, float(s.dp), s.precise, S is Max, logz.numpy(), edges.numpy())
+            parallel_for(_tdt_edges_cpu, B, *_cpu_args(s), s.sigmas, float(s.dp), s.precise, S is Max, logz.numpy(),
+                         edges.numpy(), work=s.x.numel())
             return logz.to(s.x.dtype), edges
         _, (lse, alpha, beta, logz, table) = _cuda_lattice(s, S)
         edges = s.x.new_zeros(B, T, U1, K)

@@ -129,17 +129,34 @@ def test_check_false_prepares_without_checks(backend):
     assert CALLS[backend, False] == 2 and CALLS[backend, True] == 0, CALLS
     assert torch.autograd.gradcheck(lambda x: TOY(x, scale, backend=backend, check=False)[0], (x,))
 
-def test_numba_threads():
-    "One numba thread below PARALLEL_MIN elements (the setting restored after), the current number from there on."
-    import numba
-    from seqdist.ops import numba_threads, PARALLEL_MIN
-    n = numba.get_num_threads()
-    with numba_threads(torch.empty(PARALLEL_MIN - 1)): assert numba.get_num_threads() == 1
-    assert numba.get_num_threads() == n
-    with numba_threads(torch.empty(PARALLEL_MIN)): assert numba.get_num_threads() == n
-    with pytest.raises(RuntimeError):
-        with numba_threads(torch.empty(3)): raise RuntimeError
-    assert numba.get_num_threads() == n
+def test_parallel_for():
+    """Every index of the batch is visited once, by slices: on one thread below PARALLEL_MIN elements of work, on
+    torch's thread count from there on (slices in other threads); a worker's exception reaches the caller."""
+    import threading, numba, numpy as np
+    from seqdist.ops import parallel_for, cpu_threads, PARALLEL_MIN
+    assert cpu_threads(PARALLEL_MIN - 1) == 1 and cpu_threads(PARALLEL_MIN) == torch.get_num_threads()
+    @numba.njit(nogil=True)
+    def add_index(out, lo, hi):
+        for i in range(lo, hi): out[i] += i
+    for n, work in ((0, PARALLEL_MIN), (1, PARALLEL_MIN), (7, 10), (1001, PARALLEL_MIN)):
+        out = np.zeros(n, np.int64)
+        parallel_for(add_index, n, out, work=work)
+        assert (out == np.arange(n)).all(), (n, work)
+    seen, lock = [], threading.Lock()
+    def record(lo, hi):
+        with lock: seen.append((threading.get_ident(), lo, hi))
+    parallel_for(record, 100, work=1)
+    assert [(lo, hi) for _, lo, hi in seen] == [(0, 100)] and seen[0][0] == threading.get_ident()
+    seen.clear()
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        parallel_for(record, 100, work=PARALLEL_MIN)
+        assert sorted((lo, hi) for _, lo, hi in seen) == [(0, 12), (12, 25), (25, 38), (38, 50), (50, 62), (62, 75), (75, 88), (88, 100)]
+        def fail(lo, hi):
+            if lo > 0: raise RuntimeError("a worker failed")
+        with pytest.raises(RuntimeError, match="a worker failed"): parallel_for(fail, 100, work=PARALLEL_MIN)
+    finally: torch.set_num_threads(old)
 
 def test_bad_input_checked_in_prepare():
     with pytest.raises(ValueError, match=r"x must be \(N, D\), got \(3,\)"): TOY(torch.randn(3), torch.tensor(1.0))

@@ -200,7 +200,7 @@ def test_a_score_that_could_underflow_backward_goes_to_log_space():
     assert ok.all()
     okb, grad = ok.clone(), torch.empty_like(Ms)
     _bundle_backward(Ms.numpy(), frames[0].numpy(), idx.numpy(), _out_edges_padded(idx).numpy(), _scaled_start(vT)[0].numpy(),
-                     alpha.numpy(), frames[1].numpy(), torch.ones(1, dtype=torch.float64).numpy(), False, False, grad.numpy(), okb.numpy())
+                     alpha.numpy(), frames[1].numpy(), torch.ones(1, dtype=torch.float64).numpy(), False, False, grad.numpy(), okb.numpy(), 0, 1)
     assert not okb.any()
     z, g = sparse_logz_compute(Ms, idx, v0, vT, False, True, 'cpu')
     zr, gr = sparse_logz_compute(Ms.double(), idx, v0.double(), vT.double(), False, True, 'reference')
