@@ -10,6 +10,8 @@ TORCH_PIP_ARGS ?=
 # installed without its dependencies and loads on a CPU-only torch through stub CUDA libraries (tools/torchaudio_cpu).
 TORCHAUDIO_VERSION ?= 2.11.0
 BIN := $(VENV)/bin
+# each step of `make test` says its wall and CPU time (bash's `time`)
+export TIMEFORMAT := step: %0Rs wall, %0Us user, %0Ss sys
 # torch.compile's caches per checkout: a graph cached by another checkout's older custom ops must not be reused here
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.torchinductor-cache
 SITE := tools/site
@@ -36,19 +38,19 @@ demo: install
 # site's check, `make docs-check`, executes every notebook: ~8 minutes, so it is a target of its own).
 test: install chromium $(SITE)/node_modules/.installed
 	@echo "== nbdev-export: seqdist/ must be exactly what the notebooks export"
-	tools/unchanged.sh seqdist -- $(BIN)/nbdev-export
+	time tools/unchanged.sh seqdist -- $(BIN)/nbdev-export
 	@echo "== nbdev-clean: notebooks must be committed clean"
-	tools/unchanged.sh nbs -- $(BIN)/nbdev-clean
+	time tools/unchanged.sh nbs -- $(BIN)/nbdev-clean
 	@echo "== nbdev-test: every notebook on CPU (cells flagged 'cuda' need a GPU and are skipped)"
-	tools/unchanged.sh cuda -- $(BIN)/nbdev-test --n-workers 2
+	time tools/unchanged.sh cuda -- $(BIN)/nbdev-test --n-workers 2
 	@echo "== README.md must be what nbs/index.ipynb renders to"
-	tools/unchanged.sh README.md -- $(BIN)/python tools/docs.py readme
+	time tools/unchanged.sh README.md -- $(BIN)/python tools/docs.py readme
 	@echo "== docs: nbdev's doc processing of every notebook (the step of \`make docs\` that runs cells again)"
-	$(BIN)/python tools/docs.py proc
+	time $(BIN)/python tools/docs.py proc
 	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
-	$(BIN)/seqdist-compile-check
+	time $(BIN)/seqdist-compile-check
 	@echo "== pytest"
-	SEQDIST_REQUIRE_TORCHAUDIO=1 $(BIN)/python -m pytest tests
+	time SEQDIST_REQUIRE_TORCHAUDIO=1 $(BIN)/python -m pytest tests
 
 # On a machine with a GPU and torch, CuPy, numba and pytest already installed, and no network: no venv, no pip.
 # The GPU tests (marker `gpu`), every notebook with its `cuda` cells, and the quick GPU benchmark.
