@@ -6,7 +6,7 @@
 __all__ = ['Resources', 'Budget', 'nvrtc_library', 'compile_with_nvrtc', 'compile_with_nvcc', 'parse_ptxas_log', 'resident_threads', 'resource_budget', 'resource_rows', 'format_resource_table', 'gpu_compiler', 'package_kernels', 'check_gpu_compile', 'compile_check_cli']
 
 # %% ../nbs/01_utils.ipynb #37fa3b32
-import collections, ctypes, ctypes.util, math, os, re, shutil, subprocess, sys, tempfile
+import collections, ctypes, ctypes.util, functools, math, os, re, shutil, subprocess, sys, tempfile
 from pathlib import Path
 from .kernel import KERNELS, GPU_LIMITS
 
@@ -144,6 +144,39 @@ def package_kernels():
         if not m.name.startswith('_') and m.name != 'cuda': importlib.import_module(f'seqdist.{m.name}')
     return list({(str(k.path), k.name, tuple(k.macros.items())): k for k in KERNELS.values()}.values())
 
+@functools.lru_cache(maxsize=None)
+def _compiler_version(name):
+    "The compiler's own version (NVRTC's major.minor, or nvcc's --version), part of a compile cache key."
+    if name == 'nvrtc':
+        lib, major, minor = nvrtc_library(), ctypes.c_int(), ctypes.c_int()
+        lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        return f"nvrtc {major.value}.{minor.value}"
+    if name == 'nvcc' and shutil.which('nvcc'): return subprocess.run(['nvcc', '--version'], capture_output=True, text=True).stdout
+    return name
+
+def _cached_compile(name, compile_fn, source, arch, include_dirs, file_name):
+    """compile_fn's (ok, log) for this source and arch, from `$SEQDIST_CACHE/gpu-compile` when the same source, headers,
+    arch and compiler version were compiled before (`make test` compiles every instantiation in its compile-check step,
+    and the tests that check budgets read the same logs again), else compiled and stored. The result is a pure function
+    of what the key hashes, so a cached answer is the answer."""
+    import hashlib, json
+    key = hashlib.sha256()
+    for part in (name, _compiler_version(name), arch, file_name, source):
+        key.update(part.encode()); key.update(b'\0')
+    for d in include_dirs:
+        for f in sorted(Path(d).glob('*.cu*')) + sorted(Path(d).glob('*.h')):
+            key.update(f.name.encode()); key.update(f.read_bytes())
+    folder = Path(os.environ.get('SEQDIST_CACHE', Path.home()/'.cache'/'seqdist'))/'gpu-compile'
+    entry = folder/f"{key.hexdigest()}.json"
+    if entry.exists():
+        try: return tuple(json.loads(entry.read_text()))
+        except (OSError, ValueError): pass            # a torn entry: compile again
+    ok, log = compile_fn(source, arch, include_dirs=include_dirs, name=file_name)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = entry.with_suffix(f'.{os.getpid()}.tmp')
+    tmp.write_text(json.dumps([ok, log])); tmp.replace(entry)   # (atomic: parallel test workers may race)
+    return ok, log
+
 def check_gpu_compile(kernels=None, archs=('sm_80', 'sm_90'), compiler=None, workers=None, resources=False):
     """Compile each kernel's full source for each GPU arch (once per source and macro set) and check ptxas's resource
     report against the kernel's budget: no spills or stack frame, resident threads per SM at least its floor. Prints a
@@ -157,7 +190,7 @@ def check_gpu_compile(kernels=None, archs=('sm_80', 'sm_90'), compiler=None, wor
     jobs = [(k, a) for k in sources for a in archs]
     def run(job):
         k, arch = job
-        return compile_fn(k.cuda_source(), arch, include_dirs=[str(d) for d in k.include_dirs], name=k.path.name)
+        return _cached_compile(name, compile_fn, k.cuda_source(), arch, [str(d) for d in k.include_dirs], k.path.name)
     with ThreadPoolExecutor(workers or os.cpu_count() or 2) as pool: results = list(pool.map(run, jobs))
     failures, logs = [], {}
     for (k, arch), (ok, log) in zip(jobs, results):

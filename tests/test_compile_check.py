@@ -126,3 +126,20 @@ def test_a_launch_beyond_its_budget_is_caught():
         with budget_overruns() as over: semiring_sum(x, Log, block=128)
         assert len(over) == 1 and 'semiring_sum_rows' in over[0] and 'its budget declares block 64' in over[0]
     finally: k.budget = b
+
+def test_compile_cache_keys_on_source_headers_and_arch(tmp_path, monkeypatch):
+    "A compile result is reused only for the same source, headers, arch and compiler; a changed header compiles again."
+    from seqdist.compile_check import _cached_compile
+    monkeypatch.setenv('SEQDIST_CACHE', str(tmp_path / 'cache'))
+    inc = tmp_path / 'inc'; inc.mkdir()
+    (inc / 'h.cuh').write_text('#define X 1\n')
+    calls = []
+    def fake(source, arch, include_dirs=(), name=''):
+        calls.append((source, arch)); return True, f"log {len(calls)}"
+    src = '#include "h.cuh"\n__global__ void k() {}\n'
+    assert _cached_compile('nvcc-fake', fake, src, 'sm_80', [str(inc)], 'k.cu') == (True, 'log 1')
+    assert _cached_compile('nvcc-fake', fake, src, 'sm_80', [str(inc)], 'k.cu') == (True, 'log 1') and len(calls) == 1
+    assert _cached_compile('nvcc-fake', fake, src, 'sm_90', [str(inc)], 'k.cu') == (True, 'log 2')
+    assert _cached_compile('nvcc-fake', fake, src + ' ', 'sm_80', [str(inc)], 'k.cu') == (True, 'log 3')
+    (inc / 'h.cuh').write_text('#define X 2\n')
+    assert _cached_compile('nvcc-fake', fake, src, 'sm_80', [str(inc)], 'k.cu') == (True, 'log 4')
