@@ -414,7 +414,7 @@ def _relative_agreement(a, o, what='loss'):
     (va, ta), (vo, to) = a, o
     return f"{what} {_rel_diff(vo, va):.0e}, grads {max(_rel_diff(x, y) for x, y in zip(to, ta)):.0e} (relative)"
 
-def switch_row(family, switch, shape, anchor_name, anchor, ours, note='', reps=5, agree=_loss_and_grads_agree):
+def switch_row(family, switch, shape, anchor_name, anchor, ours, note='', reps=3, agree=_loss_and_grads_agree):
     """One demo row: `anchor()` and `ours()` each return (loss, [gradients]) from one fwd+bwd (or what `agree`
     compares); `agree(anchor's, ours)` says how they agree; their median times (called in turn, `reps` rounds after the
     calls that checked them) and the peak memory each adds in this process (`peak_extra_mb`)."""
@@ -431,7 +431,7 @@ def demo_ctc(T=500, N=128, C=20, L_min=80, L_max=100):
     lp, targets, il, tl = ctc_inputs_for(T, N, C, L_min, L_max)
     return switch_row('CTC', 'from seqdist.ctc import ctc_loss', f"T={T} N={N} C={C} L={L_min}-{L_max}",
                       'torch.nn.functional.ctc_loss', lambda: _grads(F.ctc_loss(lp, targets, il, tl), [lp]),
-                      lambda: _grads(ctc_loss(lp, targets, il, tl), [lp]))
+                      lambda: _grads(ctc_loss(lp, targets, il, tl), [lp]), reps=5)
 
 def demo_forced_align(T=200, N=32, C=1000, L_min=40, L_max=60):
     torchaudio = load_torchaudio()
@@ -447,14 +447,14 @@ def demo_forced_align(T=200, N=32, C=1000, L_min=40, L_max=60):
         return f"{same}/{N} paths identical, scores {(a[1] - o[1]).abs().max().item():.0e}"
     return switch_row('forced alignment', 'from seqdist.ctc import forced_align', f"{N} x (T={T} C={C} L={L_min}-{L_max})",
                       'torchaudio.functional.forced_align, one call per utterance', theirs, ours, agree=agree,
-                      note='ours aligns the batch in one call (torchaudio takes one utterance)')
+                      note='ours aligns the batch in one call (torchaudio takes one utterance)', reps=5)
 
 def demo_rnnt(B=8, T=200, U=50, V=128):
     from seqdist.rnnt import rnnt_loss, rnnt_inputs_for
     rnnt_anchor = load_torchaudio().functional.rnnt_loss
     x, y, il, tl = rnnt_inputs_for(B, T, U, V)
     return switch_row('RNN-T', 'from seqdist.rnnt import rnnt_loss', f"B={B} T={T} U={U} V={V}", 'torchaudio.functional.rnnt_loss',
-                      lambda: _grads(rnnt_anchor(x, y, il, tl, blank=0), [x]), lambda: _grads(rnnt_loss(x, y, il, tl, blank=0), [x]))
+                      lambda: _grads(rnnt_anchor(x, y, il, tl, blank=0), [x]), lambda: _grads(rnnt_loss(x, y, il, tl, blank=0), [x]), reps=5)
 
 def demo_joint(B=4, T=200, U=50, V=1024, H=256):
     from seqdist.joint import joint_inputs_for, joint_rnnt_loss, joint_logits
@@ -465,7 +465,7 @@ def demo_joint(B=4, T=200, U=50, V=1024, H=256):
                       'joiner, then rnnt_loss (the logits built)',
                       lambda: _grads(rnnt_loss(joint_logits(enc, pred, w, b), targets, il, tl, blank=0), xs),
                       lambda: _grads(joint_rnnt_loss(enc, pred, w, targets, il, tl, bias=b, blank=0), xs),
-                      note='context: the same work without the (B, T, U+1, V) logits; the point is the memory', reps=3)
+                      note='context: the same work without the (B, T, U+1, V) logits; the point is the memory')
 
 def demo_cross_entropy(N=4096, V=32768):
     from seqdist.cross_entropy import cross_entropy, _ce_case
@@ -480,7 +480,7 @@ def demo_linear_cross_entropy(N=1024, H=1024, V=32768):
     name, anchor = list(_linear_anchors().items())[0]      # PyTorch's default path: what a plain call gets
     return switch_row('linear cross-entropy', 'from seqdist.cross_entropy import linear_cross_entropy',
                       f"N={N} H={H} V={V} fp32", name.replace('F.', 'torch.nn.functional.'),
-                      lambda: _grads(anchor(h, W, t), [h, W]), lambda: _grads(linear_cross_entropy(h, W, t), [h, W]), reps=3)
+                      lambda: _grads(anchor(h, W, t), [h, W]), lambda: _grads(linear_cross_entropy(h, W, t), [h, W]))
 
 def demo_gru(T=200, N=32, I=256, H=256):
     from seqdist.gru import GRU
@@ -494,7 +494,7 @@ def demo_gru(T=200, N=32, I=256, H=256):
         return y.detach(), list(torch.autograd.grad(y.sum(), [x, *m.parameters()]))
     return switch_row('GRU', 'from seqdist.gru import GRU', f"T={T} N={N} I={I} H={H}", 'torch.nn.GRU',
                       lambda: run(anchor), lambda: run(ours), agree=lambda a, o: _relative_agreement(a, o, 'output'),
-                      note="more memory: ours keeps each step's gates for its hand-derived backward")
+                      note="more memory: ours keeps each step's gates for its hand-derived backward", reps=5)
 
 DEMOS = [demo_ctc, demo_forced_align, demo_rnnt, demo_joint, demo_cross_entropy, demo_linear_cross_entropy, demo_gru]
 
@@ -523,15 +523,12 @@ def demo_table(rows):
 
 def demo_cli():
     "`seqdist-demo`: the one-line switch of each family against the library it replaces, at training shapes, on the CPU."
-    if os.environ.get('MALLOC_MMAP_THRESHOLD_') is None and sys.platform == 'linux':   # see the prose: start again with it
-        os.environ['MALLOC_MMAP_THRESHOLD_'] = str(1 << 17)
-        os.execv(sys.executable, [sys.executable, '-c', 'from seqdist.bench import demo_cli; demo_cli()', *sys.argv[1:]])
     p = argparse.ArgumentParser(description=demo_cli.__doc__)
     p.add_argument('--json', help="also write the rows, with the date and machine, to this file")
     a = p.parse_args()
     start = time.perf_counter()
     rows = run_demo()
-    print(f"\nseqdist-demo on the CPU (torch {torch.__version__}, 2 threads; fwd+bwd, median of 5 (3 for the slowest rows) "
+    print(f"\nseqdist-demo on the CPU (torch {torch.__version__}, 2 threads; fwd+bwd, median of 5 (3 for the rows of a second or more) "
           f"after the calls that compared them; memory: peak extra resident MB of one fwd+bwd)\n")
     print(demo_table(rows))
     print(f"\nspeed-up: the anchor's time / ours (> 1: seqdist faster); agreement: the losses' relative difference and the "

@@ -92,12 +92,17 @@ def _proc_status(key): return int(next(l for l in open('/proc/self/status') if l
 
 def peak_extra_mb(fn):
     """Peak extra resident memory (MB) of one call of `fn()` in this process: the high-water mark's rise above the
-    memory held before the call (seqdist's pool of large buffers is emptied first, so that it is counted as a fresh
-    process would count it). Blocks freed to the allocator and not returned to the system would be reused unseen:
-    run with `MALLOC_MMAP_THRESHOLD_` set (as `seqdist-demo` does). NaN where /proc is missing."""
+    memory held before the call. Memory that earlier calls freed but the process kept is given back first, so that
+    the call is measured as a fresh process would measure it: seqdist's pool of large buffers is emptied and glibc's
+    heap trimmed (`malloc_trim`: freed blocks that it kept for reuse would otherwise be reused unseen). Linux only
+    (/proc); NaN elsewhere."""
+    import ctypes, ctypes.util, gc
     from .memory import release_large_buffers
     if not os.path.exists('/proc/self/clear_refs'): return float('nan')
     release_large_buffers()
+    gc.collect()
+    try: ctypes.CDLL(ctypes.util.find_library('c')).malloc_trim(0)
+    except (OSError, AttributeError): pass              # (not glibc: nothing to trim)
     open('/proc/self/clear_refs', 'w').write('5')        # the high-water mark starts again from here
     base = _proc_status('VmRSS:')
     out = fn()

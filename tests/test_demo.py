@@ -38,7 +38,6 @@ def test_demo_cli_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys
     row = dict(family='CTC', op='CTC', switch='from seqdist.ctc import ctc_loss', shape='T=1', anchor='F.ctc_loss',
                anchor_ms=2.0, ours_ms=1.0, ratio=2.0, anchor_mb=3.0, ours_mb=float('nan'), check='loss 0e+00, grads 0e+00', note='n')
     monkeypatch.setattr(bench, 'run_demo', lambda: [row])
-    monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '131072')          # (else the CLI starts itself again)
     monkeypatch.setattr(sys, 'argv', ['seqdist-demo', '--json', str(tmp_path / 'demo.json')])
     bench.demo_cli()
     out = capsys.readouterr().out
