@@ -468,18 +468,23 @@ def demo_joint(B=4, T=200, U=50, V=1024, H=256):
                       note='context: the same work without the (B, T, U+1, V) logits; the point is the memory')
 
 def demo_cross_entropy(N=4096, V=32768):
-    from seqdist.cross_entropy import cross_entropy, _ce_case
-    x, t = _ce_case(N, V)
+    from seqdist.cross_entropy import cross_entropy
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(N, V, generator=g).requires_grad_(), torch.randint(0, V, (N,), generator=g)
     return switch_row('cross-entropy', 'from seqdist.cross_entropy import cross_entropy', f"N={N} V={V} fp32",
                       'torch.nn.functional.cross_entropy', lambda: _grads(F.cross_entropy(x, t), [x]),
                       lambda: _grads(cross_entropy(x, t), [x]))
 
 def demo_linear_cross_entropy(N=1024, H=1024, V=32768):
-    from seqdist.cross_entropy import linear_cross_entropy, _ce_case, _linear_anchors
-    h, W, t = _ce_case(N, V, H)
-    name, anchor = list(_linear_anchors().items())[0]      # PyTorch's default path: what a plain call gets
+    from seqdist.cross_entropy import linear_cross_entropy
+    g = torch.Generator().manual_seed(0)
+    h, W = torch.randn(N, H, generator=g).requires_grad_(), (torch.randn(V, H, generator=g) / H ** 0.5).requires_grad_()
+    t = torch.randint(0, V, (N,), generator=g)
+    if hasattr(F, 'linear_cross_entropy'):               # PyTorch >= 2.13, its default path: what a plain call gets
+        name, anchor = 'torch.nn.functional.linear_cross_entropy', F.linear_cross_entropy
+    else: name, anchor = 'F.cross_entropy(hidden @ weight.T) (no linear_cross_entropy in this torch)', lambda h, W, t: F.cross_entropy(h @ W.T, t)
     return switch_row('linear cross-entropy', 'from seqdist.cross_entropy import linear_cross_entropy',
-                      f"N={N} H={H} V={V} fp32", name.replace('F.', 'torch.nn.functional.'),
+                      f"N={N} H={H} V={V} fp32", name,
                       lambda: _grads(anchor(h, W, t), [h, W]), lambda: _grads(linear_cross_entropy(h, W, t), [h, W]))
 
 def demo_gru(T=200, N=32, I=256, H=256):
