@@ -49,8 +49,8 @@ test: install chromium $(SITE)/node_modules/.installed
 	time $(BIN)/python tools/docs.py proc
 	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
 	time $(BIN)/seqdist-compile-check
-	@echo "== pytest"
-	time SEQDIST_REQUIRE_TORCHAUDIO=1 $(BIN)/python -m pytest tests
+	@echo "== pytest, on two workers (pytest-xdist), each test file on one of them"
+	time SEQDIST_REQUIRE_TORCHAUDIO=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 # On a machine with a GPU and torch, CuPy, numba and pytest already installed, and no network: no venv, no pip.
 # The GPU tests (marker `gpu`), every notebook with its `cuda` cells, and the quick GPU benchmark.

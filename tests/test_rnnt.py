@@ -309,9 +309,8 @@ def test_torch_compile_of_the_reference():
     x = torch.randn(2, 4, 3, 5, dtype=torch.float64, requires_grad=True)
     y, il, tl = torch.tensor([[1, 2], [3, 1]]), torch.tensor([4, 3]), torch.tensor([2, 1])
     f = lambda x: rnnt_loss(x, y, il, tl, 0, clamp=0.1, backend='reference')
-    import torch._inductor.config as inductor_config
-    with inductor_config.patch(fx_graph_cache=False):
-        grad = torch.autograd.grad(torch.compile(f)(x), x)[0]
+    grad = torch.autograd.grad(torch.compile(f, backend='aot_eager')(x), x)[0]   # (dynamo and AOT autograd, what the
+    # graph breaks concern; inductor's code generation took a minute here and is tested by the kernels' fullgraph test)
     torch.testing.assert_close(grad, torch.autograd.grad(f(x), x)[0])
 
 def test_row_offsets_are_64_bit():
