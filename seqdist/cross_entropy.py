@@ -890,7 +890,7 @@ def _lts_chunks(s, residuals=None):
     V = weight.shape[0]
     dt, low = s.dt, hidden.dtype != s.dt
     rows, rows_grad, nbuf = _STATS_ROWS[s.kind]
-    chunk = min(N, s.chunk_size or max(1, (LCE_CHUNK_BYTES // (2 if low else 1)) // (4 * V * nbuf)))
+    chunk = max(1, min(N, s.chunk_size or (LCE_CHUNK_BYTES // (2 if low else 1)) // (4 * V * nbuf)))
     buf = hidden.new_empty((nbuf, chunk * V), dtype=dt)
     if residuals is None:
         logp, ent, lse = (hidden.new_empty(N, dtype=dt) for _ in range(3))
