@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['ROW_THREADS', 'MAX_ROW_BLOCKS', 'cross_entropy_rows_op', 'LCE_CHUNK_BYTES', 'linear_cross_entropy_op',
-           'linear_token_stats_op', 'CE_SHAPES', 'LCE_SHAPES', 'softcap_logits', 'cross_entropy_reference',
-           'cross_entropy', 'CrossEntropyLoss', 'linear_cross_entropy', 'LinearCrossEntropyLoss',
-           'linear_token_stats_reference', 'linear_token_stats', 'vocab_parallel_cross_entropy', 'bench_cross_entropy',
-           'ce_peak_mb', 'LinearCrossEntropy']
+           'linear_token_stats_op', 'CE_SHAPES', 'LCE_SHAPES', 'STATS_SHAPES', 'softcap_logits',
+           'cross_entropy_reference', 'cross_entropy', 'CrossEntropyLoss', 'linear_cross_entropy',
+           'LinearCrossEntropyLoss', 'linear_token_stats_reference', 'linear_token_stats',
+           'vocab_parallel_cross_entropy', 'bench_cross_entropy', 'ce_peak_mb', 'LinearCrossEntropy']
 
 # %% ../nbs/08_cross_entropy.ipynb #a0510788
 import math
@@ -1067,6 +1067,7 @@ def vocab_parallel_cross_entropy(logits, target, group=None, ignore_index=-100, 
 # %% ../nbs/08_cross_entropy.ipynb #5a382261
 CE_SHAPES = [(4096, 32768), (2048, 131072)]          # N, V
 LCE_SHAPES = [(4096, 1024, 32768)]                   # N, H, V
+STATS_SHAPES = [(4096, 1024, 32768)]                 # N, H, V
 
 def _ce_case(N, V, H=None, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
@@ -1078,6 +1079,19 @@ def _ce_case(N, V, H=None, seed=0, dtype=torch.float32):
 
 def _eager_linear_ce(h, W, t): return F.cross_entropy(h @ W.T, t)
 
+def _stats_objective(log_probs, entropy):
+    "An RL-style loss of the per-token statistics: fixed per-token weights (advantages) and an entropy bonus."
+    adv = torch.linspace(-1, 1, log_probs.numel(), dtype=log_probs.dtype, device=log_probs.device)
+    return -(adv * log_probs.reshape(-1)).sum() - 0.01 * entropy.sum()
+
+def _token_stats_anchors():
+    "What `linear_token_stats` (through `_stats_objective`) is timed against."
+    return {'linear_cross_entropy (mean)': linear_cross_entropy,
+            "linear_cross_entropy (reduction='none', weighted)":
+                lambda h, W, t: -_stats_objective(-linear_cross_entropy(h, W, t, reduction='none'), torch.zeros(())),
+            'logits, log_softmax, gather, entropy (eager)':
+                lambda h, W, t: _stats_objective(*linear_token_stats_reference(h, W, t))}
+
 def _linear_anchors():
     "The linear cross-entropies ours is timed against: PyTorch's two paths where it has them, else the eager composition."
     if not hasattr(F, 'linear_cross_entropy'): return {'hidden @ weight.T -> F.cross_entropy (eager)': _eager_linear_ce}
@@ -1085,10 +1099,11 @@ def _linear_anchors():
             'F.linear_cross_entropy (options=LinearCrossEntropyOptions())':
                 lambda h, W, t: F.linear_cross_entropy(h, W, t, options=nn.LinearCrossEntropyOptions())}
 
-def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES, device='cpu'):
+def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES, device='cpu', stats_shapes=STATS_SHAPES):
     """seqdist-bench rows: cross_entropy vs F.cross_entropy; linear_cross_entropy vs F.linear_cross_entropy's reference
-    and chunked paths (all three called in turn, so one row per anchor with our time from the same rounds). fwd+bwd,
-    on `device` (the inputs are made on the CPU, then moved)."""
+    and chunked paths (all three called in turn, so one row per anchor with our time from the same rounds);
+    linear_token_stats (an RL loss of both outputs) vs linear_cross_entropy (mean and weighted 'none') and the eager
+    PyTorch composition, likewise. fwd+bwd, on `device` (the inputs are made on the CPU, then moved)."""
     warmup, reps = (1, 3) if quick else (2, 7)
     on = lambda *xs: [x.detach().to(device).requires_grad_(x.requires_grad) for x in xs]
     rows = []
@@ -1122,20 +1137,47 @@ def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES,
         for (name, check), t0 in zip(checks.items(), times):
             rows.append(dict(op='linear_cross_entropy fwd+bwd', shape=f"N={N} H={H} V={V} fp32", anchor=name,
                              anchor_ms=t0, ours_ms=ours, ratio=t0 / ours, check=check))
+    for N, H, V in ([(256, 64, 4096)] if quick else stats_shapes):
+        h, W, t = on(*_ce_case(N, V, H))
+        def run(f):
+            loss = f(h, W, t)
+            return loss.detach(), torch.autograd.grad(loss, (h, W))
+        ours_fn = lambda h, W, t: _stats_objective(*linear_token_stats(h, W, t))
+        anchors = _token_stats_anchors()
+        with torch.no_grad():
+            lp, ent = linear_token_stats(h, W, t)
+            ce = linear_cross_entropy(h, W, t, reduction='none')
+            lp_diff = f"log_probs vs -ce diff {(lp + ce).abs().max().item():.1e}"
+            del lp, ent, ce
+        l1, g1 = run(ours_fn)
+        l0, g0 = run(list(anchors.values())[-1])
+        checks = dict.fromkeys(list(anchors)[:-1], lp_diff)
+        checks[list(anchors)[-1]] = f"loss diff {abs(l0 - l1).item():.1e}, grad diff {max((a - b).abs().max().item() for a, b in zip(g0, g1)):.1e}"
+        del g0, g1
+        fns = [lambda f=f: run(f) for f in anchors.values()]
+        times = alternated_median_ms(fns[0], lambda: run(ours_fn), *fns[1:], warmup=warmup, reps=reps)
+        ours = times.pop(1)
+        for (name, check), t0 in zip(checks.items(), times):
+            rows.append(dict(op='linear_token_stats fwd+bwd', shape=f"N={N} H={H} V={V} fp32", anchor=name,
+                             anchor_ms=t0, ours_ms=ours, ratio=t0 / ours, check=check))
     return rows
 
 _PEAK_FNS = {'F.cross_entropy': 'F.cross_entropy', 'cross_entropy': 'cross_entropy', 'eager linear': '_eager_linear_ce',
              'linear_cross_entropy': 'linear_cross_entropy', 'F.linear_cross_entropy': 'lambda h, W, t: F.linear_cross_entropy(h, W, t)',
              'F.linear_cross_entropy chunked':
-                 'lambda h, W, t: F.linear_cross_entropy(h, W, t, options=nn.LinearCrossEntropyOptions())'}
+                 'lambda h, W, t: F.linear_cross_entropy(h, W, t, options=nn.LinearCrossEntropyOptions())',
+             'linear_token_stats': 'lambda h, W, t: _stats_objective(*linear_token_stats(h, W, t))',
+             'token stats composition': 'lambda h, W, t: _stats_objective(*linear_token_stats_reference(h, W, t))'}
 
 def ce_peak_mb(which, N, V, H=0):
     """Peak extra resident memory (MB) of one fwd+bwd (`torch.autograd.grad` of the loss) of `which` ('F.cross_entropy',
     'cross_entropy', 'eager linear', 'F.linear_cross_entropy', 'F.linear_cross_entropy chunked',
-    'linear_cross_entropy') on `_ce_case(N, V, H)` (float32; H=0: logits (N, V)), in a fresh process with 2 threads
+    'linear_cross_entropy', 'linear_token_stats', 'token stats composition': the two per-token statistics under
+    `_stats_objective`) on `_ce_case(N, V, H)` (float32; H=0: logits (N, V)), in a fresh process with 2 threads
     (`seqdist.timing.peak_rss_mb`): the inputs and a warm-up call on two rows are not counted, the returned gradients are."""
     setup = (f"import torch, torch.nn as nn, torch.nn.functional as F\n"
-             f"from seqdist.cross_entropy import cross_entropy, linear_cross_entropy, _ce_case, _eager_linear_ce\n"
+             f"from seqdist.cross_entropy import (cross_entropy, linear_cross_entropy, _ce_case, _eager_linear_ce, "
+             f"linear_token_stats, linear_token_stats_reference, _stats_objective)\n"
              f"fn = {_PEAK_FNS[which]}\nargs = _ce_case({N}, {V}, {H or None})\n"
              f"fn(*[a if i == 1 and {bool(H)} else a[:2].detach() for i, a in enumerate(args)])")
     return peak_rss_mb(setup, "grads = torch.autograd.grad(fn(*args), [a for a in args if a.requires_grad])")
