@@ -468,7 +468,7 @@ def test_vocab_parallel_needs_a_process_group():
 def test_bench_quick_rows():
     rows = ce.bench_cross_entropy(quick=True)
     linear = ['linear_cross_entropy fwd+bwd'] * (2 if hasattr(F, 'linear_cross_entropy') else 1)
-    assert [r['op'] for r in rows] == ['cross_entropy fwd+bwd'] + linear
+    assert [r['op'] for r in rows] == ['cross_entropy fwd+bwd'] + linear + ['linear_token_stats fwd+bwd'] * 3
     assert all(set(r) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'} and r['ours_ms'] > 0 for r in rows)
 
 @pytest.mark.parametrize('backend', ['cpu', 'cuda'])
