@@ -847,7 +847,7 @@ def kbest_alignments(log_probs, targets, input_lengths, target_lengths, blank=0,
     none = S.is_zero(best)
     labels = torch.where(none[..., None], -1, _path_labels(states, ext, il, blank, torch.long)).to(dtype)
     scores = torch.where(none, -math.inf, best)
-    if not grad_enabled: scores = scores.detach()
+    if not (grad_enabled and lp.requires_grad): scores = scores.detach()
     return (labels[:, 0], scores[:, 0]) if unbatched else (labels, scores)
 
 def _choose(log_weights, u):

@@ -139,6 +139,7 @@ def test_kbest_pads_when_there_are_fewer_alignments():
     lp = torch.randn(3, 1, 3, dtype=torch.float64).log_softmax(-1)
     labels, scores = kbest_alignments(lp, torch.tensor([[1, 2]]), [3], [2], k=16)     # (0|1)12, 1(1|2)2, 12(2|0): 5
     assert torch.isfinite(scores[:5]).all() and scores[5:].eq(-math.inf).all() and labels[5:].eq(-1).all()
+    assert not scores.requires_grad                                                   # log_probs did not require it
     assert (scores[:-1] >= scores[1:]).all()
     assert len({tuple(l) for l in labels[:5, 0].tolist()}) == 5
 
