@@ -1,0 +1,317 @@
+"""Every question on the CTC lattice against enumeration of all its alignments: entropy, KL and cross-entropy (values and
+gradcheck), k-best alignments, exact samples (a chi-square test and per-frame occupancy), a peaky case, variable and
+zero lengths, infeasible targets, bad inputs; and the laws of the semirings with components."""
+import math, decimal
+import pytest, torch
+from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax, log_softmax_parts
+from seqdist.ctc import (alignments_brute_force, interleave_blanks, logz_reference, posteriors, alignment_entropy,
+                         alignment_kl, alignment_cross_entropy, kbest_alignments, sample_alignments, ctc_loss)
+
+def close(a, b, rtol=1e-12): torch.testing.assert_close(a, b, rtol=rtol, atol=1e-12)
+
+def random_state(S, shape, g):
+    "A random state of S: log-weights (normal), accumulators >= 0; KMax's k scores sorted."
+    if S.components and S.name.startswith('KMax'):
+        return torch.randn(S.components, *shape, generator=g, dtype=torch.float64).sort(0, descending=True).values
+    w = torch.randn(S.components - 1, *shape, generator=g, dtype=torch.float64)
+    return torch.cat([w, torch.rand(1, *shape, generator=g, dtype=torch.float64)])
+
+@pytest.mark.parametrize('S', [Entropy, KL, CrossEntropy, KMax(1), KMax(3)], ids=str)
+def test_semiring_laws_with_components(S):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        a, b, c = (random_state(S, (4, 5), g) for _ in range(3))
+        plus = lambda *xs: S.sum(torch.stack(xs, -1), dim=-1)
+        close(plus(plus(a, b), c), plus(a, plus(b, c)))
+        close(plus(a, b), plus(b, a))
+        close(S.mul(S.mul(a, b), c), S.mul(a, S.mul(b, c)))
+        close(plus(a, S.full(S.zero, a)), a)
+        close(S.mul(a, S.full(S.one, a)), a)
+        close(S.mul(a, plus(b, c)), plus(S.mul(a, b), S.mul(a, c)))
+
+def test_log_softmax_parts_is_exact_for_the_dominant_entry():
+    w = torch.tensor([0.0, -50.0, -60.0], dtype=torch.float64)
+    lse, lp = log_softmax_parts(w)
+    rest = math.exp(-50) + math.exp(-60)
+    assert lse.item() == math.log1p(rest) and lp[0].item() == -math.log1p(rest)       # not 0: the tiny entropy lives here
+    close(lp, w.log_softmax(0))
+
+# -- tiny lattices and their enumeration ------------------------------------------------------------------------------
+
+def batch(seed, T=6, C=3):
+    "Random fp64 log_probs for a batch with repeats, an empty target, a shorter input, and (last) infeasible targets."
+    g = torch.Generator().manual_seed(seed)
+    targets = [[1, 2], [2, 2], [], [1, 2, 1], [2, 1], [1, 1, 1, 1]]
+    il = [T, T, T - 1, T, T - 2, T]                        # the last: 4 labels + 3 repeats > 6 frames
+    N = len(targets)
+    lp = torch.randn(T, N, C, generator=g, dtype=torch.float64).log_softmax(-1)
+    lq = torch.randn(T, N, C, generator=g, dtype=torch.float64).log_softmax(-1)
+    L = max(map(len, targets))
+    tg = torch.tensor([t + [0] * (L - len(t)) for t in targets])
+    return lp, lq, tg, torch.tensor(il), torch.tensor([len(t) for t in targets]), targets
+
+def enumerate_paths(lp, b, T_b, target, C):
+    "The alignments of sequence b (M, T_b) and their scores (M,), by brute force."
+    paths = torch.tensor(alignments_brute_force(T_b, C, target), dtype=torch.long).view(-1, T_b)
+    return paths, lp[torch.arange(T_b), b][:, paths].diagonal(dim1=0, dim2=2).sum(-1) if len(paths) else lp.new_zeros(0)
+
+def path_scores(lp, b, paths):
+    T_b = paths.shape[1]
+    return lp[torch.arange(T_b)[None], b, paths].sum(-1)
+
+def exact(lp, lq, b, T_b, target):
+    "Entropy, KL and cross-entropy of sequence b by enumeration (0 if it has no alignment)."
+    C = lp.shape[-1]
+    paths = torch.tensor(alignments_brute_force(T_b, C, target), dtype=torch.long).view(-1, T_b)
+    if len(paths) == 0: return 0.0, 0.0, 0.0
+    a, q = path_scores(lp, b, paths).log_softmax(0), path_scores(lq, b, paths).log_softmax(0)
+    p = a.exp()
+    return -(p * a).sum().item(), (p * (a - q)).sum().item(), -(p * q).sum().item()
+
+@pytest.mark.parametrize('seed', range(4))
+def test_entropy_kl_cross_entropy_equal_enumeration(seed):
+    lp, lq, tg, il, tl, targets = batch(seed)
+    h = alignment_entropy(lp, tg, il, tl)
+    kl = alignment_kl(lp, lq, tg, il, tl)
+    ce = alignment_cross_entropy(lp, lq, tg, il, tl)
+    want = torch.tensor([exact(lp, lq, b, int(il[b]), t) for b, t in enumerate(targets)], dtype=torch.float64)
+    for got, col in ((h, 0), (kl, 1), (ce, 2)):
+        torch.testing.assert_close(got, want[:, col], rtol=1e-10, atol=1e-14)
+    assert h[2] == 0 and h[-1] == 0 and kl[-1] == 0 and ce[-1] == 0         # one alignment; none
+    assert alignment_kl(lp, lp, tg, il, tl).eq(0).all()                    # KL(p || p) is exactly 0
+    close(alignment_cross_entropy(lp, lp, tg, il, tl), h)
+    close(alignment_entropy(lp, tg, il, tl, reduction='sum'), h.sum())
+    close(alignment_entropy(lp, tg, il, tl, reduction='mean'), (h / tl.clamp(min=1)).mean())
+
+def test_the_first_component_is_log_z_and_kmax_1_is_max():
+    lp, lq, tg, il, tl, _ = batch(0)
+    ext = interleave_blanks(tg, 0)
+    x = lp.gather(2, ext[None].expand(lp.shape[0], -1, -1))
+    y = lq.gather(2, ext[None].expand(lp.shape[0], -1, -1))
+    logz, best = logz_reference(x, ext, il, tl, 0, Log), logz_reference(x, ext, il, tl, 0, Max)
+    close(logz_reference(x, ext, il, tl, 0, Entropy)[0], logz)
+    both = logz_reference(torch.stack([x, y]), ext, il, tl, 0, KL)
+    close(both[0], logz); close(both[1], logz_reference(y, ext, il, tl, 0, Log))
+    assert torch.equal(logz_reference(x, ext, il, tl, 0, KMax(1))[0], best)
+    close(logz_reference(x, ext, il, tl, 0, KMax(4))[0], best)
+    assert Log.is_zero(logz[-1]) and Log.is_zero(logz_reference(x, ext, il, tl, 0, Entropy)[0, -1])
+
+def test_gradcheck_of_entropy_kl_and_cross_entropy():
+    lp, lq, tg, il, tl, _ = batch(1, T=5)
+    x, y = lp[:, :4].detach().requires_grad_(), lq[:, :4].detach().requires_grad_()
+    tg, il, tl = tg[:4], il[:4].clamp(max=5), tl[:4]
+    assert torch.autograd.gradcheck(lambda x: alignment_entropy(x.log_softmax(-1), tg, il, tl), (x,))
+    assert torch.autograd.gradcheck(lambda x, y: alignment_kl(x.log_softmax(-1), y.log_softmax(-1), tg, il, tl), (x, y))
+    assert torch.autograd.gradcheck(lambda x, y: alignment_cross_entropy(x.log_softmax(-1), y.log_softmax(-1), tg, il, tl), (x, y))
+
+def test_gradient_of_entropy_is_zero_where_there_is_no_alignment():
+    lp, _, tg, il, tl, _ = batch(2)
+    x = lp.detach().requires_grad_()
+    alignment_entropy(x, tg, il, tl).sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad[:, -1].eq(0).all() and x.grad[:, 2].eq(0).all()
+
+# -- k-best -------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('k', [1, 4, 16])
+@pytest.mark.parametrize('seed', range(3))
+def test_kbest_equals_the_sorted_enumeration(seed, k):
+    lp, _, tg, il, tl, targets = batch(seed)
+    T, N, C = lp.shape
+    x = lp.detach().requires_grad_()
+    labels, scores = kbest_alignments(x, tg, il, tl, k=k)
+    assert labels.shape == (k, N, T) and scores.shape == (k, N) and labels.dtype == tg.dtype
+    for b, target in enumerate(targets):
+        T_b = int(il[b])
+        paths = torch.tensor(alignments_brute_force(T_b, C, target), dtype=torch.long).view(-1, T_b)
+        s = path_scores(lp, b, paths)
+        order = s.argsort(descending=True)[:k]
+        m = len(order)
+        torch.testing.assert_close(scores[:m, b].detach(), s[order], rtol=1e-12, atol=1e-12)
+        assert torch.equal(labels[:m, b, :T_b], paths[order]) and labels[:m, b, T_b:].eq(0).all()   # blank past T_b
+        assert labels[m:, b].eq(-1).all() and scores[m:, b].eq(-math.inf).all()                       # padding
+    # the scores are differentiable: the gradient of a path's score counts its labels at each frame
+    scores[0].masked_fill(torch.isinf(scores[0]), 0).sum().backward()
+    one_hot = torch.zeros_like(lp).scatter_(2, labels[0].clamp(min=0).T[..., None], 1.0)
+    valid = (torch.arange(T)[:, None] < il[None]) & torch.isfinite(scores[0])[None]
+    torch.testing.assert_close(x.grad, torch.where(valid[..., None], one_hot, 0.0))
+
+def test_kbest_pads_when_there_are_fewer_alignments():
+    lp = torch.randn(3, 1, 3, dtype=torch.float64).log_softmax(-1)
+    labels, scores = kbest_alignments(lp, torch.tensor([[1, 2]]), [3], [2], k=16)     # (0|1)12, 1(1|2)2, 12(2|0): 5
+    assert torch.isfinite(scores[:5]).all() and scores[5:].eq(-math.inf).all() and labels[5:].eq(-1).all()
+    assert not scores.requires_grad                                                   # log_probs did not require it
+    assert (scores[:-1] >= scores[1:]).all()
+    assert len({tuple(l) for l in labels[:5, 0].tolist()}) == 5
+
+# -- samples ------------------------------------------------------------------------------------------------------------
+
+def chi_square_bound(df, z=5.0):
+    "Wilson-Hilferty: the chi-square quantile with df degrees of freedom at the normal's z (z = 5: p ~ 3e-7)."
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+def chi_square(counts, probs, n):
+    "Pearson's statistic and its degrees of freedom, the cells of expected count < 5 merged into one."
+    expected = probs * n
+    rare = expected < 5
+    obs = torch.cat([counts[~rare], counts[rare].sum()[None]]) if rare.any() else counts
+    exp = torch.cat([expected[~rare], expected[rare].sum()[None]]) if rare.any() else expected
+    return (((obs - exp) ** 2) / exp).sum().item(), len(obs) - 1
+
+def test_samples_match_the_exact_path_probabilities():
+    lp, _, tg, il, tl, targets = batch(5, T=6, C=3)
+    lp = (lp * 0.7).log_softmax(-1)        # a flatter posterior: more paths with counts to test
+    T, N, C = lp.shape
+    n = 20000
+    labels, logp = sample_alignments(lp, tg, il, tl, n=n, generator=torch.Generator().manual_seed(0))
+    assert labels.shape == (n, N, T) and logp.shape == (n, N)
+    for b, target in enumerate(targets):
+        T_b = int(il[b])
+        paths = torch.tensor(alignments_brute_force(T_b, C, target), dtype=torch.long).view(-1, T_b)
+        if len(paths) == 0:
+            assert labels[:, b].eq(-1).all() and logp[:, b].eq(-math.inf).all(); continue
+        assert labels[:, b, T_b:].eq(0).all()
+        logprob = path_scores(lp, b, paths).log_softmax(0)
+        index = {tuple(p): i for i, p in enumerate(paths.tolist())}
+        drawn = torch.tensor([index[tuple(p)] for p in labels[:, b, :T_b].tolist()])    # KeyError: not an alignment
+        torch.testing.assert_close(logp[:, b], logprob[drawn], rtol=1e-10, atol=1e-12)
+        if len(paths) == 1: continue
+        counts = torch.bincount(drawn, minlength=len(paths)).double()
+        stat, df = chi_square(counts, logprob.exp(), n)
+        assert stat < chi_square_bound(df), (b, stat, df)
+        # the test has power: the same counts fail it against the path probabilities shuffled, or the likeliest path's
+        # probability half as large again
+        shuffled = logprob.exp()[torch.randperm(len(paths), generator=torch.Generator().manual_seed(b))]
+        off = logprob.exp().clone(); off[off.argmax()] *= 1.5; off /= off.sum()
+        assert chi_square(counts, shuffled, n)[0] > chi_square_bound(df) and chi_square(counts, off, n)[0] > chi_square_bound(df)
+    # per-frame occupancy within 5 sigma of the label posteriors
+    post = posteriors(lp, tg, il, tl, backend='cpu')                                       # (T, N, C)
+    feasible = torch.isfinite(logp[0])
+    freq = torch.nn.functional.one_hot(labels.clamp(min=0), C).double().mean(0).transpose(0, 1)   # (T, N, C)
+    sigma = (post * (1 - post) / n).sqrt()
+    valid = (torch.arange(T)[:, None] < il[None]) & feasible[None]
+    assert ((freq - post).abs() <= 5 * sigma + 1e-12)[valid].all()
+
+def test_samples_are_reproducible_from_the_generator():
+    lp, _, tg, il, tl, _ = batch(3)
+    a = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(7))
+    b = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(7))
+    c = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.equal(a[0], c[0])
+    torch.manual_seed(1); d = sample_alignments(lp, tg, il, tl, n=50)
+    torch.manual_seed(1); e = sample_alignments(lp, tg, il, tl, n=50)
+    assert torch.equal(d[0], e[0])
+
+def test_sample_log_probabilities_are_differentiable():
+    lp, _, tg, il, tl, _ = batch(4)
+    x = lp[:, :4].detach().requires_grad_()
+    labels, logp = sample_alignments(x, tg[:4], il[:4], tl[:4], n=3, generator=torch.Generator().manual_seed(0))
+    logp.sum().backward()
+    # d log p(path) / d log_probs = path indicator - posteriors (per sample)
+    post = posteriors(x.detach(), tg[:4], il[:4], tl[:4], backend='cpu')
+    one_hot = torch.nn.functional.one_hot(labels.clamp(min=0), x.shape[-1]).double().sum(0).transpose(0, 1)
+    valid = (torch.arange(x.shape[0])[:, None] < il[:4][None])[..., None]
+    torch.testing.assert_close(x.grad, torch.where(valid, one_hot - 3 * post, 0.0))
+
+# -- a peaky model: tiny entropy --------------------------------------------------------------------------------------
+
+def entropy_high_precision(lp, b, T_b, target, digits=60):
+    "The entropy of sequence b's alignments by enumeration in decimal arithmetic with `digits` digits (every operation)."
+    D = decimal.Decimal
+    with decimal.localcontext() as ctx:
+        ctx.prec = digits
+        paths = alignments_brute_force(T_b, lp.shape[-1], target)
+        scores = [sum((D(lp[t, b, c].item()) for t, c in enumerate(p)), D(0)) for p in paths]   # fp64 values are exact
+        m = max(scores)
+        logz = m + sum(((s - m).exp() for s in scores), D(0)).ln()
+        return float(-sum((s - logz).exp() * (s - logz) for s in scores))
+
+@pytest.mark.parametrize('sharpness', [5.0, 20.0, 40.0])
+def test_entropy_of_a_peaky_model_is_accurate(sharpness):
+    g = torch.Generator().manual_seed(0)
+    T, C = 7, 3
+    targets = [[1, 2], [2, 1, 2]]
+    tg = torch.tensor([[1, 2, 0], [2, 1, 2]])
+    logits = torch.randn(T, 2, C, generator=g, dtype=torch.float64)
+    for b, t in enumerate(targets):                 # one alignment is much the likeliest
+        for f, c in enumerate(([0] + [c for c in t for _ in (0, 1)] + [0] * T)[:T]): logits[f, b, c] += 3
+    lp = (logits * sharpness).log_softmax(-1)
+    h = alignment_entropy(lp, tg, [T, T], [2, 3])
+    for b, t in enumerate(targets):
+        want = entropy_high_precision(lp, b, T, t)
+        assert abs(h[b].item() - want) <= 1e-12 * want, (sharpness, b, h[b].item(), want)
+    # (what log Z - E[score] would give at sharpness 40, where the entropy is ~1e-40: zero or noise, never 1e-40)
+
+def test_naive_entropy_would_fail_where_ours_does_not():
+    T, C, target = 6, 4, [1, 2]
+    lp = torch.full((T, 1, C), -60.0, dtype=torch.float64)
+    for f, c in enumerate([0, 1, 1, 2, 2, 0]): lp[f, 0, c] = 0.0
+    lp[:, 0, 3] = 2.0                                       # a label outside the target takes most of each frame
+    lp = lp.log_softmax(-1)
+    want = entropy_high_precision(lp, 0, T, target)
+    h = alignment_entropy(lp, torch.tensor([target]), [T], [2])[0].item()
+    assert 0 < want < 1e-20 and abs(h - want) <= 1e-12 * want
+    paths = torch.tensor(alignments_brute_force(T, C, target))
+    s = path_scores(lp, 0, paths)
+    naive = (s.logsumexp(0) - (s.softmax(0) * s).sum()).item()
+    assert abs(naive - want) > 0.5 * want                  # cancellation: the naive formula loses every digit
+
+# -- edge cases and bad inputs ----------------------------------------------------------------------------------------
+
+def test_empty_inputs_unbatched_and_infeasible():
+    lp = torch.randn(4, 3, 3, dtype=torch.float64).log_softmax(-1)
+    tg, il, tl = torch.tensor([[1, 2], [0, 0], [1, 0]]), torch.tensor([0, 0, 4]), torch.tensor([2, 0, 0])
+    h = alignment_entropy(lp, tg, il, tl)
+    assert h.eq(0).all()                                    # infeasible, one empty alignment, one all-blank alignment
+    labels, scores = kbest_alignments(lp, tg, il, tl, k=2)
+    assert labels[:, 0].eq(-1).all() and scores[:, 0].eq(-math.inf).all()
+    assert labels[0, 1].eq(0).all() and scores[0, 1] == 0 and scores[1, 1] == -math.inf     # the empty alignment
+    assert labels[0, 2].eq(0).all() and scores[0, 2] == lp[:, 2, 0].sum() and labels[1, 2].eq(-1).all()
+    labels, logp = sample_alignments(lp, tg, il, tl, n=4)
+    assert labels[:, 0].eq(-1).all() and logp[:, 0].eq(-math.inf).all() and logp[:, 1:].eq(0).all()
+    assert labels[:, 1:].eq(0).all()
+    # unbatched (T, C) inputs, as ctc_loss takes them
+    h1 = alignment_entropy(lp[:, 2], tg[2], 4, 0)
+    assert h1.dim() == 0 and h1 == 0
+    l1, s1 = kbest_alignments(lp[:, 0], tg[0, :1], 4, 1, k=3)
+    assert l1.shape == (3, 4) and s1.shape == (3,)
+    l2, p2 = sample_alignments(lp[:, 0], tg[0, :1], 4, 1, n=5)
+    assert l2.shape == (5, 4) and p2.shape == (5,)
+    close(alignment_entropy(lp[:, 0], tg[0, :1], 4, 1), alignment_entropy(lp[:, :1], tg[:1, :1], [4], [1])[0])
+
+def test_concatenated_targets_and_float32():
+    lp, lq, tg, il, tl, targets = batch(6)
+    concat = torch.tensor([c for t in targets for c in t])
+    close(alignment_entropy(lp, concat, il, tl), alignment_entropy(lp, tg, il, tl))
+    h32 = alignment_entropy(lp.float(), tg, il, tl)
+    assert h32.dtype == torch.float32
+    torch.testing.assert_close(h32.double(), alignment_entropy(lp, tg, il, tl), rtol=1e-5, atol=1e-6)
+
+def expect(error, match, f, *args, **kw):
+    with pytest.raises(error, match=match): f(*args, **kw)
+
+def test_bad_inputs_are_clear_errors():
+    lp = torch.randn(5, 2, 4).log_softmax(-1)
+    tg, il, tl = torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 5]), torch.tensor([2, 1])
+    for f in (alignment_entropy, kbest_alignments, sample_alignments):
+        expect(ValueError, r'targets must hold labels in', f, lp, torch.tensor([[1, 7], [3, 0]]), il, tl)
+        expect(ValueError, r'input_lengths must be in \[0, T\]', f, lp, tg, torch.tensor([6, 5]), tl)
+        expect(ValueError, r'target_lengths must be >= 0', f, lp, tg, il, torch.tensor([-1, 1]))
+        expect(ValueError, r'exceed the padded targets', f, lp, tg, il, torch.tensor([3, 1]))
+        expect(ValueError, r'log_probs must have shape', f, lp[0, 0], tg, il, tl)
+        expect(TypeError, r'targets must hold integer', f, lp, tg.float(), il, tl)
+        expect(NotImplementedError, r"no 'cpu' backend yet", f, lp, tg, il, tl, backend='cpu')
+        expect(NotImplementedError, r"no 'cuda' backend yet", f, lp, tg, il, tl, backend='cuda')
+        expect(ValueError, r"backend must be", f, lp, tg, il, tl, backend='numba')
+    for f in (alignment_kl, alignment_cross_entropy):
+        expect(ValueError, r'same shape', f, lp, lp[:4], tg, il, tl)
+        expect(NotImplementedError, r"no 'cpu' backend yet", f, lp, lp, tg, il, tl, backend='cpu')
+        expect(ValueError, r'targets must hold labels in', f, lp, lp, torch.tensor([[1, 7], [3, 0]]), il, tl)
+    expect(ValueError, r'reduction must be', alignment_entropy, lp, tg, il, tl, reduction='avg')
+    for k in (0, 17, 2.0, True): expect(ValueError, r'k must be an int in \[1, 16\]', kbest_alignments, lp, tg, il, tl, k=k)
+    for n in (0, -1, 1.5): expect(ValueError, r'n must be a positive int', sample_alignments, lp, tg, il, tl, n=n)
+    expect(TypeError, r'generator must be', sample_alignments, lp, tg, il, tl, generator=3)
+    expect(ValueError, r'KMax.*k must be a positive int|k must be a positive int', KMax, 0)
+    # the same messages as ctc_loss's
+    with pytest.raises(ValueError) as ours: alignment_entropy(lp, torch.tensor([[1, 7], [3, 0]]), il, tl)
+    with pytest.raises(ValueError) as loss: ctc_loss(lp, torch.tensor([[1, 7], [3, 0]]), il, tl)
+    assert str(ours.value) == str(loss.value)
