@@ -42,7 +42,7 @@ test: install chromium $(SITE)/node_modules/.installed
 	@echo "== nbdev-clean: notebooks must be committed clean"
 	time tools/unchanged.sh nbs -- $(BIN)/nbdev-clean
 	@echo "== nbdev-test: every notebook on CPU (cells flagged 'cuda' need a GPU and are skipped)"
-	time tools/unchanged.sh cuda -- $(BIN)/nbdev-test --n-workers 2
+	time tools/unchanged.sh cuda -- $(BIN)/nbdev-test --n-workers 2 --timing
 	@echo "== README.md must be what nbs/index.ipynb renders to"
 	time tools/unchanged.sh README.md -- $(BIN)/python tools/docs.py readme
 	@echo "== docs: nbdev's doc processing of every notebook (the step of \`make docs\` that runs cells again)"
