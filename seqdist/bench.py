@@ -9,7 +9,7 @@ __all__ = ['CTC_SHAPES', 'GPU_CTC_SHAPES', 'GPU_SPARSE_SHAPES', 'GPU_SIMPLE_SHAP
            'bench_crf_gpu', 'bench_forced_align_gpu', 'run_benchmarks', 'run_gpu_benchmarks', 'bench_cli',
            'plot_speedups', 'switch_row', 'demo_ctc', 'demo_forced_align', 'demo_rnnt', 'demo_joint',
            'demo_cross_entropy', 'demo_linear_cross_entropy', 'demo_gru', 'run_demo', 'demo_table', 'demo_cli',
-           'first_call_seconds', 'first_call_table']
+           'first_call_seconds', 'first_call_json', 'first_call_table']
 
 # %% ../nbs/10_bench.ipynb #2e89983f
 import argparse, json, os, sys, time
@@ -475,7 +475,7 @@ def demo_cross_entropy(N=4096, V=32768):
                       'torch.nn.functional.cross_entropy', lambda: _grads(F.cross_entropy(x, t), [x]),
                       lambda: _grads(cross_entropy(x, t), [x]))
 
-def demo_linear_cross_entropy(N=1024, H=1024, V=32768):
+def demo_linear_cross_entropy(N=512, H=1024, V=32768):
     from seqdist.cross_entropy import linear_cross_entropy
     g = torch.Generator().manual_seed(0)
     h, W = torch.randn(N, H, generator=g).requires_grad_(), (torch.randn(V, H, generator=g) / H ** 0.5).requires_grad_()
@@ -499,7 +499,7 @@ def demo_gru(T=200, N=32, I=256, H=256):
         return y.detach(), list(torch.autograd.grad(y.sum(), [x, *m.parameters()]))
     return switch_row('GRU', 'from seqdist.gru import GRU', f"T={T} N={N} I={I} H={H}", 'torch.nn.GRU',
                       lambda: run(anchor), lambda: run(ours), agree=lambda a, o: _relative_agreement(a, o, 'output'),
-                      note="more memory: ours keeps each step's gates for its hand-derived backward", reps=5)
+                      note="both keep each step's activations for the backward: tens of MB, which vary from run to run", reps=5)
 
 DEMOS = [demo_ctc, demo_forced_align, demo_rnnt, demo_joint, demo_cross_entropy, demo_linear_cross_entropy, demo_gru]
 
@@ -593,6 +593,13 @@ def first_call_seconds(family, numba_cache_dir):
                          env=dict(os.environ, NUMBA_CACHE_DIR=str(numba_cache_dir)))
     if out.returncode: raise RuntimeError(f"first_call_seconds({family!r}) failed:\n{out.stderr[-2000:]}")
     return tuple(float(v) for v in out.stdout.split()[-2:])
+
+def first_call_json(path, families=FIRST_CALLS):
+    "`first_call_table` with the date, machine and torch, written to `path` (what the table below shows)."
+    rows = first_call_table(families)
+    Path(path).write_text(json.dumps(dict(date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()), machine=machine_name(),
+                                          torch=torch.__version__, rows=rows), indent=1) + '\n')
+    return rows
 
 def first_call_table(families=FIRST_CALLS):
     """For each family, the seconds from a fresh process's `import torch` to the end of its first small fp32 fwd+bwd,
