@@ -414,13 +414,27 @@ def _relative_agreement(a, o, what='loss'):
     (va, ta), (vo, to) = a, o
     return f"{what} {_rel_diff(vo, va):.0e}, grads {max(_rel_diff(x, y) for x, y in zip(to, ta)):.0e} (relative)"
 
+def _ms(fn):
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+def _ms_and_peak_mb(fn):
+    "One call's time (ms) and the peak memory it adds (`peak_extra_mb`: memory given back first, which can only slow it)."
+    ms = []
+    mb = peak_extra_mb(lambda: ms.append(_ms(fn)))
+    return ms[0], mb
+
 def switch_row(family, switch, shape, anchor_name, anchor, ours, note='', reps=3, agree=_loss_and_grads_agree):
     """One demo row: `anchor()` and `ours()` each return (loss, [gradients]) from one fwd+bwd (or what `agree`
-    compares); `agree(anchor's, ours)` says how they agree; their median times (called in turn, `reps` rounds after the
-    calls that checked them) and the peak memory each adds in this process (`peak_extra_mb`)."""
+    compares); `agree(anchor's, ours)` says how they agree; their median times over `reps` rounds in which they are
+    called in turn, after the calls that checked them; the first round also measures the peak memory each adds in
+    this process (`peak_extra_mb`)."""
     check = agree(anchor(), ours())                        # (these calls are the warm-up)
-    t_a, t_o = paired_median_ms(anchor, ours, warmup=0, reps=reps)
-    m_a, m_o = peak_extra_mb(anchor), peak_extra_mb(ours)
+    (t_a, m_a), (t_o, m_o) = _ms_and_peak_mb(anchor), _ms_and_peak_mb(ours)
+    times_a, times_o = [t_a], [t_o]
+    for _ in range(reps - 1): times_a.append(_ms(anchor)); times_o.append(_ms(ours))
+    t_a, t_o = float(np.median(times_a)), float(np.median(times_o))
     return dict(family=family, op=family, switch=switch, shape=shape, anchor=anchor_name, anchor_ms=t_a, ours_ms=t_o,
                 ratio=t_a / t_o, anchor_mb=m_a, ours_mb=m_o, check=check, note=note)
 
@@ -431,7 +445,7 @@ def demo_ctc(T=500, N=128, C=20, L_min=80, L_max=100):
     lp, targets, il, tl = ctc_inputs_for(T, N, C, L_min, L_max)
     return switch_row('CTC', 'from seqdist.ctc import ctc_loss', f"T={T} N={N} C={C} L={L_min}-{L_max}",
                       'torch.nn.functional.ctc_loss', lambda: _grads(F.ctc_loss(lp, targets, il, tl), [lp]),
-                      lambda: _grads(ctc_loss(lp, targets, il, tl), [lp]), reps=5)
+                      lambda: _grads(ctc_loss(lp, targets, il, tl), [lp]))
 
 def demo_forced_align(T=200, N=32, C=1000, L_min=40, L_max=60):
     torchaudio = load_torchaudio()
@@ -454,7 +468,7 @@ def demo_rnnt(B=8, T=200, U=50, V=128):
     rnnt_anchor = load_torchaudio().functional.rnnt_loss
     x, y, il, tl = rnnt_inputs_for(B, T, U, V)
     return switch_row('RNN-T', 'from seqdist.rnnt import rnnt_loss', f"B={B} T={T} U={U} V={V}", 'torchaudio.functional.rnnt_loss',
-                      lambda: _grads(rnnt_anchor(x, y, il, tl, blank=0), [x]), lambda: _grads(rnnt_loss(x, y, il, tl, blank=0), [x]), reps=5)
+                      lambda: _grads(rnnt_anchor(x, y, il, tl, blank=0), [x]), lambda: _grads(rnnt_loss(x, y, il, tl, blank=0), [x]))
 
 def demo_joint(B=4, T=200, U=50, V=1024, H=256):
     from seqdist.joint import joint_inputs_for, joint_rnnt_loss, joint_logits
@@ -499,7 +513,7 @@ def demo_gru(T=200, N=32, I=256, H=256):
         return y.detach(), list(torch.autograd.grad(y.sum(), [x, *m.parameters()]))
     return switch_row('GRU', 'from seqdist.gru import GRU', f"T={T} N={N} I={I} H={H}", 'torch.nn.GRU',
                       lambda: run(anchor), lambda: run(ours), agree=lambda a, o: _relative_agreement(a, o, 'output'),
-                      note="both keep each step's activations for the backward: tens of MB, which vary from run to run", reps=5)
+                      note="both keep each step's activations for the backward: tens of MB, which vary from run to run")
 
 DEMOS = [demo_ctc, demo_forced_align, demo_rnnt, demo_joint, demo_cross_entropy, demo_linear_cross_entropy, demo_gru]
 
@@ -533,7 +547,7 @@ def demo_cli():
     a = p.parse_args()
     start = time.perf_counter()
     rows = run_demo()
-    print(f"\nseqdist-demo on the CPU (torch {torch.__version__}, 2 threads; fwd+bwd, median of 5 (3 for the rows of a second or more) "
+    print(f"\nseqdist-demo on the CPU (torch {torch.__version__}, 2 threads; fwd+bwd, median of 3 rounds (5 for forced alignment) "
           f"after the calls that compared them; memory: peak extra resident MB of one fwd+bwd)\n")
     print(demo_table(rows))
     print(f"\nspeed-up: the anchor's time / ours (> 1: seqdist faster); agreement: the losses' relative difference and the "
