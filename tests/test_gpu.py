@@ -271,6 +271,22 @@ def _linear_cross_entropy_case(size, dtype, device, seed=0):
     return Case('linear_cross_entropy', x, lambda x: (linear_cross_entropy(x, w, target),),   # positional only
                 bound=lambda: 2 * LCE_CHUNK_BYTES + 2 * (x.numel() + w.numel()) * 8 + (1 << 20))   # chunk buffers, grads
 
+def _linear_token_stats_case(size, dtype, device, seed=0):
+    from seqdist.cross_entropy import linear_token_stats, LCE_CHUNK_BYTES
+    N, H, V = dict(small=(48, 32, 500), long=(300, 64, 30000))[size]
+    g = _gen(seed)
+    x = torch.randn(N, H, generator=g, dtype=torch.float64).to(device, dtype)
+    w = (torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.5).to(device, dtype)
+    b = (torch.randn(V, generator=g, dtype=torch.float64) / 10).to(device, dtype)
+    target = torch.randint(0, V, (N,), generator=g); target[::5] = -100
+    advantage = torch.randn(N, generator=g, dtype=torch.float64).to(device)
+    target = target.to(device)
+    def f(x):                                        # an RL loss: advantage-weighted log-probs and an entropy bonus
+        logp, ent = linear_token_stats(x, w, target, linear_bias=b, temperature=0.7, softcap=20.0)
+        return (advantage.to(logp.dtype) * logp + 0.01 * ent).sum(), logp, ent
+    return Case('linear_token_stats', x, f,
+                bound=lambda: 2 * LCE_CHUNK_BYTES + 2 * (x.numel() + w.numel() + V) * 8 + (1 << 20))   # chunks, grads
+
 def _joint_case(size, dtype, device, seed=0):
     from seqdist.joint import joint_rnnt_loss, JOINT_TILE_BYTES
     B, T, U, V, H = dict(small=(3, 30, 12, 40, 16), long=(2, 60, 40, 3000, 64))[size]   # long: rows past a block, tiles
@@ -289,7 +305,8 @@ def _joint_case(size, dtype, device, seed=0):
 
 FAMILIES = {'ctc': _ctc_case, 'forced_align': _forced_align_case, 'ctc_simple': _ctc_simple_case, 'sparse': _sparse_case,
             'crf': _crf_case, 'rnnt': _rnnt_case, 'gru': _gru_case, 'cross_entropy': _cross_entropy_case,
-            'linear_cross_entropy': _linear_cross_entropy_case, 'tdt': _tdt_case, 'multiblank': _multiblank_case,
+            'linear_cross_entropy': _linear_cross_entropy_case, 'linear_token_stats': _linear_token_stats_case,
+            'tdt': _tdt_case, 'multiblank': _multiblank_case,
             'joint': _joint_case}
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
@@ -412,10 +429,11 @@ OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_backward': 'ctc', 'seqdist::ct
              'seqdist::gru_layer_backward': 'gru', 'seqdist::cross_entropy_rows': 'cross_entropy',
              'seqdist::cross_entropy_rows_backward': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
              'seqdist::linear_cross_entropy_backward': 'linear_cross_entropy', 'seqdist::tdt': 'tdt', 'seqdist::tdt_backward': 'tdt',
-             'seqdist::joint_rnnt': 'joint', 'seqdist::joint_rnnt_backward': 'joint'}
+             'seqdist::joint_rnnt': 'joint', 'seqdist::joint_rnnt_backward': 'joint',
+             'seqdist::linear_token_stats': 'linear_token_stats', 'seqdist::linear_token_stats_backward': 'linear_token_stats'}
 PUBLIC = ['ctc_loss', 'forced_align', 'ctc_simple.logZ', 'sparse.logZ', 'CTC_CRF.ctc_loss', 'rnnt_loss', 'GRU',
           'cross_entropy', 'linear_cross_entropy', 'tdt_loss', 'multiblank_rnnt_loss', 'tdt_alignments', 'tdt_best_path',
-          'multiblank_alignments', 'joint_rnnt_loss', 'JointRNNTLoss']
+          'multiblank_alignments', 'joint_rnnt_loss', 'JointRNNTLoss', 'linear_token_stats']
 
 @pytest.mark.parametrize('size', ['small', 'long'])
 def test_gpu_tdt_alignments_agree_with_cpu(size, record):
