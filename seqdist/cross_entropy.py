@@ -1099,6 +1099,15 @@ def _linear_anchors():
             'F.linear_cross_entropy (options=LinearCrossEntropyOptions())':
                 lambda h, W, t: F.linear_cross_entropy(h, W, t, options=nn.LinearCrossEntropyOptions())}
 
+def _alternated_rows(op, shape, run, ours, anchors, checks, warmup, reps):
+    """One row per anchor ({name: fn}), each checked as `checks[name]` says: `run(fn)` for ours and every anchor, called
+    in turn (the first anchor, ours, the other anchors), so that our time in each row is from the same rounds."""
+    fns = [lambda f=f: run(f) for f in anchors.values()]
+    times = alternated_median_ms(fns[0], lambda: run(ours), *fns[1:], warmup=warmup, reps=reps)
+    ours_ms = times.pop(1)
+    return [dict(op=op, shape=shape, anchor=name, anchor_ms=t0, ours_ms=ours_ms, ratio=t0 / ours_ms, check=checks[name])
+            for name, t0 in zip(anchors, times)]
+
 def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES, device='cpu', stats_shapes=STATS_SHAPES):
     """seqdist-bench rows: cross_entropy vs F.cross_entropy; linear_cross_entropy vs F.linear_cross_entropy's reference
     and chunked paths (all three called in turn, so one row per anchor with our time from the same rounds);
@@ -1131,12 +1140,8 @@ def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES,
             checks[name] = f"loss diff {abs(l0 - l1).item():.1e}, grad diff {max((a - b).abs().max().item() for a, b in zip(g0, g1)):.1e}"
             del g0
         del g1
-        fns = [lambda f=f: run(f) for f in anchors.values()]
-        times = alternated_median_ms(fns[0], lambda: run(linear_cross_entropy), *fns[1:], warmup=warmup, reps=reps)
-        ours = times.pop(1)
-        for (name, check), t0 in zip(checks.items(), times):
-            rows.append(dict(op='linear_cross_entropy fwd+bwd', shape=f"N={N} H={H} V={V} fp32", anchor=name,
-                             anchor_ms=t0, ours_ms=ours, ratio=t0 / ours, check=check))
+        rows += _alternated_rows('linear_cross_entropy fwd+bwd', f"N={N} H={H} V={V} fp32", run, linear_cross_entropy,
+                                 anchors, checks, warmup, reps)
     for N, H, V in ([(256, 64, 4096)] if quick else stats_shapes):
         h, W, t = on(*_ce_case(N, V, H))
         def run(f):
@@ -1154,12 +1159,8 @@ def bench_cross_entropy(quick=False, ce_shapes=CE_SHAPES, lce_shapes=LCE_SHAPES,
         checks = dict.fromkeys(list(anchors)[:-1], lp_diff)
         checks[list(anchors)[-1]] = f"loss diff {abs(l0 - l1).item():.1e}, grad diff {max((a - b).abs().max().item() for a, b in zip(g0, g1)):.1e}"
         del g0, g1
-        fns = [lambda f=f: run(f) for f in anchors.values()]
-        times = alternated_median_ms(fns[0], lambda: run(ours_fn), *fns[1:], warmup=warmup, reps=reps)
-        ours = times.pop(1)
-        for (name, check), t0 in zip(checks.items(), times):
-            rows.append(dict(op='linear_token_stats fwd+bwd', shape=f"N={N} H={H} V={V} fp32", anchor=name,
-                             anchor_ms=t0, ours_ms=ours, ratio=t0 / ours, check=check))
+        rows += _alternated_rows('linear_token_stats fwd+bwd', f"N={N} H={H} V={V} fp32", run, ours_fn, anchors, checks,
+                                 warmup, reps)
     return rows
 
 _PEAK_FNS = {'F.cross_entropy': 'F.cross_entropy', 'cross_entropy': 'cross_entropy', 'eager linear': '_eager_linear_ce',
