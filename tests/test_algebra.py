@@ -7,6 +7,8 @@ from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax, log_softmax_
 from seqdist.ctc import (alignments_brute_force, interleave_blanks, logz_reference, posteriors, alignment_entropy,
                          alignment_kl, alignment_cross_entropy, kbest_alignments, sample_alignments, ctc_loss)
 
+BACKENDS = ['cpu', 'reference']     # every question runs on both, against the same enumeration
+
 def close(a, b, rtol=1e-12): torch.testing.assert_close(a, b, rtol=rtol, atol=1e-12)
 
 def random_state(S, shape, g):
@@ -69,19 +71,20 @@ def exact(lp, lq, b, T_b, target):
     return -(p * a).sum().item(), (p * (a - q)).sum().item(), -(p * q).sum().item()
 
 @pytest.mark.parametrize('seed', range(4))
-def test_entropy_kl_cross_entropy_equal_enumeration(seed):
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_entropy_kl_cross_entropy_equal_enumeration(seed, backend):
     lp, lq, tg, il, tl, targets = batch(seed)
-    h = alignment_entropy(lp, tg, il, tl)
-    kl = alignment_kl(lp, lq, tg, il, tl)
-    ce = alignment_cross_entropy(lp, lq, tg, il, tl)
+    h = alignment_entropy(lp, tg, il, tl, backend=backend)
+    kl = alignment_kl(lp, lq, tg, il, tl, backend=backend)
+    ce = alignment_cross_entropy(lp, lq, tg, il, tl, backend=backend)
     want = torch.tensor([exact(lp, lq, b, int(il[b]), t) for b, t in enumerate(targets)], dtype=torch.float64)
     for got, col in ((h, 0), (kl, 1), (ce, 2)):
         torch.testing.assert_close(got, want[:, col], rtol=1e-10, atol=1e-14)
     assert h[2] == 0 and h[-1] == 0 and kl[-1] == 0 and ce[-1] == 0         # one alignment; none
-    assert alignment_kl(lp, lp, tg, il, tl).eq(0).all()                    # KL(p || p) is exactly 0
-    close(alignment_cross_entropy(lp, lp, tg, il, tl), h)
-    close(alignment_entropy(lp, tg, il, tl, reduction='sum'), h.sum())
-    close(alignment_entropy(lp, tg, il, tl, reduction='mean'), (h / tl.clamp(min=1)).mean())
+    assert alignment_kl(lp, lp, tg, il, tl, backend=backend).eq(0).all()                    # KL(p || p) is exactly 0
+    close(alignment_cross_entropy(lp, lp, tg, il, tl, backend=backend), h)
+    close(alignment_entropy(lp, tg, il, tl, reduction='sum', backend=backend), h.sum())
+    close(alignment_entropy(lp, tg, il, tl, reduction='mean', backend=backend), (h / tl.clamp(min=1)).mean())
 
 def test_the_first_component_is_log_z_and_kmax_1_is_max():
     lp, lq, tg, il, tl, _ = batch(0)
@@ -96,29 +99,32 @@ def test_the_first_component_is_log_z_and_kmax_1_is_max():
     close(logz_reference(x, ext, il, tl, 0, KMax(4))[0], best)
     assert Log.is_zero(logz[-1]) and Log.is_zero(logz_reference(x, ext, il, tl, 0, Entropy)[0, -1])
 
-def test_gradcheck_of_entropy_kl_and_cross_entropy():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_gradcheck_of_entropy_kl_and_cross_entropy(backend):
     lp, lq, tg, il, tl, _ = batch(1, T=5)
     x, y = lp[:, :4].detach().requires_grad_(), lq[:, :4].detach().requires_grad_()
     tg, il, tl = tg[:4], il[:4].clamp(max=5), tl[:4]
-    assert torch.autograd.gradcheck(lambda x: alignment_entropy(x.log_softmax(-1), tg, il, tl), (x,))
-    assert torch.autograd.gradcheck(lambda x, y: alignment_kl(x.log_softmax(-1), y.log_softmax(-1), tg, il, tl), (x, y))
-    assert torch.autograd.gradcheck(lambda x, y: alignment_cross_entropy(x.log_softmax(-1), y.log_softmax(-1), tg, il, tl), (x, y))
+    assert torch.autograd.gradcheck(lambda x: alignment_entropy(x.log_softmax(-1), tg, il, tl, backend=backend), (x,))
+    assert torch.autograd.gradcheck(lambda x, y: alignment_kl(x.log_softmax(-1), y.log_softmax(-1), tg, il, tl, backend=backend), (x, y))
+    assert torch.autograd.gradcheck(lambda x, y: alignment_cross_entropy(x.log_softmax(-1), y.log_softmax(-1), tg, il, tl, backend=backend), (x, y))
 
-def test_gradient_of_entropy_is_zero_where_there_is_no_alignment():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_gradient_of_entropy_is_zero_where_there_is_no_alignment(backend):
     lp, _, tg, il, tl, _ = batch(2)
     x = lp.detach().requires_grad_()
-    alignment_entropy(x, tg, il, tl).sum().backward()
+    alignment_entropy(x, tg, il, tl, backend=backend).sum().backward()
     assert torch.isfinite(x.grad).all() and x.grad[:, -1].eq(0).all() and x.grad[:, 2].eq(0).all()
 
 # -- k-best -------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('k', [1, 4, 16])
 @pytest.mark.parametrize('seed', range(3))
-def test_kbest_equals_the_sorted_enumeration(seed, k):
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_kbest_equals_the_sorted_enumeration(seed, k, backend):
     lp, _, tg, il, tl, targets = batch(seed)
     T, N, C = lp.shape
     x = lp.detach().requires_grad_()
-    labels, scores = kbest_alignments(x, tg, il, tl, k=k)
+    labels, scores = kbest_alignments(x, tg, il, tl, k=k, backend=backend)
     assert labels.shape == (k, N, T) and scores.shape == (k, N) and labels.dtype == tg.dtype
     for b, target in enumerate(targets):
         T_b = int(il[b])
@@ -135,9 +141,10 @@ def test_kbest_equals_the_sorted_enumeration(seed, k):
     valid = (torch.arange(T)[:, None] < il[None]) & torch.isfinite(scores[0])[None]
     torch.testing.assert_close(x.grad, torch.where(valid[..., None], one_hot, 0.0))
 
-def test_kbest_pads_when_there_are_fewer_alignments():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_kbest_pads_when_there_are_fewer_alignments(backend):
     lp = torch.randn(3, 1, 3, dtype=torch.float64).log_softmax(-1)
-    labels, scores = kbest_alignments(lp, torch.tensor([[1, 2]]), [3], [2], k=16)     # (0|1)12, 1(1|2)2, 12(2|0): 5
+    labels, scores = kbest_alignments(lp, torch.tensor([[1, 2]]), [3], [2], k=16, backend=backend)     # (0|1)12, 1(1|2)2, 12(2|0): 5
     assert torch.isfinite(scores[:5]).all() and scores[5:].eq(-math.inf).all() and labels[5:].eq(-1).all()
     assert not scores.requires_grad                                                   # log_probs did not require it
     assert (scores[:-1] >= scores[1:]).all()
@@ -157,12 +164,13 @@ def chi_square(counts, probs, n):
     exp = torch.cat([expected[~rare], expected[rare].sum()[None]]) if rare.any() else expected
     return (((obs - exp) ** 2) / exp).sum().item(), len(obs) - 1
 
-def test_samples_match_the_exact_path_probabilities():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_samples_match_the_exact_path_probabilities(backend):
     lp, _, tg, il, tl, targets = batch(5, T=6, C=3)
     lp = (lp * 0.7).log_softmax(-1)        # a flatter posterior: more paths with counts to test
     T, N, C = lp.shape
     n = 20000
-    labels, logp = sample_alignments(lp, tg, il, tl, n=n, generator=torch.Generator().manual_seed(0))
+    labels, logp = sample_alignments(lp, tg, il, tl, n=n, generator=torch.Generator().manual_seed(0), backend=backend)
     assert labels.shape == (n, N, T) and logp.shape == (n, N)
     for b, target in enumerate(targets):
         T_b = int(il[b])
@@ -191,20 +199,22 @@ def test_samples_match_the_exact_path_probabilities():
     valid = (torch.arange(T)[:, None] < il[None]) & feasible[None]
     assert ((freq - post).abs() <= 5 * sigma + 1e-12)[valid].all()
 
-def test_samples_are_reproducible_from_the_generator():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_samples_are_reproducible_from_the_generator(backend):
     lp, _, tg, il, tl, _ = batch(3)
-    a = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(7))
-    b = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(7))
-    c = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(8))
+    a = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(7), backend=backend)
+    b = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(7), backend=backend)
+    c = sample_alignments(lp, tg, il, tl, n=50, generator=torch.Generator().manual_seed(8), backend=backend)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.equal(a[0], c[0])
-    torch.manual_seed(1); d = sample_alignments(lp, tg, il, tl, n=50)
-    torch.manual_seed(1); e = sample_alignments(lp, tg, il, tl, n=50)
+    torch.manual_seed(1); d = sample_alignments(lp, tg, il, tl, n=50, backend=backend)
+    torch.manual_seed(1); e = sample_alignments(lp, tg, il, tl, n=50, backend=backend)
     assert torch.equal(d[0], e[0])
 
-def test_sample_log_probabilities_are_differentiable():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_sample_log_probabilities_are_differentiable(backend):
     lp, _, tg, il, tl, _ = batch(4)
     x = lp[:, :4].detach().requires_grad_()
-    labels, logp = sample_alignments(x, tg[:4], il[:4], tl[:4], n=3, generator=torch.Generator().manual_seed(0))
+    labels, logp = sample_alignments(x, tg[:4], il[:4], tl[:4], n=3, generator=torch.Generator().manual_seed(0), backend=backend)
     logp.sum().backward()
     # d log p(path) / d log_probs = path indicator - posteriors (per sample)
     post = posteriors(x.detach(), tg[:4], il[:4], tl[:4], backend='cpu')
@@ -226,7 +236,8 @@ def entropy_high_precision(lp, b, T_b, target, digits=60):
         return float(-sum((s - logz).exp() * (s - logz) for s in scores))
 
 @pytest.mark.parametrize('sharpness', [5.0, 20.0, 40.0])
-def test_entropy_of_a_peaky_model_is_accurate(sharpness):
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_entropy_of_a_peaky_model_is_accurate(sharpness, backend):
     g = torch.Generator().manual_seed(0)
     T, C = 7, 3
     targets = [[1, 2], [2, 1, 2]]
@@ -235,20 +246,21 @@ def test_entropy_of_a_peaky_model_is_accurate(sharpness):
     for b, t in enumerate(targets):                 # one alignment is much the likeliest
         for f, c in enumerate(([0] + [c for c in t for _ in (0, 1)] + [0] * T)[:T]): logits[f, b, c] += 3
     lp = (logits * sharpness).log_softmax(-1)
-    h = alignment_entropy(lp, tg, [T, T], [2, 3])
+    h = alignment_entropy(lp, tg, [T, T], [2, 3], backend=backend)
     for b, t in enumerate(targets):
         want = entropy_high_precision(lp, b, T, t)
         assert abs(h[b].item() - want) <= 1e-12 * want, (sharpness, b, h[b].item(), want)
     # (what log Z - E[score] would give at sharpness 40, where the entropy is ~1e-40: zero or noise, never 1e-40)
 
-def test_naive_entropy_would_fail_where_ours_does_not():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_naive_entropy_would_fail_where_ours_does_not(backend):
     T, C, target = 6, 4, [1, 2]
     lp = torch.full((T, 1, C), -60.0, dtype=torch.float64)
     for f, c in enumerate([0, 1, 1, 2, 2, 0]): lp[f, 0, c] = 0.0
     lp[:, 0, 3] = 2.0                                       # a label outside the target takes most of each frame
     lp = lp.log_softmax(-1)
     want = entropy_high_precision(lp, 0, T, target)
-    h = alignment_entropy(lp, torch.tensor([target]), [T], [2])[0].item()
+    h = alignment_entropy(lp, torch.tensor([target]), [T], [2], backend=backend)[0].item()
     assert 0 < want < 1e-20 and abs(h - want) <= 1e-12 * want
     paths = torch.tensor(alignments_brute_force(T, C, target))
     s = path_scores(lp, 0, paths)
@@ -257,34 +269,36 @@ def test_naive_entropy_would_fail_where_ours_does_not():
 
 # -- edge cases and bad inputs ----------------------------------------------------------------------------------------
 
-def test_empty_inputs_unbatched_and_infeasible():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_empty_inputs_unbatched_and_infeasible(backend):
     lp = torch.randn(4, 3, 3, dtype=torch.float64).log_softmax(-1)
     tg, il, tl = torch.tensor([[1, 2], [0, 0], [1, 0]]), torch.tensor([0, 0, 4]), torch.tensor([2, 0, 0])
-    h = alignment_entropy(lp, tg, il, tl)
+    h = alignment_entropy(lp, tg, il, tl, backend=backend)
     assert h.eq(0).all()                                    # infeasible, one empty alignment, one all-blank alignment
-    labels, scores = kbest_alignments(lp, tg, il, tl, k=2)
+    labels, scores = kbest_alignments(lp, tg, il, tl, k=2, backend=backend)
     assert labels[:, 0].eq(-1).all() and scores[:, 0].eq(-math.inf).all()
     assert labels[0, 1].eq(0).all() and scores[0, 1] == 0 and scores[1, 1] == -math.inf     # the empty alignment
     assert labels[0, 2].eq(0).all() and scores[0, 2] == lp[:, 2, 0].sum() and labels[1, 2].eq(-1).all()
-    labels, logp = sample_alignments(lp, tg, il, tl, n=4)
+    labels, logp = sample_alignments(lp, tg, il, tl, n=4, backend=backend)
     assert labels[:, 0].eq(-1).all() and logp[:, 0].eq(-math.inf).all() and logp[:, 1:].eq(0).all()
     assert labels[:, 1:].eq(0).all()
     # unbatched (T, C) inputs, as ctc_loss takes them
-    h1 = alignment_entropy(lp[:, 2], tg[2], 4, 0)
+    h1 = alignment_entropy(lp[:, 2], tg[2], 4, 0, backend=backend)
     assert h1.dim() == 0 and h1 == 0
-    l1, s1 = kbest_alignments(lp[:, 0], tg[0, :1], 4, 1, k=3)
+    l1, s1 = kbest_alignments(lp[:, 0], tg[0, :1], 4, 1, k=3, backend=backend)
     assert l1.shape == (3, 4) and s1.shape == (3,)
-    l2, p2 = sample_alignments(lp[:, 0], tg[0, :1], 4, 1, n=5)
+    l2, p2 = sample_alignments(lp[:, 0], tg[0, :1], 4, 1, n=5, backend=backend)
     assert l2.shape == (5, 4) and p2.shape == (5,)
-    close(alignment_entropy(lp[:, 0], tg[0, :1], 4, 1), alignment_entropy(lp[:, :1], tg[:1, :1], [4], [1])[0])
+    close(alignment_entropy(lp[:, 0], tg[0, :1], 4, 1, backend=backend), alignment_entropy(lp[:, :1], tg[:1, :1], [4], [1], backend=backend)[0])
 
-def test_concatenated_targets_and_float32():
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_concatenated_targets_and_float32(backend):
     lp, lq, tg, il, tl, targets = batch(6)
     concat = torch.tensor([c for t in targets for c in t])
-    close(alignment_entropy(lp, concat, il, tl), alignment_entropy(lp, tg, il, tl))
-    h32 = alignment_entropy(lp.float(), tg, il, tl)
+    close(alignment_entropy(lp, concat, il, tl, backend=backend), alignment_entropy(lp, tg, il, tl, backend=backend))
+    h32 = alignment_entropy(lp.float(), tg, il, tl, backend=backend)
     assert h32.dtype == torch.float32
-    torch.testing.assert_close(h32.double(), alignment_entropy(lp, tg, il, tl), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h32.double(), alignment_entropy(lp, tg, il, tl, backend=backend), rtol=1e-5, atol=1e-6)
 
 def expect(error, match, f, *args, **kw):
     with pytest.raises(error, match=match): f(*args, **kw)
@@ -299,12 +313,12 @@ def test_bad_inputs_are_clear_errors():
         expect(ValueError, r'exceed the padded targets', f, lp, tg, il, torch.tensor([3, 1]))
         expect(ValueError, r'log_probs must have shape', f, lp[0, 0], tg, il, tl)
         expect(TypeError, r'targets must hold integer', f, lp, tg.float(), il, tl)
-        expect(NotImplementedError, r"no 'cpu' backend yet", f, lp, tg, il, tl, backend='cpu')
         expect(NotImplementedError, r"no 'cuda' backend yet", f, lp, tg, il, tl, backend='cuda')
         expect(ValueError, r"backend must be", f, lp, tg, il, tl, backend='numba')
     for f in (alignment_kl, alignment_cross_entropy):
         expect(ValueError, r'same shape', f, lp, lp[:4], tg, il, tl)
-        expect(NotImplementedError, r"no 'cpu' backend yet", f, lp, lp, tg, il, tl, backend='cpu')
+        expect(NotImplementedError, r"no 'cuda' backend yet", f, lp, lp, tg, il, tl, backend='cuda')
+        expect(ValueError, r"backend must be", f, lp, lp, tg, il, tl, backend='numba')
         expect(ValueError, r'targets must hold labels in', f, lp, lp, torch.tensor([[1, 7], [3, 0]]), il, tl)
     expect(ValueError, r'reduction must be', alignment_entropy, lp, tg, il, tl, reduction='avg')
     for k in (0, 17, 2.0, True): expect(ValueError, r'k must be an int in \[1, 16\]', kbest_alignments, lp, tg, il, tl, k=k)
@@ -315,3 +329,58 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError) as ours: alignment_entropy(lp, torch.tensor([[1, 7], [3, 0]]), il, tl)
     with pytest.raises(ValueError) as loss: ctc_loss(lp, torch.tensor([[1, 7], [3, 0]]), il, tl)
     assert str(ours.value) == str(loss.value)
+
+# -- the CPU kernels against the reference, at sizes enumeration cannot reach -----------------------------------------
+
+def longer_batch(seed, T=40, N=6, C=7, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.randn(T, N, C, generator=g, dtype=dtype).log_softmax(-1)
+    lq = torch.randn(T, N, C, generator=g, dtype=dtype).log_softmax(-1)
+    tg = torch.randint(1, C, (N, 12), generator=g)
+    tg[1, 3] = tg[1, 2]                                                         # a repeat (no skip)
+    il, tl = torch.tensor([40, 33, 40, 11, 25, 40]), torch.tensor([12, 10, 0, 12, 5, 1])   # one infeasible (3)
+    return lp, lq, tg, il, tl
+
+def test_cpu_kernels_agree_with_the_reference_values_and_gradients():
+    lp, lq, tg, il, tl = longer_batch(0)
+    for f, args in ((alignment_entropy, (lp,)), (alignment_kl, (lp, lq)), (alignment_cross_entropy, (lp, lq))):
+        out = {}
+        for backend in BACKENDS:
+            xs = [a.detach().requires_grad_() for a in args]
+            v = f(*xs, tg, il, tl, backend=backend)
+            (v * torch.arange(1.0, 7.0, dtype=v.dtype)).sum().backward()          # a different weight per sequence
+            out[backend] = (v.detach(), *[x.grad for x in xs])
+        for a, b in zip(out['cpu'], out['reference']): torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        assert out['cpu'][0][3] == 0 and out['cpu'][1][:, 3].eq(0).all()        # infeasible: 0, no gradient
+
+def test_cpu_kbest_and_samples_equal_the_reference():
+    lp, _, tg, il, tl = longer_batch(1)
+    lc, sc = kbest_alignments(lp, tg, il, tl, k=16, backend='cpu')
+    lr, sr = kbest_alignments(lp, tg, il, tl, k=16, backend='reference')
+    assert torch.equal(lc, lr)
+    torch.testing.assert_close(sc, sr, rtol=1e-12, atol=1e-12)
+    a = sample_alignments(lp, tg, il, tl, n=64, generator=torch.Generator().manual_seed(3), backend='cpu')
+    b = sample_alignments(lp, tg, il, tl, n=64, generator=torch.Generator().manual_seed(3), backend='reference')
+    assert torch.equal(a[0], b[0])                                            # the same uniforms, the same samples
+    torch.testing.assert_close(a[1], b[1], rtol=1e-10, atol=1e-10)
+
+def test_cpu_kernels_in_float32_and_the_compute_dtype():
+    lp, lq, tg, il, tl = longer_batch(2)
+    h32 = alignment_entropy(lp.float(), tg, il, tl, backend='cpu')
+    kl32 = alignment_kl(lp.float(), lq.float(), tg, il, tl, backend='cpu')
+    assert h32.dtype == kl32.dtype == torch.float32
+    torch.testing.assert_close(h32.double(), alignment_entropy(lp, tg, il, tl), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kl32.double(), alignment_kl(lp, lq, tg, il, tl), rtol=1e-5, atol=1e-5)
+    x = lp.half().detach().requires_grad_()
+    alignment_entropy(x, tg, il, tl, backend='cpu').sum().backward()
+    assert x.grad.dtype == torch.float16 and torch.isfinite(x.grad).all()
+
+def test_divergence_op_under_torch_compile():
+    lp, lq, tg, il, tl = longer_batch(3, T=10, N=2, C=4)
+    il, tl, tg = torch.tensor([10, 8]), torch.tensor([3, 2]), tg[:2, :3]
+    f = torch.compile(lambda x: alignment_entropy(x, tg, il, tl, backend='cpu'), backend='eager', fullgraph=False)
+    x = lp[:, :2].detach().requires_grad_()
+    f(x).sum().backward()
+    y = lp[:, :2].detach().requires_grad_()
+    alignment_entropy(y, tg, il, tl, backend='cpu').sum().backward()
+    torch.testing.assert_close(x.grad, y.grad)
