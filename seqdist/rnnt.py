@@ -5,8 +5,9 @@
 # %% auto #0
 __all__ = ['rnnt_op', 'rnnt_edges_op', 'RNNT_SHAPES', 'edge_log_probs', 'delay_offsets', 'logz_reference', 'logz_brute_force',
            'row_offsets', 'rnnt_inputs', 'check_targets', 'clean_targets', 'grad_from_edges', 'rnnt_loss', 'RNNTLoss',
-           'posteriors', 'viterbi_alignments', 'best_path', 'rnnt_inputs_for', 'bench_rnnt', 'rnnt_peak_mb',
-           'sweep_rnnt']
+           'posteriors', 'viterbi_alignments', 'best_path', 'alignment_entropy', 'alignment_kl',
+           'alignment_cross_entropy', 'alignment_scores', 'kbest_alignments', 'sample_frames', 'sample_alignments',
+           'rnnt_inputs_for', 'bench_rnnt', 'rnnt_peak_mb', 'sweep_rnnt']
 
 # %% ../nbs/06_rnnt.ipynb #f11e832e
 import math
@@ -16,7 +17,7 @@ import numba
 import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
-from .core import SEMIRINGS, compute_dtype, fast_logsumexp
+from .core import SEMIRINGS, compute_dtype, fast_logsumexp, Entropy, KL, CrossEntropy, KMax
 from .kernel import load_kernel
 from .memory import empty_gradient
 from .checks import on_host, require, to_device, check_labels, finite_real
@@ -38,43 +39,54 @@ def delay_offsets(logit_lengths, T, delay_penalty):
     t = torch.arange(T, device=logit_lengths.device, dtype=torch.float64)
     return delay_penalty * ((logit_lengths[:, None].double() - 1) / 2 - t)
 
-def logz_reference(blank_lp, emit_lp, logit_lengths, target_lengths, S:semiring=Log):
-    "log Z (B,) in semiring S by the forward recursion over the anti-diagonals t + u = d, vectorised over the batch."
-    B, T, U1 = blank_lp.shape
-    u = torch.arange(U1, device=blank_lp.device)
-    bi = torch.arange(B, device=blank_lp.device)[:, None]
+def logz_reference(blank_lp, emit_lp, logit_lengths, target_lengths, S:semiring=Log, all_nodes=False):
+    """log Z (B,) in semiring S by the forward recursion over the anti-diagonals t + u = d, vectorised over the batch.
+    A semiring with components (`Entropy`, `KL`, `CrossEntropy`, `KMax(k)`) gives them on a leading dimension,
+    (*components, B); for one over two models' scores (`KL`, `CrossEntropy`) blank_lp and emit_lp hold both, stacked:
+    (2, B, T, U+1). With `all_nodes`, also alpha at every node, (*components, B, T, U+1), S.zero outside each sequence's
+    lattice: what sampling walks back through."""
+    bl, em = S.convert(blank_lp), S.convert(emit_lp)                                  # (*components, B, T, U+1)
+    B, T, U1 = bl.shape[-3:]
+    u = torch.arange(U1, device=bl.device)
+    bi = torch.arange(B, device=bl.device)[:, None]
     Tb, Ub = logit_lengths[:, None], target_lengths[:, None]
-    zero = blank_lp.new_full((), S.zero)
-    alpha = torch.where(u == 0, S.one, S.zero).to(blank_lp.dtype).expand(B, U1)      # diagonal 0: node (0, 0)
+    like = bl[..., 0, :1].expand(*bl.shape[:-2], U1)                                  # (*components, B, U+1): a diagonal
+    zero = S.full(S.zero, like[..., :1]) if S.components else bl.new_full((), S.zero)  # broadcasts against a diagonal
+    alpha = torch.where(u == 0, S.full(S.one, like), S.full(S.zero, like))            # diagonal 0: node (0, 0)
     final_d = logit_lengths - 1 + target_lengths                                      # the diagonal of (T_b-1, U_b)
-    final_blank = blank_lp[bi[:, 0], logit_lengths - 1, target_lengths]
-    logz = blank_lp.new_full((B,), S.zero)
+    final_blank = bl[..., bi[:, 0], logit_lengths - 1, target_lengths]
+    logz, alphas = S.full(S.zero, final_blank), [alpha]
     for d in range(T + U1 - 1):
         t = d - u                                                                      # (U1,): the frame of node (t, u)
         if d > 0:
-            from_blank = S.mul(alpha, blank_lp[bi, (t - 1).clamp(0, T - 1), u])        # (t-1, u) -> (t, u)
-            shifted = torch.nn.functional.pad(alpha, (1, 0), value=S.zero)[:, :U1]   # alpha of (t, u-1)
-            from_emit = S.mul(shifted, emit_lp[bi, t.clamp(0, T - 1), (u - 1).clamp(min=0)])   # (t, u-1) -> (t, u)
+            from_blank = S.mul(alpha, bl[..., bi, (t - 1).clamp(0, T - 1), u])         # (t-1, u) -> (t, u)
+            shifted = torch.cat([zero.expand(*alpha.shape[:-1], 1), alpha[..., :-1]], -1)   # alpha of (t, u-1)
+            from_emit = S.mul(shifted, em[..., bi, t.clamp(0, T - 1), (u - 1).clamp(min=0)])   # (t, u-1) -> (t, u)
             from_blank = torch.where(t >= 1, from_blank, zero)
             from_emit = torch.where((u >= 1) & (t >= 0), from_emit, zero)
-            alpha = S.sum(torch.stack([from_blank, from_emit]), dim=0)
+            alpha = S.sum(torch.stack([from_blank, from_emit], -1), dim=-1)
             alpha = torch.where((t >= 0) & (t < Tb) & (u <= Ub), alpha, zero)
-        logz = torch.where(final_d == d, S.mul(alpha.gather(1, Ub)[:, 0], final_blank), logz)
-    return logz
+            if all_nodes: alphas.append(alpha)
+        at_final = alpha.gather(-1, Ub.expand(*alpha.shape[:-1], 1))[..., 0]
+        logz = torch.where(final_d == d, S.mul(at_final, final_blank), logz)
+    if not all_nodes: return logz
+    t, u = torch.arange(T, device=bl.device)[:, None], u[None]
+    return logz, torch.stack(alphas, -2)[..., t + u, u]                                # node (t, u) is on diagonal t + u
 
 def logz_brute_force(log_probs, y, S:semiring=Log):
-    "log Z of one sequence, log_probs (T, U+1, V) and labels y (U,), by enumerating every path (blank = V-1 here)."
+    """log Z of one sequence, log_probs (T, U+1, V) and labels y (U,), by enumerating every path (blank = V-1 here). For
+    a semiring over two models' scores (KL, CrossEntropy), log_probs holds both, stacked: (2, T, U+1, V)."""
     import itertools
-    T, U1, V = log_probs.shape
+    T, U1, V = log_probs.shape[-3:]
     U, scores = U1 - 1, []
     for emit_frames in itertools.combinations_with_replacement(range(T), U):   # the frame of each label, in order
-        score, u = log_probs.new_zeros(()), 0
+        score, u = log_probs.new_zeros(log_probs.shape[:-3]), 0
         for t in range(T):
             while u < U and emit_frames[u] == t:
-                score = score + log_probs[t, u, y[u]]; u += 1
-            score = score + log_probs[t, u, V - 1]
+                score = score + log_probs[..., t, u, y[u]]; u += 1
+            score = score + log_probs[..., t, u, V - 1]
         scores.append(score)
-    return S.sum(torch.stack(scores), dim=0)
+    return S.sum(S.convert(torch.stack(scores, -1)), dim=-1)
 
 # %% ../nbs/06_rnnt.ipynb #24a7a98f
 _CACHE = __name__ != "__main__"   # numba caches compiled kernels for the package, not for notebook cells
@@ -487,6 +499,163 @@ def best_path(logits, targets, logit_lengths, target_lengths, blank=-1, fused_lo
     emit = edges[..., :-1, 1]                                       # (B, T, U): label u is emitted from node (t, u)
     frames = torch.where(emit.sum(1) > 0, emit.argmax(1), -1)
     return frames, score
+
+# %% ../nbs/06_rnnt.ipynb #b7e1a0c1
+def _reference_only(backend, what):
+    "The backend of a question that has only its reference so far: 'auto' and 'reference' run it; 'cpu' and 'cuda' raise."
+    if backend in ('auto', 'reference'): return 'reference'
+    if backend in ('cpu', 'cuda'):
+        raise NotImplementedError(f"{what} has no {backend!r} backend yet: backend='auto' or 'reference' runs the PyTorch "
+                                  "reference")
+    raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
+
+def _check_reduction(reduction):
+    if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+
+def _reduce(x, reduction):
+    "`reduction` as rnnt_loss's (torchaudio's): 'none' (B,), 'sum', or 'mean', the plain mean over the batch."
+    return x if reduction == 'none' else x.sum() if reduction == 'sum' else x.mean()
+
+def _lattice_scores(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax):
+    """rnnt_loss's inputs, checked as rnnt_loss checks them (`rnnt_inputs`, `check_targets`): the log-probabilities
+    (B, T, U+1) of the blank and the label edges in the compute dtype, differentiable (not detached), and the lengths
+    (B,) as int64 on the logits' device."""
+    blank = rnnt_inputs(logits, targets, logit_lengths, target_lengths, blank)
+    x = logits.to(compute_dtype(logits.dtype))
+    y, il, tl = clean_targets(x, targets, logit_lengths, target_lengths, blank)
+    return (*edge_log_probs(x, y, blank, bool(fused_log_softmax)), il, tl)
+
+def alignment_entropy(logits, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True, reduction='none',
+                      *, backend='auto'):
+    """The entropy (nats) of the posterior distribution over the alignments of each sequence, with rnnt_loss's arguments
+    and `reduction`: (B,) for 'none'. Differentiable. 0 for a sequence with one alignment (no labels) or none (log Z =
+    -inf, possible only with -inf scores). Accurate when tiny (the `Entropy` semiring adds only non-negative terms).
+    `backend`: 'auto' and 'reference' run the PyTorch reference (the CPU and CUDA kernels come later)."""
+    _check_reduction(reduction)
+    _reference_only(backend, 'alignment_entropy')
+    bl, em, il, tl = _lattice_scores(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax)
+    logz, h = logz_reference(bl, em, il, tl, Entropy)
+    return _reduce(torch.where(Entropy.is_zero(logz), 0.0, h), reduction)
+
+def _two_models(S, logits_p, logits_q, targets, logit_lengths, target_lengths, blank, fused_log_softmax, reduction,
+                backend, what):
+    "The last component of S (KL or CrossEntropy) over the alignments of p and q, 0 where either has no alignment."
+    _check_reduction(reduction)
+    _reference_only(backend, what)
+    if not isinstance(logits_p, torch.Tensor) or not isinstance(logits_q, torch.Tensor) or logits_p.shape != logits_q.shape:
+        raise ValueError(f"logits_p and logits_q must be tensors of the same shape, got "
+                         f"{tuple(getattr(logits_p, 'shape', ()))} and {tuple(getattr(logits_q, 'shape', ()))}")
+    bp, ep, il, tl = _lattice_scores(logits_p, targets, logit_lengths, target_lengths, blank, fused_log_softmax)
+    bq, eq, *_ = _lattice_scores(logits_q, targets, logit_lengths, target_lengths, blank, fused_log_softmax)
+    logz_p, logz_q, value = logz_reference(torch.stack([bp, bq.to(bp.dtype)]), torch.stack([ep, eq.to(ep.dtype)]), il, tl, S)
+    return _reduce(torch.where(S.is_zero(logz_p) | S.is_zero(logz_q), 0.0, value), reduction)
+
+def alignment_kl(logits_p, logits_q, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True,
+                 reduction='none', *, backend='auto'):
+    """KL(p || q) (nats) between the posterior distributions over alignments of two models' logits (B, T, U+1, V) for
+    the same targets; both sides differentiable. Stable when p is close to q (the `KL` semiring adds each mixture's own
+    KL, never a difference of two cross-entropies): KL(p || p) is 0."""
+    return _two_models(KL, logits_p, logits_q, targets, logit_lengths, target_lengths, blank, fused_log_softmax,
+                       reduction, backend, 'alignment_kl')
+
+def alignment_cross_entropy(logits_p, logits_q, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True,
+                            reduction='none', *, backend='auto'):
+    """The cross-entropy -E_p[log q(alignment)] (nats) between the posterior distributions over alignments of two models'
+    logits for the same targets: `alignment_entropy(p) + alignment_kl(p, q)`. Both sides differentiable."""
+    return _two_models(CrossEntropy, logits_p, logits_q, targets, logit_lengths, target_lengths, blank, fused_log_softmax,
+                       reduction, backend, 'alignment_cross_entropy')
+
+# %% ../nbs/06_rnnt.ipynb #b7e1a0c2
+def alignment_scores(blank_lp, emit_lp, frames, logit_lengths, target_lengths):
+    """The summed log-probability (..., B) of alignments given as `best_path`'s frames (..., B, U') (U' <= U; -1 past
+    each target length): label j leaves node (frames[j], j), and frame t's blank leaves (t, the labels emitted by t)."""
+    B, T, U1 = blank_lp.shape
+    U = frames.shape[-1]
+    bi, j, t = torch.arange(B, device=frames.device)[:, None], torch.arange(U, device=frames.device), torch.arange(T, device=frames.device)
+    label = j < target_lengths[:, None]                                                  # (B, U')
+    labels = torch.where(label, emit_lp[bi, frames.clamp(0, T - 1), j], 0.0).sum(-1)
+    emitted = ((frames[..., None, :] <= t[:, None]) & label[:, None]).sum(-1)            # (..., B, T): labels by frame t
+    blanks = torch.where(t < logit_lengths[:, None], blank_lp[bi, t, emitted.clamp(max=U1 - 1)], 0.0).sum(-1)
+    return labels + blanks
+
+def kbest_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True, k=4, *,
+                     backend='auto'):
+    """The k best alignments of each sequence, best first: frames (k, B, U) in `best_path`'s format (the frame of each
+    label, -1 past the target length) and their scores (k, B), the summed log-probability of each (differentiable).
+    Where fewer than k alignments exist, the rest are frames -1 and score -inf. The `KMax(k)` semiring gives the scores;
+    the gradient of the j-th score with respect to the label edges marks its path (as Max's gradient marks the best)."""
+    _reference_only(backend, 'kbest_alignments')
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
+        raise ValueError(f"k must be an int in [1, 16], got {k!r}")
+    bl, em, il, tl = _lattice_scores(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax)
+    S, differentiable = KMax(int(k)), torch.is_grad_enabled() and em.requires_grad
+    with torch.enable_grad():
+        if not differentiable: bl, em = bl.detach().requires_grad_(), em.detach().requires_grad_()
+        best = logz_reference(bl, em, il, tl, S)                                       # (k, B)
+        # T = 1 and U = 0: no label edge is ever read, so its gradient may be None
+        emits = [torch.autograd.grad(best[j].sum(), em, retain_graph=True, allow_unused=True)[0] for j in range(S.components)]
+    emit = torch.stack([torch.zeros_like(em) if e is None else e for e in emits])[..., :-1]   # (k, B, T, U): 0/1
+    none = S.is_zero(best)
+    frames = torch.where((emit.sum(-2) > 0) & ~none[..., None], emit.argmax(-2), -1)
+    scores = torch.where(none, -math.inf, best)
+    if not differentiable: scores = scores.detach()
+    return frames, scores
+
+def _choose(log_weights, u):
+    """The index drawn from the last dimension of `log_weights` by the uniform `u` (inverse CDF: the first index whose
+    cumulative weight exceeds `u` times the total), never one of weight 0."""
+    w = (log_weights - log_weights.max(-1, keepdim=True).values).exp()
+    c = w.cumsum(-1)
+    i = (c[..., :-1] <= u[..., None] * c[..., -1:]).sum(-1)
+    last = (torch.arange(w.shape[-1], device=w.device) * (w > 0)).max(-1).values    # rounding as u -> 1
+    return torch.minimum(i, last)
+
+def sample_frames(alphas, blank_lp, emit_lp, logit_lengths, target_lengths, u):
+    """Backward sampling through the RNN-T lattice: n exact samples from the posterior, as the frame of each label
+    (n, B, U) (-1 past each target length), from the Log semiring's alphas (B, T, U+1) and uniforms u (n, B, T+U-1).
+    Every path ends with the blank that leaves (T_b-1, U_b); from its node on the anti-diagonal d = t + u, a sample steps
+    back to (t-1, u) by a blank or to (t, u-1) by label u, with probability proportional to the predecessor's alpha times
+    the edge, using u[..., d-1]. Emitting label u from (t, u-1) puts it in frame t."""
+    B, T, U1 = alphas.shape
+    n = u.shape[0]
+    bi = torch.arange(B, device=alphas.device)
+    t, j = (logit_lengths - 1).expand(n, B).clone(), target_lengths.expand(n, B).clone()   # the final node (T_b-1, U_b)
+    frames = torch.full((n, B, U1), -1, dtype=torch.long, device=alphas.device)          # column U: a sink for no-ops
+    zero = alphas.new_full((), Log.zero)
+    for d in reversed(range(1, T + U1 - 1)):
+        tb, je = (t - 1).clamp(min=0), (j - 1).clamp(min=0)
+        by_blank = torch.where(t >= 1, alphas[bi, tb, j] + blank_lp[bi, tb, j], zero)   # (t-1, u) -> (t, u)
+        by_label = torch.where(j >= 1, alphas[bi, t, je] + emit_lp[bi, t, je], zero)    # (t, u-1) -> (t, u)
+        label = _choose(torch.stack([by_blank, by_label], -1), u[..., d - 1]) == 1
+        on = t + j == d                                                                  # samples on this diagonal
+        label = on & (j >= 1) & (label | (t == 0))                                       # at t = 0 or u = 0: one way back
+        frames.scatter_(-1, torch.where(label, j - 1, U1 - 1)[..., None], t[..., None])
+        t, j = torch.where(on & ~label, t - 1, t), torch.where(label, j - 1, j)
+    return frames[..., :-1]
+
+def sample_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True, n=1,
+                      generator=None, *, backend='auto'):
+    """n exact samples from the posterior distribution over each sequence's alignments, by forward filtering (the Log
+    semiring's alphas at every node) and backward sampling (`sample_frames`): frames (n, B, U) in `best_path`'s format,
+    and the log-probability of each under the posterior (n, B), its summed log-probability minus log Z (differentiable,
+    for REINFORCE). The uniforms are `torch.rand((n, B, T + U - 1), generator=generator, dtype=torch.float64)` on the
+    generator's device (the CPU by default), logits (B, T, U+1, V): one per step back through the lattice, so a generator
+    with a given seed gives the same samples on every backend. A sequence with no alignment (log Z = -inf, possible only
+    with -inf scores) gives frames -1 and log-probability -inf."""
+    _reference_only(backend, 'sample_alignments')
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    bl, em, il, tl = _lattice_scores(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax)
+    B, T, U1 = bl.shape
+    with torch.no_grad(): _, alphas = logz_reference(bl.detach(), em.detach(), il, tl, Log, all_nodes=True)
+    u = torch.rand((int(n), B, T + U1 - 2), generator=generator, dtype=torch.float64,
+                   device=generator.device if generator is not None else 'cpu').to(bl.device)
+    frames = sample_frames(alphas, bl.detach(), em.detach(), il, tl, u)                 # (n, B, U)
+    logz = logz_reference(bl, em, il, tl, Log)
+    none = Log.is_zero(logz)
+    logp = torch.where(none, -math.inf, alignment_scores(bl, em, frames, il, tl) - torch.where(none, 0.0, logz))
+    return torch.where(none[:, None], -1, frames), logp
 
 # %% ../nbs/06_rnnt.ipynb #929b1a8f
 RNNT_SHAPES = [(8, 200, 50, 128), (4, 300, 80, 1024), (16, 100, 30, 29)]   # B, T, U, V
