@@ -11,7 +11,7 @@ from functools import partial
 from types import SimpleNamespace
 import numpy as np
 import torch
-from .core import semiring, Log, Max, SequenceDist
+from .core import semiring, Log, Max, SequenceDist, Entropy, KL, CrossEntropy, KMax, compute_dtype
 from . import sparse, ctc_simple
 from .kernel import load_kernel
 from .compile_check import resource_budget
@@ -150,10 +150,14 @@ class CTC_CRF(SequenceDist):
 
     def viterbi(self, scores):
         "The best path's emitted label at each frame (T, N): 0 for a stay, 1 + base for a move into a state."
-        best = self.posteriors(scores, Max).argmax(2)              # the best edge of each frame, (T, N)
-        move = best % (self.n_base + 1) != 0
-        base = 1 + (best // (self.n_base + 1)) % self.n_base       # the last base of the state entered
-        return torch.where(move, base, 0)
+        return self.edge_labels(self.posteriors(scores, Max).argmax(2))   # the best edge of each frame, (T, N)
+
+    def edge_labels(self, edges):
+        """The labels of paths given as the score column of each frame's edge (..., T, N), as `sample` and `kbest` return
+        them: viterbi's format, 0 for a stay and 1 + base for a move into a state; -1 stays -1 (no path)."""
+        move = edges % (self.n_base + 1) != 0
+        base = 1 + (edges // (self.n_base + 1)) % self.n_base     # the last base of the state entered
+        return torch.where(edges < 0, -1, torch.where(move, base, 0))
 
     def path_to_str(self, path):
         "The bases of a path (its non-zero labels) as a string."
@@ -202,6 +206,186 @@ class CTC_CRF(SequenceDist):
         "The best alignment of the target's k-mers to the frames, 0/1 per (frame, k-mer) (T, N, L - state_len + 1)."
         stay, move = self.prepare_ctc_scores(scores, targets)
         return ctc_simple.viterbi_alignments(stay, move, torch.as_tensor(target_lengths) + 1 - self.state_len)
+
+    # Every question on the paths (the section "Every question" below): without targets about the CRF's distribution
+    # over paths, with targets about the posterior over each target's alignments.
+    def entropy(self, scores, targets=None, target_lengths=None, *, backend='auto'):
+        """The entropy (nats) (N,) of the distribution over paths, P(path) = exp(score - logZ) with paths starting and
+        ending in any state as in `logZ`; given `targets` and `target_lengths` as `ctc_loss` takes them, of the posterior
+        over each target's alignments (the paths `ctc_loss` sums over), 0 where a target cannot fit the frames.
+        Differentiable, and accurate when tiny (the `Entropy` semiring adds only non-negative terms)."""
+        _reference_only(backend, 'CTC_CRF.entropy')
+        lat = self._lattice(scores, targets, target_lengths)
+        logz, h = sparse.logZ_reference(lat.Ms, lat.idx, lat.v0, lat.vT, Entropy)
+        return torch.where(Entropy.is_zero(logz), 0.0, h)
+
+    def kl(self, scores_p, scores_q, targets=None, target_lengths=None, *, backend='auto'):
+        """KL(p || q) (nats) (N,) between the path distributions of two score tensors (or, given targets, between their
+        posteriors over each target's alignments); both sides differentiable, stable when p is close to q (the `KL`
+        semiring adds each mixture's own KL). 0 where a target cannot fit the frames."""
+        return self._two_models(KL, scores_p, scores_q, targets, target_lengths, backend, 'CTC_CRF.kl')
+
+    def cross_entropy(self, scores_p, scores_q, targets=None, target_lengths=None, *, backend='auto'):
+        "The cross-entropy -E_p[log q(path)] (nats) (N,) of two score tensors' distributions: `entropy(p) + kl(p, q)`."
+        return self._two_models(CrossEntropy, scores_p, scores_q, targets, target_lengths, backend, 'CTC_CRF.cross_entropy')
+
+    def sample(self, scores, n=1, generator=None, *, targets=None, target_lengths=None, backend='auto'):
+        """n exact samples of each sequence's path (forward filtering, backward sampling) and their log-probabilities
+        (n, N) under the distribution, score - logZ (differentiable, for REINFORCE). Paths are (n, T, N): the score column
+        each frame's edge takes (`edge_labels` turns them into `viterbi`'s labels); given targets, alignments
+        (n, T, N, L - state_len + 1) in `ctc_viterbi_alignments`' format. The uniforms are `torch.rand((n, T, N),
+        generator=generator, dtype=torch.float64)` on the generator's device (the CPU by default): u[i, t, b] picks frame
+        t's edge of sample i of sequence b, so a seeded generator gives the same samples on every device. A target that
+        cannot fit the frames gives paths of -1 and log-probability -inf."""
+        _reference_only(backend, 'CTC_CRF.sample')
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        lat = self._lattice(scores, targets, target_lengths)
+        T, N = lat.Ms.shape[:2]
+        u = torch.rand((int(n), T, N), generator=generator, dtype=torch.float64,
+                       device=generator.device if generator is not None else 'cpu').to(lat.Ms.device)
+        edges, log_probs = _sample_edges(lat.Ms, lat.idx, lat.v0, lat.vT, u)
+        return self._paths(edges, lat), log_probs
+
+    def kbest(self, scores, k=4, *, targets=None, target_lengths=None, backend='auto'):
+        """The k best paths of each sequence, best first, and their scores (k, N) (differentiable; minus `logZ` they are
+        log-probabilities). Paths as `sample` gives them: (k, T, N) score columns, or given targets (k, T, N, L - state_len
+        + 1) alignments. Where fewer than k paths exist the rest are -1 with score -inf."""
+        _reference_only(backend, 'CTC_CRF.kbest')
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
+            raise ValueError(f"k must be an int in [1, 16], got {k!r}")
+        lat = self._lattice(scores, targets, target_lengths)
+        edges, best = _kbest_edges(lat.Ms, lat.idx, lat.v0, lat.vT, int(k))
+        return self._paths(edges, lat), best
+
+    def _lattice(self, scores, targets, target_lengths):
+        """The sparse lattice a question is about (Ms, idx, v0, vT and `kmers`): the CRF's own (every state a start and an
+        end, as in `logZ`; kmers None) or, given targets, their k-mers' stay/move lattice (`_target_lattice`; kmers =
+        L - state_len + 1). Scores in float32 or float64 (float16 and bfloat16 are computed in float32), T >= 1."""
+        Ms = self._Ms(scores)
+        if not scores.is_floating_point(): raise TypeError(f"scores must be a floating-point tensor, got {scores.dtype}")
+        if scores.shape[0] < 1: raise ValueError("scores must have at least one frame, got T = 0")
+        Ms = Ms.to(compute_dtype(scores.dtype))
+        if (targets is None) != (target_lengths is None):
+            raise ValueError("targets and target_lengths go together: give both (as ctc_loss takes them) or neither")
+        if targets is None:
+            ends = Ms.new_zeros(Ms.shape[1], self.n_states)
+            return SimpleNamespace(Ms=Ms, idx=self.idx.long().to(Ms.device), v0=ends, vT=ends, kmers=None)
+        lengths = self._check_targets(scores, targets, target_lengths)
+        stay, move = self.prepare_ctc_scores(scores.to(Ms.dtype), targets)
+        return SimpleNamespace(**vars(_target_lattice(stay, move, lengths + 1 - self.state_len)), kmers=stay.shape[2])
+
+    def _check_targets(self, scores, targets, target_lengths):
+        "targets (N, L) of bases 1..n_base (0: padding) and target_lengths (N,) in [state_len, L]; the lengths as int64."
+        N = scores.shape[1]
+        if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.dim() != 2 or targets.shape[0] != N:
+            raise ValueError(f"targets must be an integer tensor (N, L) = ({N}, L), got "
+                             f"{tuple(getattr(targets, 'shape', ()))} {getattr(targets, 'dtype', type(targets).__name__)}")
+        L = targets.shape[1]
+        if targets.numel() and not (0 <= int(targets.min()) and int(targets.max()) <= self.n_base):
+            raise ValueError(f"targets must hold bases in [1, {self.n_base}] (0 for padding), got values in "
+                             f"[{int(targets.min())}, {int(targets.max())}]")
+        tl = torch.as_tensor(target_lengths)
+        if tl.is_floating_point() or tl.dim() != 1 or tl.shape[0] != N:
+            raise ValueError(f"target_lengths must be {N} integers, got {tuple(tl.shape)} {tl.dtype}")
+        if not ((tl >= self.state_len) & (tl <= L)).all():
+            raise ValueError(f"target_lengths must be in [state_len, L] = [{self.state_len}, {L}], got {tl.tolist()}")
+        return tl.long().to(scores.device)
+
+    def _two_models(self, S, scores_p, scores_q, targets, target_lengths, backend, what):
+        "The third component of S (KL or CrossEntropy) over the paths of p and q, 0 where a target cannot fit the frames."
+        _reference_only(backend, what)
+        if not isinstance(scores_p, torch.Tensor) or not isinstance(scores_q, torch.Tensor) or scores_p.shape != scores_q.shape:
+            raise ValueError(f"scores_p and scores_q must be tensors of the same shape, got "
+                             f"{tuple(getattr(scores_p, 'shape', ()))} and {tuple(getattr(scores_q, 'shape', ()))}")
+        p, q = self._lattice(scores_p, targets, target_lengths), self._lattice(scores_q, targets, target_lengths)
+        both = lambda name: torch.stack([getattr(p, name), getattr(q, name).to(p.Ms.dtype)])
+        logz_p, logz_q, value = sparse.logZ_reference(both('Ms'), p.idx, both('v0'), both('vT'), S)
+        return torch.where(S.is_zero(logz_p) | S.is_zero(logz_q), 0.0, value)
+
+    def _paths(self, edges, lat):
+        """Paths (..., T, N) given by each frame's edge of the lattice, in the question's format: the CRF's edges are
+        score columns already; a target's edge (state c, j) leaves state c - j (a stay or the move from c - 1), which
+        `ctc_viterbi_alignments`' format marks 1 (..., T, N, kmers). -1 (no path) fills a path's every entry."""
+        if lat.kmers is None: return edges
+        left = edges // 2 - edges % 2
+        one_hot = torch.nn.functional.one_hot(left.clamp(min=0), lat.kmers).to(lat.Ms.dtype)
+        return torch.where(edges[..., None] < 0, -1.0, one_hot).to(lat.Ms.dtype)
+
+# %% ../nbs/05_crf.ipynb #q2b3c4d5
+def _reference_only(backend, what):
+    "The backend of a question that has only its reference so far: 'auto' and 'reference' run it; 'cpu' and 'cuda' raise."
+    if backend in ('auto', 'reference'): return 'reference'
+    if backend in ('cpu', 'cuda'):
+        raise NotImplementedError(f"{what} has no {backend!r} backend yet: backend='auto' or 'reference' runs the PyTorch "
+                                  "reference")
+    raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
+
+def _choose(log_weights, u):
+    """The index drawn from the last dimension of `log_weights` by the uniform `u` (inverse CDF: the first index whose
+    cumulative weight exceeds `u` times the total), never one of weight 0. (`_reference_only` and `_choose` are
+    `seqdist.ctc`'s, which a family may not import: both belong in core under public names.)"""
+    w = (log_weights - log_weights.max(-1, keepdim=True).values).exp()
+    c = w.cumsum(-1)
+    i = (c[..., :-1] <= u[..., None] * c[..., -1:]).sum(-1)
+    last = (torch.arange(w.shape[-1], device=w.device) * (w > 0)).max(-1).values    # rounding as u -> 1
+    return torch.minimum(i, last)
+
+def _target_lattice(stay, move, lengths):
+    """A target's stay/move lattice (`ctc_simple`'s: stay (T, N, n) and move (T, N, n - 1) scores of its n k-mers) as a
+    sparse one: state s entered by its stay (column 0) and from s - 1 (column 1, no edge into state 0), Ms (T, N, n, 2)
+    and idx (n, 2), paths from state 0 (v0) to state lengths - 1 (vT), (N, n) in log space."""
+    T, N, n = stay.shape
+    Ms = torch.stack([stay, torch.nn.functional.pad(move, (1, 0), value=Log.zero)], -1)
+    s = torch.arange(n, device=stay.device)
+    idx = torch.stack([s, (s - 1).clamp(min=0)], 1)
+    v0 = torch.where(s == 0, Log.one, Log.zero).to(stay.dtype).expand(N, n)
+    vT = torch.where(s == lengths[:, None] - 1, Log.one, Log.zero).to(stay.dtype)
+    return SimpleNamespace(Ms=Ms, idx=idx, v0=v0, vT=vT)
+
+def _path_scores(Ms, idx, v0, vT, edges):
+    "The scores (n, N) of paths given by each frame's edge (n, T, N) as c * NZ + j: their edges' plus v0 and vT at their ends."
+    n, NZ = edges.shape[0], Ms.shape[-1]
+    at = lambda v, i: v.expand(n, *v.shape).gather(-1, i[..., None])[..., 0]          # v[..., i] for each path
+    return at(Ms.flatten(-2), edges).sum(1) + at(v0, idx.flatten()[edges[:, 0]]) + at(vT, edges[:, -1] // NZ)
+
+def _kbest_edges(Ms, idx, v0, vT, k):
+    """The k best paths of a sparse lattice, best first: each frame's edge (k, T, N) as c * NZ + j, and their scores
+    (k, N). `KMax(k)`'s logZ finds them: the gradient of its j-th score is 1 on the j-th path's edges. The scores are
+    then the paths' own (differentiable: their gradient marks the path, as Max's does). -1 and -inf where there are
+    fewer than k paths."""
+    S = KMax(k)
+    with torch.enable_grad():
+        x = Ms.detach().requires_grad_()
+        best = sparse.logZ_reference(x, idx, v0.detach(), vT.detach(), S)             # (k, N)
+        marks = [torch.autograd.grad(best[j].sum(), x, retain_graph=True)[0] for j in range(k)]
+    edges = torch.stack(marks).flatten(-2).argmax(-1)                                  # (k, T, N): one edge a frame
+    none = S.is_zero(best)
+    return torch.where(none[:, None], -1, edges), torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges))
+
+def _sample_edges(Ms, idx, v0, vT, u):
+    """Exact samples of a sparse lattice's paths, each frame's edge (n, T, N) as c * NZ + j, and their log-probabilities
+    (n, N) (differentiable), from uniforms u (n, T, N). Forward filtering: alpha (Log). Backward sampling: frame T - 1
+    takes edge (c, j) with probability proportional to alpha[T-1, idx[c, j]] * Ms[T-1, c, j] * vT[c], using u[:, T-1];
+    each earlier frame t one of the edges into the state that frame t + 1's edge leaves, in proportion to
+    alpha[t, idx[c, j]] * Ms[t, c, j], using u[:, t]. A sequence with no path gives -1 and -inf."""
+    T, N, C, NZ = Ms.shape
+    n = u.shape[0]
+    alpha = sparse.forward_scores_reference(Ms, idx, v0, Log)                          # (T+1, N, C)
+    logz = Log.sum(alpha[-1] + vT, dim=-1)
+    src = idx.flatten()                                                                 # the state each edge leaves
+    with torch.no_grad():
+        w = (Ms + alpha[:-1][..., idx]).flatten(-2)              # (T, N, C * NZ): all paths' weight up to each edge
+        edges = torch.empty(n, T, N, dtype=torch.long, device=Ms.device)
+        edges[:, -1] = _choose((w[-1] + vT.repeat_interleave(NZ, -1)).expand(n, -1, -1), u[:, -1])
+        for t in reversed(range(T - 1)):
+            into = src[edges[:, t + 1]][..., None] * NZ + torch.arange(NZ, device=Ms.device)   # (n, N, NZ)
+            j = _choose(w[t].expand(n, -1, -1).gather(-1, into), u[:, t])
+            edges[:, t] = into.gather(-1, j[..., None])[..., 0]
+    none = Log.is_zero(logz)
+    log_probs = torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges) - torch.where(none, 0.0, logz))
+    return torch.where(none, -1, edges), log_probs
 
 # %% ../nbs/05_crf.ipynb #05253b4b
 resource_budget(_add_at_columns_kernels.values(), block=256, min_threads=1024,   # as add_at_columns launches it

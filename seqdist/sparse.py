@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['device', 'LANES', 'RECURSION_THREADS', 'sparse_logz', 'logZ_bwd_cupy', 'ctc_loss_scan_py', 'ctc_loss_scan',
-           'ctc_loss', 'Mv_scan_py', 'logZ_reference', 'bwd_scores_py', 'check_sparse_inputs', 'logZ',
-           'fwd_scores_cupy', 'bwd_scores_cupy', 'logZ_scan_py', 'logZ_fwd_cupy', 'Mv_scan_cupy', 'logZ_scan']
+           'ctc_loss', 'Mv_scan_py', 'forward_scores_reference', 'logZ_reference', 'bwd_scores_py',
+           'check_sparse_inputs', 'logZ', 'fwd_scores_cupy', 'bwd_scores_cupy', 'logZ_scan_py', 'logZ_fwd_cupy',
+           'Mv_scan_cupy', 'logZ_scan']
 
 # %% ../nbs/04_sparse.ipynb #1dffb7b6
 import math
@@ -35,9 +36,23 @@ def Mv_scan_py(Ms, idx, v0, S:semiring=Log):
         alpha[t+1] = S.sum(S.mul(Ms[t], alpha[t, :, idx]), dim=2)
     return alpha
 
+def forward_scores_reference(Ms, idx, v0, S:semiring=Log):
+    """`Mv_scan_py` over any semiring of `seqdist.core`: forward scores (T+1, *components, N, C). Ms and v0 are scores,
+    turned into the semiring's states by `S.convert` (the identity for Log and Max); a semiring over two models (KL,
+    CrossEntropy) takes both models' Ms (2, T, N, C, NZ) and v0 (2, N, C) stacked."""
+    x, a = S.convert(Ms), S.convert(v0)                  # (*components, T, N, C, NZ), (*components, N, C)
+    T = x.shape[-4]
+    alpha = x.new_empty(T + 1, *a.shape)
+    alpha[0] = a
+    for t in range(T):
+        alpha[t+1] = S.sum(S.mul(x[..., t, :, :, :], alpha[t][..., idx]), dim=-1)
+    return alpha
+
 def logZ_reference(Ms, idx, v0, vT, S:semiring=Log):
-    "logZ (N,) by the forward scan alone; its autograd gradient is the edge posteriors (Log) or the best path (Max)."
-    return S.sum(S.mul(Mv_scan_py(Ms, idx.long(), v0, S)[-1], vT), dim=1)
+    """logZ (*components, N) by the forward scan alone; its autograd gradient is the edge posteriors (Log) or the best
+    path (Max). Any semiring of `seqdist.core` (Entropy, KL, CrossEntropy, KMax(k)), its scores as
+    `forward_scores_reference` takes them (vT like v0)."""
+    return S.sum(S.mul(forward_scores_reference(Ms, idx.long(), v0, S)[-1], S.convert(vT)), dim=-1)
 
 def bwd_scores_py(Ms, idx, vT, S:semiring=Log):
     "Backward scores (T+1, N, C): beta[t, n, c'] = sum over edges (c, j) leaving c' of Ms[t, n, c, j] * beta[t+1, n, c]."

@@ -1,0 +1,318 @@
+"""Every question on the CTC-CRF against enumeration of all its paths (and of all alignments of small targets):
+entropy, KL and cross-entropy (values and gradcheck), k-best paths, exact samples (a chi-square test and per-frame
+occupancy), a peaky case, infeasible targets, bad inputs; and the semiring-generic sparse reference they run on."""
+import functools, itertools, math
+import pytest, torch
+from seqdist import sparse, ctc_simple
+from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax, log_softmax_parts
+from seqdist.crf import CTC_CRF, _sample_edges
+
+def close(a, b, rtol=1e-10, atol=1e-12): torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+# -- enumeration --------------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def all_paths(state_len, n_base, T):
+    """Every path of a k-mer CTC-CRF over T frames, from the score layout's definition (not from `kmer_transitions`): a
+    start k-mer, then at each frame a stay (column 0 of the k-mer's group of n_base + 1 scores) or a move that drops the
+    k-mer's first base b and appends a new one (column 1 + b of the entered k-mer's group). Returns the score column of
+    each frame (P, T) and the k-mer after each frame (P, T + 1), k-mers numbered as base-n_base numbers, first base first."""
+    NZ = n_base + 1
+    kmers = list(itertools.product(range(n_base), repeat=state_len))
+    number = {k: i for i, k in enumerate(kmers)}
+    paths = [([k], []) for k in kmers]
+    for _ in range(T):
+        paths = [(states + [k2], cols + [col]) for states, cols in paths
+                 for k2, col in [(states[-1], number[states[-1]] * NZ)] +
+                                [(states[-1][1:] + (b,), number[states[-1][1:] + (b,)] * NZ + 1 + states[-1][0]) for b in range(n_base)]]
+    cols = torch.tensor([c for _, c in paths], dtype=torch.long).view(len(paths), T)
+    states = torch.tensor([[number[k] for k in s] for s, _ in paths], dtype=torch.long)
+    return cols, states
+
+def path_scores(scores, b, cols):
+    "The scores (P,) of paths given as score columns (P, T), for sequence b."
+    T = scores.shape[0]
+    return scores[torch.arange(T), b, cols].sum(-1)
+
+def alignments_of(crf, T, target):
+    """The CRF's paths that align `target` (a list of bases 1..n_base): those that start in its first k-mer and whose
+    moves enter its other k-mers in order. Returns their score columns (P, T) and, at each frame, the index of the
+    target's k-mer the path leaves (P, T): ctc_viterbi_alignments' format before its one-hot."""
+    cols, states = all_paths(crf.state_len, crf.n_base, T)
+    k = crf.state_len
+    kmers = [sum((target[i + j] - 1) * crf.n_base ** (k - 1 - j) for j in range(k)) for i in range(len(target) - k + 1)]
+    move = cols % (crf.n_base + 1) != 0
+    keep = []
+    for p in range(len(cols)):
+        entered = states[p, 1:][move[p]].tolist()
+        if states[p, 0] == kmers[0] and entered == kmers[1:]: keep.append(p)
+    keep = torch.tensor(keep, dtype=torch.long)
+    left = torch.cat([torch.zeros(len(keep), 1, dtype=torch.long), move[keep].long().cumsum(1)[:, :-1]], 1)
+    return cols[keep], left
+
+def entropy_kl_ce(sp, sq):
+    "Entropy of p, KL(p || q) and cross-entropy of p and q from the path scores of both, by enumeration."
+    lp, lq = sp.log_softmax(0), sq.log_softmax(0)
+    p = lp.exp()
+    return -(p * lp).sum(), (p * (lp - lq)).sum(), -(p * lq).sum()
+
+def random_scores(crf, T, N, seed, scale=1.0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(T, N, crf.n_score(), generator=g, dtype=dtype)
+
+READS = {1: ([[1, 2, 2, 0], [3, 1, 4, 2]], [3, 4]), 2: ([[1, 2, 3, 0], [2, 2, 2, 2]], [3, 4])}   # state_len: targets, lengths
+
+# -- the semiring-generic sparse reference -------------------------------------------------------------------------------
+
+def test_sparse_reference_answers_every_semiring():
+    crf = CTC_CRF(2, 'NACGT')
+    Ms = torch.randn(4, 3, crf.n_states, 5, dtype=torch.float64)
+    idx, v = crf.idx.long(), torch.zeros(3, crf.n_states, dtype=torch.float64)
+    for S in (Log, Max):                                # as seqdist 0.0.3's scan gives them
+        close(sparse.logZ_reference(Ms, idx, v, v, S), S.sum(S.mul(sparse.Mv_scan_py(Ms, idx, v, S)[-1], v), dim=1), rtol=0, atol=0)
+    logz = sparse.logZ_reference(Ms, idx, v, v, Log)
+    close(sparse.logZ_reference(Ms, idx, v, v, Entropy)[0], logz)
+    close(sparse.logZ_reference(torch.stack([Ms, Ms]), idx, torch.stack([v, v]), torch.stack([v, v]), KL)[2], torch.zeros(3, dtype=torch.float64))
+    close(sparse.logZ_reference(Ms, idx, v, v, KMax(1))[0], sparse.logZ_reference(Ms, idx, v, v, Max))
+    assert sparse.forward_scores_reference(Ms, idx, v, KMax(3)).shape == (5, 3, 3, crf.n_states)
+
+# -- entropy, KL, cross-entropy ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('state_len, T', [(1, 4), (2, 3)])
+def test_entropy_kl_cross_entropy_of_the_paths_equal_enumeration(state_len, T):
+    crf = CTC_CRF(state_len, 'NACGT')
+    sp, sq = random_scores(crf, T, 2, 0), random_scores(crf, T, 2, 1)
+    cols, _ = all_paths(state_len, 4, T)
+    assert len(cols) == 4 ** state_len * 5 ** T
+    want = torch.stack([torch.stack(entropy_kl_ce(path_scores(sp, b, cols), path_scores(sq, b, cols))) for b in range(2)], 1)
+    close(torch.stack([crf.entropy(sp), crf.kl(sp, sq), crf.cross_entropy(sp, sq)]), want)
+    close(torch.logsumexp(torch.stack([path_scores(sp, b, cols) for b in range(2)], 1), 0), crf.logZ(sp))   # the same paths
+
+@pytest.mark.parametrize('state_len', [1, 2])
+def test_entropy_kl_cross_entropy_of_the_alignments_equal_enumeration(state_len):
+    crf, T = CTC_CRF(state_len, 'NACGT'), 5 if state_len == 1 else 4
+    sp, sq = random_scores(crf, T, 2, 2), random_scores(crf, T, 2, 3)
+    targets, lengths = READS[state_len]
+    tg, tl = torch.tensor(targets), torch.tensor(lengths)
+    want, log_p = [], []
+    for b in range(2):
+        cols, _ = alignments_of(crf, T, targets[b][:lengths[b]])
+        a, q = path_scores(sp, b, cols), path_scores(sq, b, cols)
+        want.append(torch.stack(entropy_kl_ce(a, q)))
+        log_p.append(a.logsumexp(0) - crf.logZ(sp)[b])
+    close(torch.stack([crf.entropy(sp, tg, tl), crf.kl(sp, sq, tg, tl), crf.cross_entropy(sp, sq, tg, tl)]), torch.stack(want, 1))
+    close(-crf.ctc_loss(sp, tg, tl, reduction='none') * tl, torch.stack(log_p))      # the lattice ctc_loss sums over
+
+def test_gradcheck():
+    crf = CTC_CRF(1, 'NACG')
+    sp = random_scores(crf, 3, 2, 4).requires_grad_()
+    sq = random_scores(crf, 3, 2, 5).requires_grad_()
+    tg, tl = torch.tensor([[1, 2, 0], [2, 2, 3]]), torch.tensor([2, 3])
+    check = lambda f, *xs: torch.autograd.gradcheck(f, xs, fast_mode=True)
+    for t in ({}, {'targets': tg, 'target_lengths': tl}):
+        assert check(lambda x: crf.entropy(x, **t), sp)
+        assert check(lambda x, y: crf.kl(x, y, **t), sp, sq)
+        assert check(lambda x, y: crf.cross_entropy(x, y, **t), sp, sq)
+        assert check(lambda x: crf.kbest(x, k=3, **t)[1], sp)
+        assert check(lambda x: crf.sample(x, n=4, generator=torch.Generator().manual_seed(0), **t)[1], sp)
+
+def test_entropy_of_a_peaky_model_is_accurate():
+    crf, T = CTC_CRF(1, 'NACGT'), 4
+    cols, _ = all_paths(1, 4, T)
+    scores = random_scores(crf, T, 1, 6, scale=0.1)
+    scores[torch.arange(T), 0, cols[1234]] += 33.0         # one path much the likeliest: its edges far above the rest
+    s = path_scores(scores, 0, cols)
+    _, lp = log_softmax_parts(s)                           # the dominant path's log-probability to full precision
+    want = -(lp.exp() * lp).sum()                          # a sum of non-negative terms: exact to rounding
+    h = crf.entropy(scores)[0]
+    assert 1e-14 < want < 1e-10 and abs(h - want) <= 1e-6 * want, (h.item(), want.item())
+    naive = s.logsumexp(0) - (s.softmax(0) * s).sum()      # log Z - E[score] from the same float64 scores
+    assert abs(naive - want) > 1e-3 * want                 # (2.8% off here: 28,000 times our error bound)
+    # the same for a read's alignments: one alignment much the likeliest
+    tg, tl = torch.tensor([[1, 2, 3]]), torch.tensor([3])
+    acols, _ = alignments_of(crf, T, [1, 2, 3])
+    scores = random_scores(crf, T, 1, 7, scale=0.1)
+    scores[torch.arange(T), 0, acols[0]] += 16.0
+    _, lp = log_softmax_parts(path_scores(scores, 0, acols))
+    want = -(lp.exp() * lp).sum()
+    h = crf.entropy(scores, tg, tl)[0]
+    assert 1e-16 < want < 1e-10 and abs(h - want) <= 1e-6 * want, (h.item(), want.item())
+
+# -- k best paths --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('k', [1, 4, 16])
+def test_kbest_equals_the_sorted_enumeration(k):
+    crf, T = CTC_CRF(1, 'NACGT'), 3
+    scores = random_scores(crf, T, 2, 8)
+    cols, _ = all_paths(1, 4, T)
+    paths, best = crf.kbest(scores, k=k)
+    assert paths.shape == (k, T, 2) and best.shape == (k, 2)
+    for b in range(2):
+        s = path_scores(scores, b, cols)
+        top = s.topk(k)
+        close(best[:, b], top.values)
+        assert torch.equal(paths[:, :, b], cols[top.indices])
+    close(path_scores(scores, 0, paths[:, :, 0]), best[:, 0])
+    assert torch.equal(crf.edge_labels(crf.kbest(scores, k=1)[0][0]), crf.viterbi(scores))
+    # given targets
+    targets, lengths = READS[1]
+    T = 5
+    scores = random_scores(crf, T, 2, 9)
+    paths, best = crf.kbest(scores, k=k, targets=torch.tensor(targets), target_lengths=torch.tensor(lengths))
+    for b in range(2):
+        acols, left = alignments_of(crf, T, targets[b][:lengths[b]])
+        s = path_scores(scores, b, acols)
+        top = s.topk(min(k, len(s)))
+        close(best[:len(top.values), b], top.values)
+        n_kmers = len(targets[b])
+        want = torch.nn.functional.one_hot(left[top.indices], n_kmers).double()      # (k, T, kmers)
+        assert torch.equal(paths[:len(top.values), :, b], want)
+    viterbi = crf.ctc_viterbi_alignments(scores, torch.tensor(targets), torch.tensor(lengths))
+    assert torch.equal(paths[0], viterbi)
+
+def test_kbest_pads_where_there_are_fewer_paths():
+    crf = CTC_CRF(1, 'NA')                                 # one state, entered by a stay and by a move: 2^T paths
+    scores = random_scores(crf, 2, 1, 10)
+    paths, best = crf.kbest(scores, k=6)
+    assert torch.isfinite(best[:4]).all() and best[4:].eq(-math.inf).all() and paths[4:].eq(-1).all() and paths[:4].ge(0).all()
+    crf = CTC_CRF(1, 'NACGT')
+    scores = random_scores(crf, 3, 2, 11)
+    tg = torch.tensor([[1, 2, 3, 4, 1], [1, 2, 3, 4, 0]])   # 5 k-mers in 3 frames cannot fit; 4 fit one way only
+    paths, best = crf.kbest(scores, k=3, targets=tg, target_lengths=torch.tensor([5, 4]))
+    assert best[:, 0].eq(-math.inf).all() and paths[:, :, 0].eq(-1).all()
+    assert torch.isfinite(best[0, 1]) and best[1:, 1].eq(-math.inf).all() and paths[1:, :, 1].eq(-1).all()
+    assert torch.equal(paths[0, :, 1], torch.eye(5, dtype=torch.float64)[:3])
+    assert crf.entropy(scores, tg, torch.tensor([5, 4])).eq(0).all()
+    s, logp = crf.sample(scores, n=3, targets=tg, target_lengths=torch.tensor([5, 4]))
+    assert s[:, :, 0].eq(-1).all() and logp[:, 0].eq(-math.inf).all() and logp[:, 1].eq(0).all()
+
+def test_infeasible_targets_give_zero_and_no_nan_gradient():
+    crf = CTC_CRF(1, 'NACGT')
+    tg, tl = torch.tensor([[1, 2, 3, 4, 1], [1, 2, 3, 4, 0]]), [5, 4]      # sequence 0: 5 k-mers in 3 frames
+    for dtype in (torch.float64, torch.float32):
+        scores = random_scores(crf, 3, 2, 17, dtype=dtype).requires_grad_()
+        for f in (lambda: crf.entropy(scores, tg, tl), lambda: crf.kl(scores, 0.5 * scores, tg, tl),
+                  lambda: crf.cross_entropy(scores, 0.5 * scores, tg, tl)):
+            value = f()
+            g, = torch.autograd.grad(value.sum(), scores)
+            assert value[0] == 0 and torch.isfinite(g).all() and g[:, 0].eq(0).all()
+
+# -- samples -------------------------------------------------------------------------------------------------------------
+
+def chi_square_bound(df, z=5.0):
+    "Wilson-Hilferty: the chi-square quantile with df degrees of freedom at the normal's z (z = 5: p ~ 3e-7)."
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+def chi_square(counts, probs, n):
+    "Pearson's statistic and its degrees of freedom, the cells of expected count < 5 merged into one."
+    expected = probs * n
+    rare = expected < 5
+    obs = torch.cat([counts[~rare], counts[rare].sum()[None]]) if rare.any() else counts
+    exp = torch.cat([expected[~rare], expected[rare].sum()[None]]) if rare.any() else expected
+    return (((obs - exp) ** 2) / exp).sum().item(), len(obs) - 1
+
+def check_draws(drawn, logprob, n):
+    "The counts of the drawn path indices pass the chi-square test against the exact probabilities, and fail it shuffled."
+    counts = torch.bincount(drawn, minlength=len(logprob)).double()
+    stat, df = chi_square(counts, logprob.exp(), n)
+    assert stat < chi_square_bound(df), (stat, df)
+    shuffled = logprob.exp()[torch.randperm(len(logprob), generator=torch.Generator().manual_seed(0))]
+    assert chi_square(counts, shuffled, n)[0] > chi_square_bound(df)       # the test has power
+
+def test_samples_of_the_paths_match_the_exact_probabilities():
+    crf, T, n = CTC_CRF(1, 'NACGT'), 2, 20000
+    scores = random_scores(crf, T, 2, 12, scale=0.7)
+    paths, logp = crf.sample(scores, n=n, generator=torch.Generator().manual_seed(0))
+    assert paths.shape == (n, T, 2) and logp.shape == (n, 2)
+    cols, _ = all_paths(1, 4, T)
+    index = {tuple(p): i for i, p in enumerate(cols.tolist())}
+    for b in range(2):
+        logprob = path_scores(scores, b, cols).log_softmax(0)
+        drawn = torch.tensor([index[tuple(p)] for p in paths[:, :, b].tolist()])       # KeyError: not a path
+        close(logp[:, b], logprob[drawn])
+        check_draws(drawn, logprob, n)
+    # per-frame edge occupancy within 5 sigma of the edge posteriors
+    post = crf.posteriors(scores)                                                     # (T, N, n_score)
+    freq = torch.nn.functional.one_hot(paths, crf.n_score()).double().mean(0)
+    assert ((freq - post).abs() <= 5 * (post * (1 - post) / n).clamp(min=0).sqrt() + 1e-12).all()
+
+def test_samples_of_the_alignments_match_the_exact_probabilities():
+    crf, T, n = CTC_CRF(1, 'NACGT'), 5, 20000
+    scores = random_scores(crf, T, 2, 13, scale=0.7)
+    targets, lengths = [[1, 2, 3, 0], [2, 2, 4, 1]], [3, 4]
+    tg, tl = torch.tensor(targets), torch.tensor(lengths)
+    paths, logp = crf.sample(scores, n=n, generator=torch.Generator().manual_seed(1), targets=tg, target_lengths=tl)
+    assert paths.shape == (n, T, 2, 4) and logp.shape == (n, 2)
+    for b in range(2):
+        acols, left = alignments_of(crf, T, targets[b][:lengths[b]])
+        logprob = path_scores(scores, b, acols).log_softmax(0)
+        index = {tuple(p): i for i, p in enumerate(left.tolist())}
+        assert paths[:, :, b].sum(-1).eq(1).all()
+        drawn = torch.tensor([index[tuple(p)] for p in paths[:, :, b].argmax(-1).tolist()])
+        close(logp[:, b], logprob[drawn])
+        check_draws(drawn, logprob, n)
+    # per-frame k-mer occupancy within 5 sigma of the alignment posteriors
+    stay, move = crf.prepare_ctc_scores(scores, tg)
+    post = ctc_simple.soft_alignments(stay, move, tl)                                 # (T, N, kmers)
+    freq = paths.mean(0)
+    assert ((freq - post).abs() <= 5 * (post * (1 - post) / n).clamp(min=0).sqrt() + 1e-12).all()
+
+def test_samples_are_reproducible_from_the_generator():
+    crf = CTC_CRF(2, 'NACGT')
+    scores = random_scores(crf, 6, 3, 14)
+    a = crf.sample(scores, n=50, generator=torch.Generator().manual_seed(7))
+    b = crf.sample(scores, n=50, generator=torch.Generator().manual_seed(7))
+    c = crf.sample(scores, n=50, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.equal(a[0], c[0])
+    torch.manual_seed(1); d = crf.sample(scores, n=50)
+    torch.manual_seed(1); e = crf.sample(scores, n=50)
+    assert torch.equal(d[0], e[0])
+    # the uniforms are torch.rand((n, T, N), float64) from the generator, on the CPU, as documented
+    u = torch.rand((50, 6, 3), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    v = torch.zeros(3, crf.n_states, dtype=torch.float64)
+    edges, logp = _sample_edges(crf._Ms(scores), crf.idx.long(), v, v, u)
+    assert torch.equal(edges, a[0]) and torch.equal(logp, a[1])
+    close(a[1], crf.sample(scores.float(), n=50, generator=torch.Generator().manual_seed(7))[1].double(), rtol=1e-4, atol=1e-4)
+
+def test_float32_no_grad_and_a_single_frame():
+    crf = CTC_CRF(1, 'NACGT')
+    scores = random_scores(crf, 1, 2, 15, dtype=torch.float32).requires_grad_()
+    cols, _ = all_paths(1, 4, 1)
+    h = crf.entropy(scores)
+    assert h.dtype == torch.float32
+    close(h.double(), torch.stack([entropy_kl_ce(path_scores(scores.detach().double(), b, cols), path_scores(scores.detach().double(), b, cols))[0]
+                                   for b in range(2)]), rtol=1e-5, atol=1e-6)
+    with torch.no_grad(): assert not crf.kbest(scores, k=2)[1].requires_grad
+    assert crf.kbest(scores, k=2)[1].requires_grad
+
+# -- bad inputs ----------------------------------------------------------------------------------------------------------
+
+def test_bad_inputs_are_clear_errors():
+    crf = CTC_CRF(1, 'NACGT')
+    scores = random_scores(crf, 3, 2, 16)
+    tg, tl = torch.tensor([[1, 2], [3, 4]]), torch.tensor([2, 2])
+    cases = [
+        (lambda: crf.kbest(scores, k=0), ValueError, 'k must be an int in \\[1, 16\\]'),
+        (lambda: crf.kbest(scores, k=17), ValueError, 'k must be'),
+        (lambda: crf.kbest(scores, k=2.0), ValueError, 'k must be'),
+        (lambda: crf.sample(scores, n=0), ValueError, 'n must be a positive int'),
+        (lambda: crf.sample(scores, n=True), ValueError, 'n must be'),
+        (lambda: crf.sample(scores, generator=3), TypeError, 'generator must be'),
+        (lambda: crf.kl(scores, scores[:2]), ValueError, 'same shape'),
+        (lambda: crf.cross_entropy(scores, scores[..., :-1]), ValueError, 'same shape'),
+        (lambda: crf.entropy(scores[..., :-1]), ValueError, 'scores must be \\(T, N, 20\\)'),
+        (lambda: crf.entropy(scores[:0]), ValueError, 'at least one frame'),
+        (lambda: crf.entropy(scores.long()), TypeError, 'floating-point'),
+        (lambda: crf.entropy(scores, tg), ValueError, 'targets and target_lengths go together'),
+        (lambda: crf.entropy(scores, tg[:1], tl), ValueError, 'targets must be an integer tensor \\(N, L\\) = \\(2, L\\)'),
+        (lambda: crf.entropy(scores, tg.double(), tl), ValueError, 'targets must be an integer'),
+        (lambda: crf.entropy(scores, tg + 1, tl), ValueError, 'bases in \\[1, 4\\]'),
+        (lambda: crf.entropy(scores, tg, torch.tensor([2, 3])), ValueError, 'target_lengths must be in \\[state_len, L\\]'),
+        (lambda: crf.entropy(scores, tg, torch.tensor([2])), ValueError, 'target_lengths must be 2 integers'),
+        (lambda: crf.sample(scores, backend='cpu'), NotImplementedError, "CTC_CRF.sample has no 'cpu' backend"),
+        (lambda: crf.kbest(scores, backend='cuda'), NotImplementedError, "no 'cuda' backend"),
+        (lambda: crf.entropy(scores, backend='fast'), ValueError, 'backend must be'),
+    ]
+    for f, error, message in cases:
+        with pytest.raises(error, match=message): f()
+    assert crf.entropy(scores, backend='reference').shape == (2,)
