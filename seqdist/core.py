@@ -6,7 +6,7 @@
 __all__ = ['ZERO_BELOW', 'Log', 'Max', 'SEMIRINGS', 'LOG2E', 'LN2_HI', 'LN2_LO', 'Entropy', 'CrossEntropy', 'KL', 'LN2',
            'ALG_LOG', 'ALG_ENTROPY', 'ALG_KL', 'ALGEBRAS', 'max_grad', 'compute_dtype', 'semiring', 'bits_as_float64',
            'semiring_sum2', 'fast_exp', 'fast_exp8', 'fast_logsumexp', 'grad', 'SequenceDist', 'log_softmax_parts',
-           'KMax', 'fast_log1p', 'alg_plus3']
+           'KMax', 'choose_index', 'reference_only', 'fast_log1p', 'alg_plus3']
 
 # %% ../nbs/00_core.ipynb #7d448610
 import math
@@ -233,6 +233,25 @@ def KMax(k):
     def convert(x): return torch.cat([x.clamp(min=-1e38)[None], x.new_full((k - 1, *x.shape), -1e38)])
     return semiring(zero=(-1e38,) * k, one=(0.,) + (-1e38,) * (k - 1), mul=mul, sum=sum, dsum=None, name=f'KMax({k})',
                     components=k, convert=convert)
+
+# %% ../nbs/00_core.ipynb #8c9dbe22
+def choose_index(log_weights, u):
+    """The index drawn from the last dimension of `log_weights` by the uniform `u` (inverse CDF: the first index whose
+    cumulative weight exceeds `u` times the total), never one of weight 0: the step of every backward sampler (forward
+    filtering, backward sampling), so that the same uniforms give the same samples in every family and backend."""
+    w = (log_weights - log_weights.max(-1, keepdim=True).values).exp()
+    c = w.cumsum(-1)
+    i = (c[..., :-1] <= u[..., None] * c[..., -1:]).sum(-1)
+    last = (torch.arange(w.shape[-1], device=w.device) * (w > 0)).max(-1).values    # rounding as u -> 1
+    return torch.minimum(i, last)
+
+def reference_only(backend, what):
+    "The backend of a question that has only its reference so far: 'auto' and 'reference' run it; 'cpu' and 'cuda' raise."
+    if backend in ('auto', 'reference'): return 'reference'
+    if backend in ('cpu', 'cuda'):
+        raise NotImplementedError(f"{what} has no {backend!r} backend yet: backend='auto' or 'reference' runs the PyTorch "
+                                  "reference")
+    raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
 
 # %% ../nbs/00_core.ipynb #026b1e63
 _ATANH = tuple(2.0 / (2 * i + 1) for i in range(12))      # log((1 + z)/(1 - z)) = sum_i 2 z^(2i+1) / (2i + 1)

@@ -11,7 +11,7 @@ from functools import partial
 from types import SimpleNamespace
 import numpy as np
 import torch
-from .core import semiring, Log, Max, SequenceDist, Entropy, KL, CrossEntropy, KMax, compute_dtype
+from .core import semiring, Log, Max, SequenceDist, Entropy, KL, CrossEntropy, KMax, compute_dtype, choose_index, reference_only
 from . import sparse, ctc_simple
 from .kernel import load_kernel
 from .compile_check import resource_budget
@@ -214,7 +214,7 @@ class CTC_CRF(SequenceDist):
         ending in any state as in `logZ`; given `targets` and `target_lengths` as `ctc_loss` takes them, of the posterior
         over each target's alignments (the paths `ctc_loss` sums over), 0 where a target cannot fit the frames.
         Differentiable, and accurate when tiny (the `Entropy` semiring adds only non-negative terms)."""
-        _reference_only(backend, 'CTC_CRF.entropy')
+        reference_only(backend, 'CTC_CRF.entropy')
         lat = self._lattice(scores, targets, target_lengths)
         logz, h = sparse.logZ_reference(lat.Ms, lat.idx, lat.v0, lat.vT, Entropy)
         return torch.where(Entropy.is_zero(logz), 0.0, h)
@@ -237,7 +237,7 @@ class CTC_CRF(SequenceDist):
         generator=generator, dtype=torch.float64)` on the generator's device (the CPU by default): u[i, t, b] picks frame
         t's edge of sample i of sequence b, so a seeded generator gives the same samples on every device. A target that
         cannot fit the frames gives paths of -1 and log-probability -inf."""
-        _reference_only(backend, 'CTC_CRF.sample')
+        reference_only(backend, 'CTC_CRF.sample')
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -252,7 +252,7 @@ class CTC_CRF(SequenceDist):
         """The k best paths of each sequence, best first, and their scores (k, N) (differentiable; minus `logZ` they are
         log-probabilities). Paths as `sample` gives them: (k, T, N) score columns, or given targets (k, T, N, L - state_len
         + 1) alignments. Where fewer than k paths exist the rest are -1 with score -inf."""
-        _reference_only(backend, 'CTC_CRF.kbest')
+        reference_only(backend, 'CTC_CRF.kbest')
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
             raise ValueError(f"k must be an int in [1, 16], got {k!r}")
         lat = self._lattice(scores, targets, target_lengths)
@@ -295,7 +295,7 @@ class CTC_CRF(SequenceDist):
 
     def _two_models(self, S, scores_p, scores_q, targets, target_lengths, backend, what):
         "The third component of S (KL or CrossEntropy) over the paths of p and q, 0 where a target cannot fit the frames."
-        _reference_only(backend, what)
+        reference_only(backend, what)
         if not isinstance(scores_p, torch.Tensor) or not isinstance(scores_q, torch.Tensor) or scores_p.shape != scores_q.shape:
             raise ValueError(f"scores_p and scores_q must be tensors of the same shape, got "
                              f"{tuple(getattr(scores_p, 'shape', ()))} and {tuple(getattr(scores_q, 'shape', ()))}")
@@ -314,24 +314,6 @@ class CTC_CRF(SequenceDist):
         return torch.where(edges[..., None] < 0, -1.0, one_hot).to(lat.Ms.dtype)
 
 # %% ../nbs/05_crf.ipynb #q2b3c4d5
-def _reference_only(backend, what):
-    "The backend of a question that has only its reference so far: 'auto' and 'reference' run it; 'cpu' and 'cuda' raise."
-    if backend in ('auto', 'reference'): return 'reference'
-    if backend in ('cpu', 'cuda'):
-        raise NotImplementedError(f"{what} has no {backend!r} backend yet: backend='auto' or 'reference' runs the PyTorch "
-                                  "reference")
-    raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
-
-def _choose(log_weights, u):
-    """The index drawn from the last dimension of `log_weights` by the uniform `u` (inverse CDF: the first index whose
-    cumulative weight exceeds `u` times the total), never one of weight 0. (`_reference_only` and `_choose` are
-    `seqdist.ctc`'s, which a family may not import: both belong in core under public names.)"""
-    w = (log_weights - log_weights.max(-1, keepdim=True).values).exp()
-    c = w.cumsum(-1)
-    i = (c[..., :-1] <= u[..., None] * c[..., -1:]).sum(-1)
-    last = (torch.arange(w.shape[-1], device=w.device) * (w > 0)).max(-1).values    # rounding as u -> 1
-    return torch.minimum(i, last)
-
 def _target_lattice(stay, move, lengths):
     """A target's stay/move lattice (`ctc_simple`'s: stay (T, N, n) and move (T, N, n - 1) scores of its n k-mers) as a
     sparse one: state s entered by its stay (column 0) and from s - 1 (column 1, no edge into state 0), Ms (T, N, n, 2)
@@ -378,10 +360,10 @@ def _sample_edges(Ms, idx, v0, vT, u):
     with torch.no_grad():
         w = (Ms + alpha[:-1][..., idx]).flatten(-2)              # (T, N, C * NZ): all paths' weight up to each edge
         edges = torch.empty(n, T, N, dtype=torch.long, device=Ms.device)
-        edges[:, -1] = _choose((w[-1] + vT.repeat_interleave(NZ, -1)).expand(n, -1, -1), u[:, -1])
+        edges[:, -1] = choose_index((w[-1] + vT.repeat_interleave(NZ, -1)).expand(n, -1, -1), u[:, -1])
         for t in reversed(range(T - 1)):
             into = src[edges[:, t + 1]][..., None] * NZ + torch.arange(NZ, device=Ms.device)   # (n, N, NZ)
-            j = _choose(w[t].expand(n, -1, -1).gather(-1, into), u[:, t])
+            j = choose_index(w[t].expand(n, -1, -1).gather(-1, into), u[:, t])
             edges[:, t] = into.gather(-1, j[..., None])[..., 0]
     none = Log.is_zero(logz)
     log_probs = torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges) - torch.where(none, 0.0, logz))

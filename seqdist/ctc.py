@@ -16,7 +16,7 @@ import numpy as np
 import numba
 import torch
 import torch.nn as nn
-from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp
+from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import to_device, on_host, require, check_labels
 from .compile_check import resource_budget
@@ -873,7 +873,7 @@ def _ctc_alg_cpu(alg, lp, lq, ext, input_lengths, target_lengths, blank, g, grad
 # %% ../nbs/02_ctc.ipynb #58609b04
 @numba.njit(inline='always')
 def _pick(w0, w1, w2, u):
-    """The index (0, 1 or 2) that the uniform u picks among weights w (w / max(w), linear), as `_choose` picks: the first
+    """The index (0, 1 or 2) that the uniform u picks among weights w (w / max(w), linear), as `choose_index` picks: the first
     whose cumulative weight exceeds u times the total, never one of weight 0."""
     c1 = w0 + w1
     total = c1 + w2
@@ -1164,15 +1164,6 @@ def _path_scores(lp, ext, states, input_lengths):
     valid = torch.arange(lp.shape[0], device=lp.device) < input_lengths[:, None]
     return torch.where(valid, path, 0.0).sum(-1)
 
-def _choose(log_weights, u):
-    """The index drawn from the last dimension of `log_weights` by the uniform `u` (inverse CDF: the first index whose
-    cumulative weight exceeds `u` times the total), never one of weight 0."""
-    w = (log_weights - log_weights.max(-1, keepdim=True).values).exp()
-    c = w.cumsum(-1)
-    i = (c[..., :-1] <= u[..., None] * c[..., -1:]).sum(-1)
-    last = (torch.arange(w.shape[-1], device=w.device) * (w > 0)).max(-1).values    # rounding as u -> 1
-    return torch.minimum(i, last)
-
 def sample_states(alphas, ext, input_lengths, target_lengths, blank, u):
     """Backward sampling through the CTC lattice: the state of each frame (n, N, T) of n exact samples from the posterior,
     -1 past each input length, from the Log semiring's alphas (T, N, 2L+1) and uniforms u (n, N, T). Frame T_b - 1 takes a
@@ -1186,9 +1177,9 @@ def sample_states(alphas, ext, input_lengths, target_lengths, blank, u):
     states = torch.full((n, N, T), -1, dtype=torch.long, device=alphas.device)
     state = torch.zeros(n, N, dtype=torch.long, device=alphas.device)        # the state at frame t + 1
     for t in reversed(range(T)):
-        final = 2 * target_lengths - _choose(_finals(alphas[t], target_lengths, zero).expand(n, -1, -1), u[..., t])
+        final = 2 * target_lengths - choose_index(_finals(alphas[t], target_lengths, zero).expand(n, -1, -1), u[..., t])
         edges = _predecessors(alphas[t], skip, zero).expand(n, -1, -1, -1)                        # (n, N, width, 3)
-        before = state - _choose(edges.gather(2, state[..., None, None].expand(-1, -1, 1, 3))[:, :, 0], u[..., t])
+        before = state - choose_index(edges.gather(2, state[..., None, None].expand(-1, -1, 1, 3))[:, :, 0], u[..., t])
         new = torch.where(t == input_lengths - 1, final, torch.where(t < input_lengths - 1, before, -1))
         states[..., t] = new
         state = torch.where(new >= 0, new, state).clamp(0, width - 1)

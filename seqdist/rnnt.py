@@ -17,7 +17,7 @@ import numba
 import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
-from .core import SEMIRINGS, compute_dtype, fast_logsumexp, Entropy, KL, CrossEntropy, KMax
+from .core import SEMIRINGS, compute_dtype, fast_logsumexp, Entropy, KL, CrossEntropy, KMax, choose_index, reference_only
 from .kernel import load_kernel
 from .memory import empty_gradient
 from .checks import on_host, require, to_device, check_labels, finite_real
@@ -501,14 +501,6 @@ def best_path(logits, targets, logit_lengths, target_lengths, blank=-1, fused_lo
     return frames, score
 
 # %% ../nbs/06_rnnt.ipynb #b7e1a0c1
-def _reference_only(backend, what):
-    "The backend of a question that has only its reference so far: 'auto' and 'reference' run it; 'cpu' and 'cuda' raise."
-    if backend in ('auto', 'reference'): return 'reference'
-    if backend in ('cpu', 'cuda'):
-        raise NotImplementedError(f"{what} has no {backend!r} backend yet: backend='auto' or 'reference' runs the PyTorch "
-                                  "reference")
-    raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
-
 def _check_reduction(reduction):
     if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
 
@@ -532,7 +524,7 @@ def alignment_entropy(logits, targets, logit_lengths, target_lengths, blank=-1, 
     -inf, possible only with -inf scores). Accurate when tiny (the `Entropy` semiring adds only non-negative terms).
     `backend`: 'auto' and 'reference' run the PyTorch reference (the CPU and CUDA kernels come later)."""
     _check_reduction(reduction)
-    _reference_only(backend, 'alignment_entropy')
+    reference_only(backend, 'alignment_entropy')
     bl, em, il, tl = _lattice_scores(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax)
     logz, h = logz_reference(bl, em, il, tl, Entropy)
     return _reduce(torch.where(Entropy.is_zero(logz), 0.0, h), reduction)
@@ -541,7 +533,7 @@ def _two_models(S, logits_p, logits_q, targets, logit_lengths, target_lengths, b
                 backend, what):
     "The last component of S (KL or CrossEntropy) over the alignments of p and q, 0 where either has no alignment."
     _check_reduction(reduction)
-    _reference_only(backend, what)
+    reference_only(backend, what)
     if not isinstance(logits_p, torch.Tensor) or not isinstance(logits_q, torch.Tensor) or logits_p.shape != logits_q.shape:
         raise ValueError(f"logits_p and logits_q must be tensors of the same shape, got "
                          f"{tuple(getattr(logits_p, 'shape', ()))} and {tuple(getattr(logits_q, 'shape', ()))}")
@@ -584,7 +576,7 @@ def kbest_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, f
     label, -1 past the target length) and their scores (k, B), the summed log-probability of each (differentiable).
     Where fewer than k alignments exist, the rest are frames -1 and score -inf. The `KMax(k)` semiring gives the scores;
     the gradient of the j-th score with respect to the label edges marks its path (as Max's gradient marks the best)."""
-    _reference_only(backend, 'kbest_alignments')
+    reference_only(backend, 'kbest_alignments')
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     bl, em, il, tl = _lattice_scores(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax)
@@ -600,15 +592,6 @@ def kbest_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, f
     scores = torch.where(none, -math.inf, best)
     if not differentiable: scores = scores.detach()
     return frames, scores
-
-def _choose(log_weights, u):
-    """The index drawn from the last dimension of `log_weights` by the uniform `u` (inverse CDF: the first index whose
-    cumulative weight exceeds `u` times the total), never one of weight 0."""
-    w = (log_weights - log_weights.max(-1, keepdim=True).values).exp()
-    c = w.cumsum(-1)
-    i = (c[..., :-1] <= u[..., None] * c[..., -1:]).sum(-1)
-    last = (torch.arange(w.shape[-1], device=w.device) * (w > 0)).max(-1).values    # rounding as u -> 1
-    return torch.minimum(i, last)
 
 def sample_frames(alphas, blank_lp, emit_lp, logit_lengths, target_lengths, u):
     """Backward sampling through the RNN-T lattice: n exact samples from the posterior, as the frame of each label
@@ -626,7 +609,7 @@ def sample_frames(alphas, blank_lp, emit_lp, logit_lengths, target_lengths, u):
         tb, je = (t - 1).clamp(min=0), (j - 1).clamp(min=0)
         by_blank = torch.where(t >= 1, alphas[bi, tb, j] + blank_lp[bi, tb, j], zero)   # (t-1, u) -> (t, u)
         by_label = torch.where(j >= 1, alphas[bi, t, je] + emit_lp[bi, t, je], zero)    # (t, u-1) -> (t, u)
-        label = _choose(torch.stack([by_blank, by_label], -1), u[..., d - 1]) == 1
+        label = choose_index(torch.stack([by_blank, by_label], -1), u[..., d - 1]) == 1
         on = t + j == d                                                                  # samples on this diagonal
         label = on & (j >= 1) & (label | (t == 0))                                       # at t = 0 or u = 0: one way back
         frames.scatter_(-1, torch.where(label, j - 1, U1 - 1)[..., None], t[..., None])
@@ -642,7 +625,7 @@ def sample_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, 
     generator's device (the CPU by default), logits (B, T, U+1, V): one per step back through the lattice, so a generator
     with a given seed gives the same samples on every backend. A sequence with no alignment (log Z = -inf, possible only
     with -inf scores) gives frames -1 and log-probability -inf."""
-    _reference_only(backend, 'sample_alignments')
+    reference_only(backend, 'sample_alignments')
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

@@ -688,25 +688,7 @@ def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 
     return frames, dur, score
 
 # %% ../nbs/09_tdt.ipynb #tdtq-code
-from .core import Entropy, KL, CrossEntropy, KMax
-
-# seqdist.ctc's two helpers, the same here (a family does not import another's private names)
-def _reference_only(backend, what):
-    "The backend of a question that has only its reference so far: 'auto' and 'reference' run it; 'cpu' and 'cuda' raise."
-    if backend in ('auto', 'reference'): return 'reference'
-    if backend in ('cpu', 'cuda'):
-        raise NotImplementedError(f"{what} has no {backend!r} backend yet: backend='auto' or 'reference' runs the PyTorch "
-                                  "reference")
-    raise ValueError(f"backend must be 'auto' or 'reference', got {backend!r}")
-
-def _choose(log_weights, u):
-    """The index drawn from the last dimension of `log_weights` by the uniform `u` (inverse CDF: the first index whose
-    cumulative weight exceeds `u` times the total), never one of weight 0."""
-    w = (log_weights - log_weights.max(-1, keepdim=True).values).exp()
-    c = w.cumsum(-1)
-    i = (c[..., :-1] <= u[..., None] * c[..., -1:]).sum(-1)
-    last = (torch.arange(w.shape[-1], device=w.device) * (w > 0)).max(-1).values    # rounding as u -> 1
-    return torch.minimum(i, last)
+from .core import Entropy, KL, CrossEntropy, KMax, choose_index, reference_only
 
 def _check_reduction(reduction):
     if reduction not in _REDUCTIONS: raise ValueError(f"reduction must be 'none', 'sum', 'mean' or 'mean_volume', got {reduction!r}")
@@ -733,7 +715,7 @@ def _lattice_scores(lattice, logits, targets, logit_lengths, target_lengths, bla
 def _entropy(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma, reduction, backend, what):
     "The entropy of the posterior over the lattice's paths (`Entropy`'s second component), 0 where there is no path."
     _check_reduction(reduction)
-    _reference_only(backend, what)
+    reference_only(backend, what)
     scores, table, il, tl = _lattice_scores(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
     logz, h = logz_reference(scores, table, il, tl, Entropy)
     return _reduce(torch.where(Entropy.is_zero(logz), 0.0, h), tl, reduction)
@@ -741,7 +723,7 @@ def _entropy(lattice, logits, targets, logit_lengths, target_lengths, blank, sig
 def _two_models(S, lattice, logits_p, logits_q, targets, logit_lengths, target_lengths, blank, sigma, reduction, backend, what):
     "The third component of S (KL or CrossEntropy) between the posteriors over the paths of p and q, 0 where there is none."
     _check_reduction(reduction)
-    _reference_only(backend, what)
+    reference_only(backend, what)
     if not isinstance(logits_p, torch.Tensor) or not isinstance(logits_q, torch.Tensor) or logits_p.shape != logits_q.shape:
         raise ValueError(f"logits_p and logits_q must be tensors of the same shape, got "
                          f"{tuple(getattr(logits_p, 'shape', ()))} and {tuple(getattr(logits_q, 'shape', ()))}")
@@ -801,7 +783,7 @@ def _path_scores(scores, taken):
 def _kbest(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma, k, backend, what):
     """The k best paths, best first, by the `KMax(k)` semiring: the j-th score's gradient marks the edges of its
     path (1 on each), and the walk back follows the marks. Timestamps as `_timestamps`', scores (k, B)."""
-    _reference_only(backend, what)
+    reference_only(backend, what)
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     S, grad_enabled = KMax(int(k)), torch.is_grad_enabled()
@@ -822,7 +804,7 @@ def _sample(lattice, logits, targets, logit_lengths, target_lengths, blank, sigm
     """n exact samples from the posterior over the paths: forward filtering (the Log semiring's alphas), then a walk
     back that enters each node by edge k with probability alpha(start of k) * score(k) / alpha(node), drawn with one
     uniform a step. Timestamps as `_timestamps`', and each path's log-probability (n, B) (path score - log Z)."""
-    _reference_only(backend, what)
+    reference_only(backend, what)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -837,7 +819,7 @@ def _sample(lattice, logits, targets, logit_lengths, target_lengths, blank, sigm
         weights = (alpha[..., None] + scores)[None]                                                 # (1, B, T, U+1, K)
         uniforms = torch.rand((int(n), B, steps), generator=generator, dtype=torch.float64,
                               device=generator.device if generator is not None else 'cpu').to(il.device)
-        taken = _walk_back(weights, table, il, tl, lambda w, s: _choose(w, uniforms[..., s]), steps, none)
+        taken = _walk_back(weights, table, il, tl, lambda w, s: choose_index(w, uniforms[..., s]), steps, none)
     frames, durations, blanks = _timestamps(taken, table, il, T, U1 - 1)
     logp = torch.where(none, -math.inf, _path_scores(scores, taken) - torch.where(none[0], 0.0, logz))
     return frames, durations, blanks, logp

@@ -6,6 +6,7 @@ import pytest, torch
 from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax, log_softmax_parts
 from seqdist.ctc import (alignments_brute_force, interleave_blanks, logz_reference, posteriors, alignment_entropy,
                          alignment_kl, alignment_cross_entropy, kbest_alignments, sample_alignments, ctc_loss)
+from sampling_checks import chi_square, chi_square_bound
 
 BACKENDS = ['cpu', 'reference']     # every question runs on both, against the same enumeration
 
@@ -151,18 +152,6 @@ def test_kbest_pads_when_there_are_fewer_alignments(backend):
     assert len({tuple(l) for l in labels[:5, 0].tolist()}) == 5
 
 # -- samples ------------------------------------------------------------------------------------------------------------
-
-def chi_square_bound(df, z=5.0):
-    "Wilson-Hilferty: the chi-square quantile with df degrees of freedom at the normal's z (z = 5: p ~ 3e-7)."
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-def chi_square(counts, probs, n):
-    "Pearson's statistic and its degrees of freedom, the cells of expected count < 5 merged into one."
-    expected = probs * n
-    rare = expected < 5
-    obs = torch.cat([counts[~rare], counts[rare].sum()[None]]) if rare.any() else counts
-    exp = torch.cat([expected[~rare], expected[rare].sum()[None]]) if rare.any() else expected
-    return (((obs - exp) ** 2) / exp).sum().item(), len(obs) - 1
 
 @pytest.mark.parametrize('backend', BACKENDS)
 def test_samples_match_the_exact_path_probabilities(backend):

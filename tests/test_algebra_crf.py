@@ -6,6 +6,7 @@ import pytest, torch
 from seqdist import sparse, ctc_simple
 from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax, log_softmax_parts
 from seqdist.crf import CTC_CRF, _sample_edges
+from sampling_checks import chi_square, chi_square_bound
 
 def close(a, b, rtol=1e-10, atol=1e-12): torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
 
@@ -198,18 +199,6 @@ def test_infeasible_targets_give_zero_and_no_nan_gradient():
             assert value[0] == 0 and torch.isfinite(g).all() and g[:, 0].eq(0).all()
 
 # -- samples -------------------------------------------------------------------------------------------------------------
-
-def chi_square_bound(df, z=5.0):
-    "Wilson-Hilferty: the chi-square quantile with df degrees of freedom at the normal's z (z = 5: p ~ 3e-7)."
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-def chi_square(counts, probs, n):
-    "Pearson's statistic and its degrees of freedom, the cells of expected count < 5 merged into one."
-    expected = probs * n
-    rare = expected < 5
-    obs = torch.cat([counts[~rare], counts[rare].sum()[None]]) if rare.any() else counts
-    exp = torch.cat([expected[~rare], expected[rare].sum()[None]]) if rare.any() else expected
-    return (((obs - exp) ** 2) / exp).sum().item(), len(obs) - 1
 
 def check_draws(drawn, logprob, n):
     "The counts of the drawn path indices pass the chi-square test against the exact probabilities, and fail it shuffled."

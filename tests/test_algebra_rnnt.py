@@ -3,6 +3,7 @@
 test and per-edge occupancy), a peaky case, variable and zero lengths, sequences without an alignment, bad inputs."""
 import math, decimal, itertools
 import pytest, torch
+from sampling_checks import chi_square, chi_square_bound
 from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax
 from seqdist.rnnt import (edge_log_probs, clean_targets, logz_reference, logz_brute_force, posteriors, rnnt_loss,
                           best_path, alignment_entropy, alignment_kl, alignment_cross_entropy, kbest_alignments,
@@ -152,18 +153,6 @@ def test_kbest_pads_and_does_not_track_gradients_it_was_not_asked_for():
     with torch.no_grad(): assert not kbest_alignments(x.requires_grad_(), torch.tensor([[1, 2]]), torch.tensor([3]), torch.tensor([2]), k=2)[1].requires_grad
 
 # -- samples ------------------------------------------------------------------------------------------------------------
-
-def chi_square_bound(df, z=5.0):
-    "Wilson-Hilferty: the chi-square quantile with df degrees of freedom at the normal's z (z = 5: p ~ 3e-7)."
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-def chi_square(counts, probs, n):
-    "Pearson's statistic and its degrees of freedom, the cells of expected count < 5 merged into one."
-    expected = probs * n
-    rare = expected < 5
-    obs = torch.cat([counts[~rare], counts[rare].sum()[None]]) if rare.any() else counts
-    exp = torch.cat([expected[~rare], expected[rare].sum()[None]]) if rare.any() else expected
-    return (((obs - exp) ** 2) / exp).sum().item(), len(obs) - 1
 
 def edge_occupancy(frames, il, tl, T, U1):
     "Each sample's edges as 0/1 (n, B, T, U+1, 2): label u leaves (its frame, u), frame t's blank (t, labels emitted by t)."

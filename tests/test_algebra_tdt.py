@@ -4,6 +4,7 @@ reproducibility, a peaky case, variable lengths, infeasible targets, bad inputs;
 `logz_reference`."""
 import math, decimal
 import pytest, torch
+from sampling_checks import chi_square, chi_square_bound
 from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax
 from seqdist.rnnt import clean_targets
 from seqdist.tdt import (edge_table, edge_scores, logz_reference, tdt_alignments, multiblank_alignments,
@@ -209,18 +210,6 @@ def test_kbest_pads_when_there_are_fewer_paths():
     assert len({str(p) for p in zip(frames[:m, 0].tolist(), durations[:m, 0].tolist(), blanks[:m, 0].tolist())}) == m
 
 # -- samples -----------------------------------------------------------------------------------------------------------
-
-def chi_square_bound(df, z=5.0):
-    "Wilson-Hilferty: the chi-square quantile with df degrees of freedom at the normal's z (z = 5: p ~ 3e-7)."
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-def chi_square(counts, probs, n):
-    "Pearson's statistic and its degrees of freedom, the cells of expected count < 5 merged into one."
-    expected = probs * n
-    rare = expected < 5
-    obs = torch.cat([counts[~rare], counts[rare].sum()[None]]) if rare.any() else counts
-    exp = torch.cat([expected[~rare], expected[rare].sum()[None]]) if rare.any() else expected
-    return (((obs - exp) ** 2) / exp).sum().item(), len(obs) - 1
 
 def occupancy(lat, frames, durations, blanks, x, y, il, tl):
     """The posterior of each edge kind leaving each node, summed over u for the blanks (the frame and duration of a
