@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['CTC_SHAPES', 'GPU_CTC_SHAPES', 'GPU_SPARSE_SHAPES', 'GPU_SIMPLE_SHAPES', 'GPU_CRF_SHAPES', 'DEMOS', 'FIRST_CALLS',
-           'ctc_inputs_for', 'bench_ctc', 'bench_forced_align', 'sweep_ctc', 'bench_sparse', 'bench_ctc_crf',
-           'load_seqdist003', 'timed_pair', 'compare_row', 'value_and_grad', 'bench_ctc_gpu', 'BonitoCTC_CRF',
-           'bench_crf_gpu', 'bench_forced_align_gpu', 'run_benchmarks', 'run_gpu_benchmarks', 'bench_cli',
-           'plot_speedups', 'switch_row', 'demo_ctc', 'demo_forced_align', 'demo_rnnt', 'demo_joint',
+           'ctc_inputs_for', 'bench_ctc', 'bench_forced_align', 'sweep_ctc', 'bench_ctc_questions', 'bench_sparse',
+           'bench_ctc_crf', 'load_seqdist003', 'timed_pair', 'compare_row', 'value_and_grad', 'bench_ctc_gpu',
+           'BonitoCTC_CRF', 'bench_crf_gpu', 'bench_forced_align_gpu', 'run_benchmarks', 'run_gpu_benchmarks',
+           'bench_cli', 'plot_speedups', 'switch_row', 'demo_ctc', 'demo_forced_align', 'demo_rnnt', 'demo_joint',
            'demo_cross_entropy', 'demo_linear_cross_entropy', 'demo_gru', 'run_demo', 'demo_table', 'demo_cli',
            'first_call_seconds', 'first_call_json', 'first_call_table']
 
@@ -78,6 +78,35 @@ def sweep_ctc(Ts=(125, 250, 500, 1000, 2000, 4000), N=16, C=20, labels_per_frame
         L = max(1, int(T * labels_per_frame))
         r = bench_ctc([(T, N, C, int(0.8 * L), L)], reps=reps)[0]
         rows.append(dict(T=T, L=L, ours_ms=r['ours_ms'], anchor_ms=r['anchor_ms']))
+    return rows
+
+# %% ../nbs/10_bench.ipynb #31bd392f
+def bench_ctc_questions(T=500, N=32, C=20, L_min=80, L_max=100, warmup=2, reps=7):
+    """The CTC lattice questions on the CPU, each timed alternately with its anchor from the same family, with both
+    peak memories (`peak_extra_mb`): entropy and KL fwd+bwd against `ctc_loss` fwd+bwd, 8 samples against one loss
+    forward, k-best (k = 4) against `forced_align`."""
+    from seqdist.ctc import alignment_entropy, alignment_kl, sample_alignments, kbest_alignments
+    lp, targets, il, tl = ctc_inputs_for(T, N, C, L_min, L_max)
+    lq = ctc_inputs_for(T, N, C, L_min, L_max, seed=1)[0]
+    x, y = lp.detach().requires_grad_(), lq.detach().requires_grad_()
+    lp = lp.detach()
+    cases = [('alignment_entropy fwd+bwd', 'ctc_loss fwd+bwd (target: ratio >= 0.67)',
+              lambda: torch.autograd.grad(ctc_loss(x, targets, il, tl, reduction='sum'), x),
+              lambda: torch.autograd.grad(alignment_entropy(x, targets, il, tl, reduction='sum'), x)),
+             ('alignment_kl fwd+bwd', 'ctc_loss fwd+bwd, both models',
+              lambda: torch.autograd.grad(ctc_loss(x, targets, il, tl, reduction='sum') + ctc_loss(y, targets, il, tl, reduction='sum'), (x, y)),
+              lambda: torch.autograd.grad(alignment_kl(x, y, targets, il, tl, reduction='sum'), (x, y))),
+             ('sample_alignments n=8', 'ctc_loss forward (target: ratio >= 0.67)',
+              lambda: ctc_loss(lp, targets, il, tl),
+              lambda: sample_alignments(lp, targets, il, tl, n=8, generator=torch.Generator().manual_seed(0))),
+             ('kbest_alignments k=4', 'forced_align (target: ratio >= 0.5)',
+              lambda: forced_align(lp.transpose(0, 1), targets, il, tl),
+              lambda: kbest_alignments(lp, targets, il, tl, k=4))]
+    rows = []
+    for op, anchor, theirs, ours in cases:
+        t0, t1 = timed_pair(theirs, ours, 'cpu', warmup, reps)
+        rows.append(dict(op=op, shape=f"T={T} N={N} C={C} L={L_min}-{L_max}", anchor='seqdist ' + anchor, anchor_ms=t0,
+                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs), ours_mb=peak_extra_mb(ours), check='-'))
     return rows
 
 # %% ../nbs/10_bench.ipynb #89624098
@@ -286,12 +315,14 @@ def _families(quick, device, gpu=None):
         q = dict(warmup=1, reps=3)
         return [('ctc', lambda: bench_ctc([(200, 16, 20, 30, 40)], device, **q)),
                 ('forced_align', lambda: bench_forced_align(100, 8, 100, 10, 20, **q)),
+                ('ctc_questions', lambda: bench_ctc_questions(100, 4, 10, 10, 20, **q)),
                 ('sparse', lambda: bench_sparse([(100, 4, 3)], **q)), ('ctc_crf', lambda: bench_ctc_crf(200, 4, 3, **q)),
                 ('rnnt', lambda: bench_rnnt(quick=True)), ('joint', lambda: bench_joint(quick=True)),
                 ('tdt', lambda: bench_tdt(quick=True)), ('gru', lambda: bench_gru(quick=True)),
                 ('cross_entropy', lambda: bench_cross_entropy(quick=True))]
     if not gpu:
-        return [('ctc', bench_ctc), ('forced_align', bench_forced_align), ('sparse', bench_sparse), ('ctc_crf', bench_ctc_crf),
+        return [('ctc', bench_ctc), ('forced_align', bench_forced_align), ('ctc_questions', bench_ctc_questions),
+                ('sparse', bench_sparse), ('ctc_crf', bench_ctc_crf),
                 ('rnnt', bench_rnnt), ('joint', bench_joint), ('tdt', bench_tdt), ('gru', bench_gru),
                 ('cross_entropy', bench_cross_entropy)]
     if quick:

@@ -870,6 +870,17 @@ def _ctc_alg_cpu(alg, lp, lq, ext, input_lengths, target_lengths, blank, g, grad
             _alg_beta_grad(alg, lp, lq, n, T, n_states, e, skipneg, P, Q, H, np.empty((6, n_states + 4)), E, zp, zq, total,
                            g[n], np.empty((2, n_states)), grad_p, grad_q)
 
+# One kernel per algebra, each calling the generic one with a constant: numba specialises it at compile time, and a
+# call from Python has no literal argument to dispatch on (a literal dispatch costs ~35 ms per call from Python).
+@numba.njit(nogil=True, cache=_CACHE)
+def _ctc_entropy_cpu(lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi):
+    _ctc_alg_cpu(ALG_ENTROPY, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _ctc_kl_cpu(lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi):
+    _ctc_alg_cpu(ALG_KL, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
+
+
 # %% ../nbs/02_ctc.ipynb #58609b04
 @numba.njit(inline='always')
 def _pick(w0, w1, w2, u):
@@ -1012,7 +1023,7 @@ def _reduce(x, tl, reduction, unbatched):
 def _check_reduction(reduction):
     if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
 
-_DIVERGENCES = {'Entropy': (Entropy, ALG_ENTROPY), 'KL': (KL, ALG_KL), 'CrossEntropy': (CrossEntropy, None)}
+_DIVERGENCES = {'Entropy': (Entropy, _ctc_entropy_cpu), 'KL': (KL, _ctc_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
 
 def _divergence_prepare(a, backend, check):
     """The state of an entropy or KL call: log_probs in float32/float64 (`lp`, `lq`: q is p for Entropy), detached for the
@@ -1036,7 +1047,7 @@ def _divergence_numba(st):
     grad_p = torch.zeros(T, N, C, dtype=lp.dtype) if st.with_grad else empty
     grad_q = torch.zeros(T, N, C, dtype=lp.dtype) if st.with_grad and st.algebra == 'KL' else grad_p
     out = np.empty((N, 3))
-    parallel_for(_ctc_alg_cpu, N, _DIVERGENCES[st.algebra][1], lp.numpy(), lq.numpy(), st.ext.numpy(), st.il.numpy(),
+    parallel_for(_DIVERGENCES[st.algebra][1], N, lp.numpy(), lq.numpy(), st.ext.numpy(), st.il.numpy(),
                  st.tl.numpy(), st.blank, np.ones(N) if st.with_grad else np.zeros(0),
                  (grad_p if st.with_grad else torch.zeros(0, 0, 0, dtype=lp.dtype)).numpy(),
                  (grad_q if st.with_grad else torch.zeros(0, 0, 0, dtype=lp.dtype)).numpy(), out,

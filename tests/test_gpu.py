@@ -303,11 +303,28 @@ def _joint_case(size, dtype, device, seed=0):
                 bound=lambda: 2 * JOINT_TILE_BYTES * (1 + 2 * (H + 1) / V) + 128 * B * T * (U + 1)
                               + 16 * (e.numel() + p.numel() + W.numel() + V) + (1 << 20))   # tiles, per node, gradients
 
+def _ctc_divergence_case(size, dtype, device, seed=0):
+    """The CTC lattice questions entropy and KL (op ctc_divergence): on a GPU they run the PyTorch reference (the CUDA
+    kernel is not written yet), on the CPU the numba kernel: agreement checks one against the other."""
+    from seqdist.ctc import alignment_entropy, alignment_kl
+    T, N, C, L = dict(small=(30, 3, 6, 8), long=(200, 4, 20, 40))[size]
+    g = _gen(seed)
+    x = torch.randn(T, N, C, generator=g, dtype=torch.float64).log_softmax(-1).to(device, dtype)
+    q = torch.randn(T, N, C, generator=g, dtype=torch.float64).log_softmax(-1).to(device, dtype)
+    targets = torch.randint(1, C, (N, L), generator=g).to(device)
+    il, tl = torch.full((N,), T).to(device), torch.randint(L // 2, L + 1, (N,), generator=g).to(device)
+    def f(x):
+        h, kl = alignment_entropy(x, targets, il, tl), alignment_kl(x, q, targets, il, tl)
+        return h.sum() + kl.sum(), h, kl
+    return Case('alignment_entropy, alignment_kl', x, f,
+                bound=lambda: 400 * T * N * (2 * L + 1) * 8 + 8 * x.numel() * 8 + (1 << 20))   # the reference's autograd graph
+
 FAMILIES = {'ctc': _ctc_case, 'forced_align': _forced_align_case, 'ctc_simple': _ctc_simple_case, 'sparse': _sparse_case,
             'crf': _crf_case, 'rnnt': _rnnt_case, 'gru': _gru_case, 'cross_entropy': _cross_entropy_case,
             'linear_cross_entropy': _linear_cross_entropy_case, 'linear_token_stats': _linear_token_stats_case,
             'tdt': _tdt_case, 'multiblank': _multiblank_case,
-            'joint': _joint_case}
+            'joint': _joint_case, 'ctc_divergence': _ctc_divergence_case}
+REFERENCE_ON_GPU = {'ctc_divergence'}   # PyTorch on a GPU so far: its host reads and Python loop are not yet sync-free
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
 def _outputs(case, x=None):
@@ -360,14 +377,14 @@ def test_gpu_bitwise_repeatable(family, record):
     for i, (u, v) in enumerate(zip(a, b)): assert torch.equal(u, v), f"{family} {case}: output {i} differs between runs"
     record(family)
 
-@pytest.mark.parametrize('family', list(FAMILIES))
+@pytest.mark.parametrize('family', [pytest.param(f, marks=pytest.mark.xfail(reason='the PyTorch reference on a GPU: no CUDA kernel yet')) if f in REFERENCE_ON_GPU else f for f in FAMILIES])
 def test_gpu_no_host_sync(family, record):
     "With every input on the GPU, a warm forward and backward makes no host-device synchronisation."
     case = FAMILIES[family]('small', torch.float32, 'cuda')
     _no_sync(lambda: _outputs(case))
     record(family)
 
-@pytest.mark.parametrize('family', list(FAMILIES))
+@pytest.mark.parametrize('family', [pytest.param(f, marks=pytest.mark.xfail(reason='the PyTorch reference on a GPU: no CUDA kernel yet')) if f in REFERENCE_ON_GPU else f for f in FAMILIES])
 def test_gpu_cuda_graph_replay(family, record):
     "Forward and backward captured in a CUDA graph replay new inputs' values as eager calls compute them."
     case, new = FAMILIES[family]('small', torch.float32, 'cuda'), FAMILIES[family]('small', torch.float32, 'cuda', seed=1)
@@ -430,10 +447,11 @@ OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_backward': 'ctc', 'seqdist::ct
              'seqdist::cross_entropy_rows_backward': 'cross_entropy', 'seqdist::linear_cross_entropy': 'linear_cross_entropy',
              'seqdist::linear_cross_entropy_backward': 'linear_cross_entropy', 'seqdist::tdt': 'tdt', 'seqdist::tdt_backward': 'tdt',
              'seqdist::joint_rnnt': 'joint', 'seqdist::joint_rnnt_backward': 'joint',
-             'seqdist::linear_token_stats': 'linear_token_stats', 'seqdist::linear_token_stats_backward': 'linear_token_stats'}
+             'seqdist::linear_token_stats': 'linear_token_stats', 'seqdist::linear_token_stats_backward': 'linear_token_stats',
+             'seqdist::ctc_divergence': 'ctc_divergence', 'seqdist::ctc_divergence_backward': 'ctc_divergence'}
 PUBLIC = ['ctc_loss', 'forced_align', 'ctc_simple.logZ', 'sparse.logZ', 'CTC_CRF.ctc_loss', 'rnnt_loss', 'GRU',
           'cross_entropy', 'linear_cross_entropy', 'tdt_loss', 'multiblank_rnnt_loss', 'tdt_alignments', 'tdt_best_path',
-          'multiblank_alignments', 'joint_rnnt_loss', 'JointRNNTLoss', 'linear_token_stats']
+          'multiblank_alignments', 'joint_rnnt_loss', 'JointRNNTLoss', 'linear_token_stats', 'alignment_entropy', 'alignment_kl']
 
 @pytest.mark.parametrize('size', ['small', 'long'])
 def test_gpu_tdt_alignments_agree_with_cpu(size, record):
