@@ -1169,9 +1169,11 @@ def kbest_alignments(log_probs, targets, input_lengths, target_lengths, blank=0,
     return (labels[:, 0], scores[:, 0]) if unbatched else (labels, scores)
 
 def _path_scores(lp, ext, states, input_lengths):
-    "The summed log-probability (..., N) of paths given as their state at each frame (..., N, T); differentiable."
-    x = _state_scores(lp, ext).permute(1, 0, 2)                                   # (N, T, 2L+1)
-    path = x.expand(*states.shape[:-2], *x.shape).gather(-1, states.clamp(min=0)[..., None])[..., 0]
+    """The summed log-probability (..., N) of paths given as their state at each frame (..., N, T); differentiable. It
+    gathers log_probs at the paths' labels, not the (T, N, 2L+1) state scores, which would cost more than the kernels."""
+    labels = ext.expand(*states.shape[:-2], *ext.shape).gather(-1, states.clamp(min=0))           # (..., N, T)
+    T, N = lp.shape[:2]
+    path = lp[torch.arange(T, device=lp.device), torch.arange(N, device=lp.device)[:, None], labels]   # (..., N, T)
     valid = torch.arange(lp.shape[0], device=lp.device) < input_lengths[:, None]
     return torch.where(valid, path, 0.0).sum(-1)
 
@@ -1211,7 +1213,6 @@ def sample_alignments(log_probs, targets, input_lengths, target_lengths, blank=0
     T, N, _ = lp.shape
     u = torch.rand((int(n), N, T), generator=generator, dtype=torch.float64,
                    device=generator.device if generator is not None else 'cpu').to(lp.device)
-    x = _state_scores(lp, ext)
     if backend == 'cpu':
         states, logz = torch.full((int(n), N, T), -1, dtype=torch.long), np.empty(N)
         parallel_for(_ctc_sample_cpu, N, lp.detach().numpy(), ext.numpy(), il.numpy(), tl.numpy(), int(blank), u.numpy(),
@@ -1221,6 +1222,7 @@ def sample_alignments(log_probs, targets, input_lengths, target_lengths, blank=0
             logz, _ = ctc_op(lp, ext[:, 1::2], il, tl, int(blank), False, 'labels', False, False, False, 0.0, check=False)
         states = torch.where(torch.arange(T) < il[:, None], states, -1)
     else:
+        x = _state_scores(lp, ext)
         with torch.no_grad(): _, alphas = logz_reference(x.detach(), ext, il, tl, blank, Log, all_frames=True)
         states = sample_states(alphas, ext, il, tl, blank, u)                    # (n, N, T)
         logz = logz_reference(x, ext, il, tl, blank, Log)
