@@ -7,8 +7,8 @@ __all__ = ['ctc_op', 'ctc_divergence_op', 'device', 'Prob', 'interleave_blanks',
            'alignments_brute_force', 'logz_brute_force', 'ctc_inputs', 'padded_targets', 'check_alignable', 'ctc_loss',
            'CTCLoss', 'posteriors', 'viterbi_alignments', 'soft_alignments', 'forced_align', 'alignment_entropy',
            'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_states', 'sample_alignments',
-           'generate_sample_inputs', 'loss_pytorch', 'prepare_inputs', 'loss_basic', 'fwd_bwd', 'masked_grad',
-           'loss_py', 'loss_cupy', 'loss_direct_cupy']
+           'CTCAlignments', 'generate_sample_inputs', 'loss_pytorch', 'prepare_inputs', 'loss_basic', 'fwd_bwd',
+           'masked_grad', 'loss_py', 'loss_cupy', 'loss_direct_cupy']
 
 # %% ../nbs/02_ctc.ipynb #0da03c22
 import math
@@ -1230,6 +1230,75 @@ def sample_alignments(log_probs, targets, input_lengths, target_lengths, blank=0
     logp = torch.where(none, -math.inf, _path_scores(lp, ext, states, il) - torch.where(none, 0.0, logz))
     labels = torch.where(none[:, None], -1, _path_labels(states, ext, il, blank, torch.long)).to(dtype)
     return (labels[:, 0], logp[:, 0]) if unbatched else (labels, logp)
+
+# %% ../nbs/02_ctc.ipynb #822f5189
+class CTCAlignments:
+    """The posterior distribution over the alignments of each sequence's targets, as `torch.distributions` names things,
+    built on the functions above (ctc_loss's arguments; `log_probs` (T, N, C)). An alignment is a per-frame label
+    sequence (N, T) in `forced_align`'s format (the blank past each input length)."""
+    def __init__(self, log_probs, targets, input_lengths, target_lengths, blank=0, *, backend='auto'):
+        self.log_probs, self.targets, self.blank, self.backend = log_probs, targets, blank, backend
+        self.input_lengths, self.target_lengths = input_lengths, target_lengths
+        self._args = (targets, input_lengths, target_lengths, blank)
+
+    @property
+    def log_partition(self):
+        "log Z (N,): the log-probability of the targets, -ctc_loss (differentiable; -inf where they cannot fit)."
+        return -ctc_loss(self.log_probs, *self._args, reduction='none')
+
+    @property
+    def marginals(self):
+        "The posterior probability of each label at each frame (T, N, C) (`posteriors`)."
+        return posteriors(self.log_probs, *self._args)
+
+    @property
+    def argmax(self):
+        "The most probable alignment (N, T) (`forced_align`'s labels; a ValueError where the targets cannot fit)."
+        lp, tg, il, tl, _ = ctc_inputs(self.log_probs, *self._args)
+        return forced_align(lp.transpose(0, 1), padded_targets(lp, tg, il, tl, self.blank), il, tl, self.blank)[0]
+
+    def entropy(self):
+        "The entropy (nats) of each sequence's alignment posterior (N,) (`alignment_entropy`)."
+        return alignment_entropy(self.log_probs, *self._args, backend=self.backend)
+
+    def kl(self, other):
+        "KL(self || other) (N,) for another `CTCAlignments` of the same targets (`alignment_kl`)."
+        return alignment_kl(self.log_probs, other.log_probs, *self._args, backend=self.backend)
+
+    def cross_entropy(self, other):
+        "-E_self[log other(alignment)] (N,) (`alignment_cross_entropy`)."
+        return alignment_cross_entropy(self.log_probs, other.log_probs, *self._args, backend=self.backend)
+
+    def sample(self, sample_shape=(), generator=None):
+        "Exact samples (*sample_shape, N, T) (`sample_alignments`; one draw: (N, T))."
+        shape = torch.Size(sample_shape)
+        labels, _ = sample_alignments(self.log_probs, *self._args, n=max(1, shape.numel()), generator=generator,
+                                      backend=self.backend)
+        return labels.reshape(*shape, *labels.shape[1:])
+
+    def topk(self, k):
+        "The k most probable alignments, best first, and their log-probabilities (not normalised): (k, N, T), (k, N)."
+        return kbest_alignments(self.log_probs, *self._args, k=k, backend=self.backend)
+
+    def log_prob(self, value):
+        """The log-probability under the posterior of alignments `value` (..., N, T): their summed log_probs minus log Z;
+        -inf for a label sequence that is not an alignment of the targets (it does not collapse to them)."""
+        lp, tg, il, tl, _ = ctc_inputs(self.log_probs, *self._args)
+        lp = lp.to(_compute_dtype(lp.dtype))
+        padded = padded_targets(lp, tg, il, tl, self.blank)
+        T, N = lp.shape[:2]
+        if value.shape[-2:] != (N, T): raise ValueError(f"value must have shape (..., {N}, {T}), got {tuple(value.shape)}")
+        valid = torch.arange(T, device=lp.device) < il[:, None]
+        labels = torch.where(valid, value, self.blank).long()
+        if ((labels < 0) | (labels >= lp.shape[2])).any(): return lp.new_full(value.shape[:-1], -math.inf)
+        score = torch.where(valid, lp[torch.arange(T), torch.arange(N)[:, None], labels], 0.0).sum(-1)
+        before = torch.nn.functional.pad(labels, (1, 0), value=self.blank)[..., :-1]
+        starts = (labels != self.blank) & (labels != before)                     # each label's first frame
+        count = starts.sum(-1)
+        j = (starts.cumsum(-1) - 1).clamp(min=0, max=max(padded.shape[1] - 1, 0))
+        wanted = padded.expand(*labels.shape[:-1], -1).gather(-1, j) if padded.shape[1] else torch.zeros_like(labels)
+        ok = (count == tl) & torch.where(starts, labels == wanted, True).all(-1)
+        return torch.where(ok, score - self.log_partition, -math.inf)
 
 # %% ../nbs/02_ctc.ipynb #d0f05bc9
 for (dtype, S), ks in _ctc_kernels.items():   # how the glue launches them, and the resident threads each needs

@@ -373,3 +373,23 @@ def test_divergence_op_under_torch_compile():
     y = lp[:, :2].detach().requires_grad_()
     alignment_entropy(y, tg, il, tl, backend='cpu').sum().backward()
     torch.testing.assert_close(x.grad, y.grad)
+
+def test_ctc_alignments_distribution_object():
+    from seqdist.ctc import CTCAlignments
+    lp, lq, tg, il, tl, targets = batch(7)
+    d, e = CTCAlignments(lp, tg, il, tl), CTCAlignments(lq, tg, il, tl)
+    close(d.entropy(), alignment_entropy(lp, tg, il, tl)); close(d.kl(e), alignment_kl(lp, lq, tg, il, tl))
+    close(d.cross_entropy(e), alignment_cross_entropy(lp, lq, tg, il, tl))
+    for b, target in enumerate(targets[:-1]):              # every alignment: log_prob sums to 1, matches enumeration
+        T_b = int(il[b])
+        paths = torch.tensor(alignments_brute_force(T_b, lp.shape[-1], target), dtype=torch.long).view(-1, T_b)
+        value = torch.zeros(len(paths), lp.shape[1], lp.shape[0], dtype=torch.long)
+        value[:, b, :T_b] = paths
+        lpb = d.log_prob(value)[:, b]
+        torch.testing.assert_close(lpb, path_scores(lp, b, paths).log_softmax(0), rtol=1e-10, atol=1e-12)
+    bad = torch.zeros(lp.shape[1], lp.shape[0], dtype=torch.long); bad[0, :3] = torch.tensor([2, 1, 0])
+    assert d.log_prob(bad)[0] == -math.inf                                  # collapses to [2, 1], not [1, 2]
+    assert d.sample((3, 2)).shape == (3, 2, lp.shape[1], lp.shape[0])
+    torch.testing.assert_close(d.marginals.sum(-1)[:, :5], (torch.arange(lp.shape[0])[:, None] < il[None, :5]).double())
+    labels, scores = d.topk(2)
+    assert torch.equal(labels[0, :-1], kbest_alignments(lp, tg, il, tl, k=1)[0][0, :-1])
