@@ -613,6 +613,18 @@ def _rnnt_alg_cpu(alg, xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_
         _edge_grads_to_logits(xp, lse_p, yb, b, Tb, Ub, blank, fused, G[0], G[1], grad_p)
         if alg == ALG_KL: _edge_grads_to_logits(xq, lse_q, yb, b, Tb, Ub, blank, fused, G[2], G[3], grad_q)
 
+# One entry point per algebra, the id a constant inside: called from Python with the id as an argument, `literally` would
+# retype the kernel at every call (about a second); a constant is a literal already.
+@numba.njit(nogil=True, cache=_CACHE)
+def _rnnt_entropy_cpu(xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi):
+    "`_rnnt_alg_cpu` in the Entropy algebra."
+    _rnnt_alg_cpu(ALG_ENTROPY, xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _rnnt_kl_cpu(xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi):
+    "`_rnnt_alg_cpu` in the KL algebra."
+    _rnnt_alg_cpu(ALG_KL, xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi)
+
 @numba.njit(nogil=True, cache=_CACHE)
 def _rnnt_sample_cpu(x, y, Tl, Ul, blank, fused, u, frames, logz, lo, hi):
     """Forward filtering, backward sampling for the sequences lo <= b < hi: the loss's forward (`_alpha`, log space) keeps
@@ -736,7 +748,7 @@ def _lattice_scores(logits, targets, logit_lengths, target_lengths, blank, fused
     x, y, il, tl, blank = _lattice_inputs(logits, targets, logit_lengths, target_lengths, blank)
     return (*edge_log_probs(x, y, blank, bool(fused_log_softmax)), il, tl)
 
-_DIVERGENCES = {'Entropy': (Entropy, ALG_ENTROPY), 'KL': (KL, ALG_KL), 'CrossEntropy': (CrossEntropy, None)}
+_DIVERGENCES = {'Entropy': (Entropy, _rnnt_entropy_cpu), 'KL': (KL, _rnnt_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
 
 def _divergence_prepare(a, backend, check):
     """The state of an entropy or KL call: the logits in their compute dtype (`xp`, `xq`: q is p for Entropy), detached
@@ -758,7 +770,7 @@ def _divergence_numba(s):
     grad_p = torch.zeros_like(xp) if s.with_grad else none
     grad_q = torch.zeros_like(xq) if s.with_grad and kl else grad_p          # (not written for Entropy)
     out = np.empty((B, 3))
-    parallel_for(_rnnt_alg_cpu, B, _DIVERGENCES[s.algebra][1], xp.numpy(), xq.numpy(), s.y.numpy(), s.il.numpy(),
+    parallel_for(_DIVERGENCES[s.algebra][1], B, xp.numpy(), xq.numpy(), s.y.numpy(), s.il.numpy(),
                  s.tl.numpy(), s.blank, s.fused_log_softmax, s.with_grad, grad_p.numpy(), grad_q.numpy(), out,
                  work=xp.numel() * (4 if kl else 2))
     value, logz_p, logz_q = (torch.from_numpy(out[:, j].copy()).to(xp.dtype)      # three tensors: a custom op's outputs
