@@ -68,59 +68,67 @@ def test_logz_reference_in_every_semiring_equals_brute_force(S):
     logz = logz_reference(bp, ep, il, tl, Log)
     close(got[0], logz) if not S.name.startswith('KMax') else close(got[0], logz_reference(bp, ep, il, tl, Max))
 
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
 @pytest.mark.parametrize('seed,blank', [(0, -1), (1, 0), (2, 2)])
-def test_entropy_kl_cross_entropy_equal_enumeration(seed, blank):
+def test_entropy_kl_cross_entropy_equal_enumeration(seed, blank, backend):
     x, z, targets, il, tl = batch(seed, blank=blank)
     b_ = blank % x.shape[-1]
-    h = alignment_entropy(x, targets, il, tl, blank)
-    kl = alignment_kl(x, z, targets, il, tl, blank)
-    ce = alignment_cross_entropy(x, z, targets, il, tl, blank)
+    h = alignment_entropy(x, targets, il, tl, blank, backend=backend)
+    kl = alignment_kl(x, z, targets, il, tl, blank, backend=backend)
+    ce = alignment_cross_entropy(x, z, targets, il, tl, blank, backend=backend)
     want = torch.tensor([exact(x, z, targets, b, int(il[b]), int(tl[b]), b_) for b in range(len(il))], dtype=torch.float64)
     for got, col in ((h, 0), (kl, 1), (ce, 2)):
         assert got.shape == (len(il),) and got.dtype == torch.float64
         torch.testing.assert_close(got, want[:, col], rtol=1e-10, atol=1e-14)
     assert h[2] == 0 and kl[2] == 0 and ce[2] == 0 and h[3] == 0      # no labels; one frame: one alignment each
-    assert (alignment_kl(x, x, targets, il, tl, blank).abs() < 1e-15).all()     # KL(p || p) = 0
-    close(alignment_cross_entropy(x, x, targets, il, tl, blank), h)
+    assert (alignment_kl(x, x, targets, il, tl, blank, backend=backend).abs() < 1e-15).all()     # KL(p || p) = 0
+    close(alignment_cross_entropy(x, x, targets, il, tl, blank, backend=backend), h)
     close(ce, h + kl)
     # reduction as rnnt_loss's: 'mean' is the plain mean over the batch
-    close(alignment_entropy(x, targets, il, tl, blank, reduction='sum'), h.sum())
-    close(alignment_entropy(x, targets, il, tl, blank, reduction='mean'), h.mean())
-    close(alignment_kl(x, z, targets, il, tl, blank, reduction='mean'), kl.mean())
+    close(alignment_entropy(x, targets, il, tl, blank, reduction='sum', backend=backend), h.sum())
+    close(alignment_entropy(x, targets, il, tl, blank, reduction='mean', backend=backend), h.mean())
+    close(alignment_kl(x, z, targets, il, tl, blank, reduction='mean', backend=backend), kl.mean())
     loss = rnnt_loss(x, targets, il.int(), tl.int(), blank, reduction='none')
     close(rnnt_loss(x, targets, il.int(), tl.int(), blank, reduction='mean'), loss.mean())
 
-def test_uniform_model_has_the_entropy_of_a_uniform_choice():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_uniform_model_has_the_entropy_of_a_uniform_choice(backend):
     x = torch.zeros(2, 7, 4, 5, dtype=torch.float64)                 # every edge alike: every alignment alike
-    h = alignment_entropy(x, torch.tensor([[1, 2, 3], [1, 1, 1]]), torch.tensor([7, 4]), torch.tensor([3, 2]))
+    h = alignment_entropy(x, torch.tensor([[1, 2, 3], [1, 1, 1]]), torch.tensor([7, 4]), torch.tensor([3, 2]),
+                          backend=backend)
     close(h, torch.tensor([math.log(math.comb(9, 3)), math.log(math.comb(5, 2))], dtype=torch.float64))
 
-def test_without_log_softmax_and_float32():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_without_log_softmax_and_float32(backend):
     x, z, targets, il, tl = batch(3)
     lp = x.log_softmax(-1)
-    close(alignment_entropy(lp, targets, il, tl, fused_log_softmax=False), alignment_entropy(x, targets, il, tl))
-    h32 = alignment_entropy(x.float(), targets, il, tl)
+    H = lambda x, **kw: alignment_entropy(x, targets, il, tl, backend=backend, **kw)
+    close(H(lp, fused_log_softmax=False), H(x))
+    h32 = H(x.float())
     assert h32.dtype == torch.float32
-    torch.testing.assert_close(h32.double(), alignment_entropy(x, targets, il, tl), rtol=1e-5, atol=1e-6)
-    hh = alignment_entropy(x.half(), targets, il, tl)                   # half precision: computed in float32
+    torch.testing.assert_close(h32.double(), H(x), rtol=1e-5, atol=1e-6)
+    hh = H(x.half())                   # half precision: computed in float32
     assert hh.dtype == torch.float32
 
-def test_gradcheck_of_entropy_kl_and_cross_entropy():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_gradcheck_of_entropy_kl_and_cross_entropy(backend):
     x, z, targets, il, tl = batch(1, T=3, U=2, V=3)
     x, z, targets, il, tl = x[:2].requires_grad_(), z[:2].requires_grad_(), targets[:2], il[:2], tl[:2]
-    assert torch.autograd.gradcheck(lambda x: alignment_entropy(x, targets, il, tl), (x,), fast_mode=True)
-    assert torch.autograd.gradcheck(lambda x, z: alignment_kl(x, z, targets, il, tl), (x, z), fast_mode=True)
-    assert torch.autograd.gradcheck(lambda x, z: alignment_cross_entropy(x, z, targets, il, tl), (x, z), fast_mode=True)
+    kw = dict(backend=backend)
+    assert torch.autograd.gradcheck(lambda x: alignment_entropy(x, targets, il, tl, **kw), (x,), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda x, z: alignment_kl(x, z, targets, il, tl, **kw), (x, z), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda x, z: alignment_cross_entropy(x, z, targets, il, tl, **kw), (x, z), fast_mode=True)
 
 # -- k-best -------------------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
 @pytest.mark.parametrize('k', [1, 4, 16])
 @pytest.mark.parametrize('seed', range(2))
-def test_kbest_equals_the_sorted_enumeration(seed, k):
+def test_kbest_equals_the_sorted_enumeration(seed, k, backend):
     x, _, targets, il, tl = batch(seed)
     B, T, U1, V = x.shape
     xg = x.detach().requires_grad_()
-    frames, scores = kbest_alignments(xg, targets, il, tl, k=k)
+    frames, scores = kbest_alignments(xg, targets, il, tl, k=k, backend=backend)
     assert frames.shape == (k, B, U1 - 1) and scores.shape == (k, B) and frames.dtype == torch.long
     for b in range(B):
         paths, s = scores_by_enumeration(x, targets, b, int(il[b]), int(tl[b]), V - 1)
@@ -144,13 +152,14 @@ def test_kbest_equals_the_sorted_enumeration(seed, k):
         want[b] = torch.autograd.grad(s, lp)[0]
     close(xg.grad, want)
 
-def test_kbest_pads_and_does_not_track_gradients_it_was_not_asked_for():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_kbest_pads_and_does_not_track_gradients_it_was_not_asked_for(backend):
     x = torch.randn(1, 3, 3, 4, dtype=torch.float64)
-    frames, scores = kbest_alignments(x, torch.tensor([[1, 2]]), torch.tensor([3]), torch.tensor([2]), k=16)
+    frames, scores = kbest_alignments(x, torch.tensor([[1, 2]]), torch.tensor([3]), torch.tensor([2]), k=16, backend=backend)
     assert torch.isfinite(scores[:6]).all() and scores[6:].eq(-math.inf).all() and frames[6:].eq(-1).all()   # C(4, 2) = 6
     assert not scores.requires_grad and (scores[:-1] >= scores[1:]).all()
     assert len({tuple(f) for f in frames[:6, 0].tolist()}) == 6
-    with torch.no_grad(): assert not kbest_alignments(x.requires_grad_(), torch.tensor([[1, 2]]), torch.tensor([3]), torch.tensor([2]), k=2)[1].requires_grad
+    with torch.no_grad(): assert not kbest_alignments(x.requires_grad_(), torch.tensor([[1, 2]]), torch.tensor([3]), torch.tensor([2]), k=2, backend=backend)[1].requires_grad
 
 # -- samples ------------------------------------------------------------------------------------------------------------
 
@@ -164,12 +173,13 @@ def edge_occupancy(frames, il, tl, T, U1):
     blanks = torch.nn.functional.one_hot(emitted, U1) * (t < il[:, None])[None, :, :, None]
     return torch.stack([blanks.double(), torch.nn.functional.pad(emits.double(), (0, U1 - U))], -1)
 
-def test_samples_match_the_exact_path_probabilities():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_samples_match_the_exact_path_probabilities(backend):
     x, _, targets, il, tl = batch(5, T=5, U=3)
     x = 0.5 * x                                                         # a flatter posterior: more paths with counts
     B, T, U1, V = x.shape
     n = 20000
-    frames, logp = sample_alignments(x, targets, il, tl, n=n, generator=torch.Generator().manual_seed(0))
+    frames, logp = sample_alignments(x, targets, il, tl, n=n, generator=torch.Generator().manual_seed(0), backend=backend)
     assert frames.shape == (n, B, U1 - 1) and logp.shape == (n, B) and frames.dtype == torch.long
     for b in range(B):
         paths, s = scores_by_enumeration(x, targets, b, int(il[b]), int(tl[b]), V - 1)
@@ -193,14 +203,14 @@ def test_samples_match_the_exact_path_probabilities():
     assert ((freq - post).abs() <= 5 * sigma + 1e-12).all()
     assert (freq > 0).sum() > 40                                        # many edges tested, not only certain ones
 
-def test_samples_are_reproducible_from_the_generator():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_samples_are_reproducible_from_the_generator(backend):
     x, _, targets, il, tl = batch(3)
-    a = sample_alignments(x, targets, il, tl, n=50, generator=torch.Generator().manual_seed(7))
-    b = sample_alignments(x, targets, il, tl, n=50, generator=torch.Generator().manual_seed(7))
-    c = sample_alignments(x, targets, il, tl, n=50, generator=torch.Generator().manual_seed(8))
+    S = lambda **kw: sample_alignments(x, targets, il, tl, n=50, backend=backend, **kw)
+    a, b, c = S(generator=torch.Generator().manual_seed(7)), S(generator=torch.Generator().manual_seed(7)), S(generator=torch.Generator().manual_seed(8))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and not torch.equal(a[0], c[0])
-    torch.manual_seed(1); d = sample_alignments(x, targets, il, tl, n=50)
-    torch.manual_seed(1); e = sample_alignments(x, targets, il, tl, n=50)
+    torch.manual_seed(1); d = S()
+    torch.manual_seed(1); e = S()
     assert torch.equal(d[0], e[0])
     # the uniforms are torch.rand((n, B, T + U - 1), float64) from the generator: the same draws, one step at a time
     u = torch.rand((50, 5, 5 + 3 - 1), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
@@ -210,10 +220,11 @@ def test_samples_are_reproducible_from_the_generator():
     _, alphas = logz_reference(bl, em, il_, tl_, Log, all_nodes=True)
     assert torch.equal(sample_frames(alphas, bl, em, il_, tl_, u), a[0])
 
-def test_sample_log_probabilities_are_differentiable():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_sample_log_probabilities_are_differentiable(backend):
     x, _, targets, il, tl = batch(4, T=3, U=2, V=3)
     x.requires_grad_()
-    f = lambda x: sample_alignments(x, targets, il, tl, n=3, generator=torch.Generator().manual_seed(0))[1]
+    f = lambda x: sample_alignments(x, targets, il, tl, n=3, generator=torch.Generator().manual_seed(0), backend=backend)[1]
     assert torch.autograd.gradcheck(f, (x,), fast_mode=True)
 
 # -- a peaky model: tiny entropy --------------------------------------------------------------------------------------
@@ -233,8 +244,9 @@ def entropy_high_precision(x, targets, b, T_b, U_b, blank, digits=60):
         logz = m + sum(((s - m).exp() for s in scores), D(0)).ln()
         return float(-sum((s - logz).exp() * (s - logz) for s in scores))
 
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
 @pytest.mark.parametrize('sharpness', [4.0, 8.0, 32.0])
-def test_entropy_of_a_peaky_model_is_accurate(sharpness):
+def test_entropy_of_a_peaky_model_is_accurate(sharpness, backend):
     g = torch.Generator().manual_seed(0)
     T, U, V = 6, 3, 5
     logits = 0.3 * torch.randn(1, T, U + 1, V, generator=g, dtype=torch.float64)
@@ -242,12 +254,13 @@ def test_entropy_of_a_peaky_model_is_accurate(sharpness):
     for u in range(U): logits[0, 2 * u, u, u + 1] += 4
     x = sharpness * logits
     targets = torch.tensor([[1, 2, 3]])
-    h = alignment_entropy(x, targets, torch.tensor([T]), torch.tensor([U]))[0].item()
+    h = alignment_entropy(x, targets, torch.tensor([T]), torch.tensor([U]), backend=backend)[0].item()
     want = entropy_high_precision(x, targets, 0, T, U, V - 1)
     assert abs(h - want) <= 1e-10 * want, (sharpness, h, want)
     if sharpness == 32.0: assert 1e-20 < want < 1e-9                   # tiny: cancellation would lose every digit
 
-def test_entropy_of_a_two_path_lattice_in_closed_form():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_entropy_of_a_two_path_lattice_in_closed_form(backend):
     # T = 2, one label: it leaves in frame 0 or in frame 1. With log-probabilities a (one path) and a - d (the other),
     # p = 1 / (1 + e^-d) and H = log(1 + e^-d) + d e^-d / (1 + e^-d), accurate by log1p for d large (H ~ 1e-12 at d ~ 31)
     x = torch.zeros(1, 2, 2, 3, dtype=torch.float64)
@@ -258,38 +271,39 @@ def test_entropy_of_a_two_path_lattice_in_closed_form():
     d = (first - second).item()
     e = math.exp(-d)
     want = math.log1p(e) + d * e / (1 + e)
-    h = alignment_entropy(x, torch.tensor([[1]]), torch.tensor([2]), torch.tensor([1]))[0].item()
+    h = alignment_entropy(x, torch.tensor([[1]]), torch.tensor([2]), torch.tensor([1]), backend=backend)[0].item()
     assert 1e-13 < want < 1e-10 and abs(h - want) <= 1e-6 * want, (h, want)
 
 # -- edge cases and bad inputs ----------------------------------------------------------------------------------------
 
-def test_no_labels_one_frame_and_no_alignment():
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_no_labels_one_frame_and_no_alignment(backend):
     x = torch.randn(3, 4, 3, 4, dtype=torch.float64)
     targets, il, tl = torch.tensor([[1, 2], [1, 2], [1, 2]]), torch.tensor([4, 1, 4]), torch.tensor([0, 2, 2])
     # sequence 2: log-probabilities given directly (no log-softmax), its blank at the last frame impossible: no alignment
     lp = x.log_softmax(-1)
     lp[2, 3, :, 3] = -math.inf
-    h = alignment_entropy(lp, targets, il, tl, fused_log_softmax=False)
+    h = alignment_entropy(lp, targets, il, tl, fused_log_softmax=False, backend=backend)
     assert h.eq(0).all()
-    frames, scores = kbest_alignments(lp, targets, il, tl, fused_log_softmax=False, k=2)
+    frames, scores = kbest_alignments(lp, targets, il, tl, fused_log_softmax=False, k=2, backend=backend)
     assert frames[:, 0].eq(-1).all() and scores[0, 0] == lp[0, torch.arange(4), 0, 3].sum() and scores[1, 0] == -math.inf
     assert frames[0, 1].eq(0).all() and scores[1, 1] == -math.inf                       # one frame: both labels in it
     assert frames[:, 2].eq(-1).all() and scores[:, 2].eq(-math.inf).all()
-    frames, logp = sample_alignments(lp, targets, il, tl, fused_log_softmax=False, n=4)
+    frames, logp = sample_alignments(lp, targets, il, tl, fused_log_softmax=False, n=4, backend=backend)
     assert frames[:, 0].eq(-1).all() and logp[:, 0].eq(0).all() and frames[:, 1].eq(0).all() and logp[:, 1].eq(0).all()
     assert frames[:, 2].eq(-1).all() and logp[:, 2].eq(-math.inf).all()
     # gradients stay finite, and zero for the sequence without an alignment
     xg = lp.detach().requires_grad_()
-    (alignment_entropy(xg, targets, il, tl, fused_log_softmax=False).sum()
-     + alignment_kl(xg, xg.flip(0), targets, il, tl, fused_log_softmax=False).sum()).backward()
+    (alignment_entropy(xg, targets, il, tl, fused_log_softmax=False, backend=backend).sum()
+     + alignment_kl(xg, xg.flip(0), targets, il, tl, fused_log_softmax=False, backend=backend).sum()).backward()
     assert not xg.grad.isnan().any()
     # T = 1 and no labels: the single blank
     one = torch.randn(1, 1, 1, 3, dtype=torch.float64)
-    f, s = kbest_alignments(one, torch.zeros(1, 0, dtype=torch.long), torch.tensor([1]), torch.tensor([0]), k=3)
+    f, s = kbest_alignments(one, torch.zeros(1, 0, dtype=torch.long), torch.tensor([1]), torch.tensor([0]), k=3, backend=backend)
     assert f.shape == (3, 1, 0) and s[0, 0] == one[0, 0, 0].log_softmax(-1)[2] and s[1:].eq(-math.inf).all()
-    f, p = sample_alignments(one, torch.zeros(1, 0, dtype=torch.long), torch.tensor([1]), torch.tensor([0]), n=2)
+    f, p = sample_alignments(one, torch.zeros(1, 0, dtype=torch.long), torch.tensor([1]), torch.tensor([0]), n=2, backend=backend)
     assert f.shape == (2, 1, 0) and p.eq(0).all()
-    assert alignment_entropy(one, torch.zeros(1, 0, dtype=torch.long), torch.tensor([1]), torch.tensor([0])) == 0
+    assert alignment_entropy(one, torch.zeros(1, 0, dtype=torch.long), torch.tensor([1]), torch.tensor([0]), backend=backend) == 0
 
 def expect(error, match, f, *args, **kw):
     with pytest.raises(error, match=match): f(*args, **kw)
@@ -304,13 +318,12 @@ def test_bad_inputs_are_clear_errors():
         expect(ValueError, r'target_lengths must be in', f, x, tg, il, torch.tensor([3, 1]))
         expect(ValueError, r'logits must have shape', f, x[0], tg, il, tl)
         expect(TypeError, r'targets must hold integers', f, x, tg.float(), il, tl)
-        expect(NotImplementedError, r"no 'cpu' backend yet", f, x, tg, il, tl, backend='cpu')
         expect(NotImplementedError, r"no 'cuda' backend yet", f, x, tg, il, tl, backend='cuda')
         expect(ValueError, r"backend must be", f, x, tg, il, tl, backend='numba')
     for f in (alignment_kl, alignment_cross_entropy):
         expect(ValueError, r'same shape', f, x, x[:1], tg, il, tl)
         expect(ValueError, r'same shape', f, x, None, tg, il, tl)
-        expect(NotImplementedError, r"no 'cpu' backend yet", f, x, x, tg, il, tl, backend='cpu')
+        expect(NotImplementedError, r"no 'cuda' backend yet", f, x, x, tg, il, tl, backend='cuda')
         expect(ValueError, r'labels', f, x, x, torch.tensor([[1, 7], [0, 1]]), il, tl)
         expect(ValueError, r'reduction must be', f, x, x, tg, il, tl, reduction='avg')
     expect(ValueError, r'reduction must be', alignment_entropy, x, tg, il, tl, reduction='avg')
@@ -322,3 +335,91 @@ def test_bad_inputs_are_clear_errors():
         with pytest.raises(ValueError) as ours: alignment_entropy(*bad)
         with pytest.raises(ValueError) as loss: rnnt_loss(*bad)
         assert str(ours.value) == str(loss.value)
+
+# -- the CPU kernels against the reference, at sizes enumeration cannot reach -----------------------------------------
+
+def larger(seed, B=4, T=40, U=15, V=9, dtype=torch.float64):
+    "Two models' logits for a batch past enumeration (C(54, 15) ~ 1e13 alignments), variable lengths, a zero-length target."
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, U + 1, V, generator=g, dtype=dtype)
+    z = x + 0.5 * torch.randn(B, T, U + 1, V, generator=g, dtype=dtype)
+    targets = torch.randint(0, V - 1, (B, U), generator=g)
+    return x, z, targets, torch.tensor([T, T - 7, 1, T - 3])[:B], torch.tensor([U, U - 4, 0, 9])[:B]
+
+def test_cpu_kernels_agree_with_the_reference_values_and_gradients():
+    x, z, targets, il, tl = larger(0)
+    for f, inputs in ((alignment_entropy, (x,)), (alignment_kl, (x, z)), (alignment_cross_entropy, (x, z))):
+        got = []
+        for backend in ('cpu', 'reference'):
+            xs = [t.detach().requires_grad_() for t in inputs]
+            v = f(*xs, targets, il, tl, backend=backend)
+            w = torch.linspace(0.5, 2.0, len(v), dtype=v.dtype)               # a different weight per sequence
+            got.append((v.detach(), torch.autograd.grad((w * v).sum(), xs)))
+        (v_cpu, g_cpu), (v_ref, g_ref) = got
+        torch.testing.assert_close(v_cpu, v_ref, rtol=1e-10, atol=1e-12)
+        for a, b in zip(g_cpu, g_ref): torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        assert v_cpu[2] == 0                                                   # no labels: one alignment
+    # 'auto' on CPU tensors is the kernel, bit for bit; and without log-softmax (log-probabilities given)
+    assert torch.equal(alignment_entropy(x, targets, il, tl), alignment_entropy(x, targets, il, tl, backend='cpu'))
+    lp = x.log_softmax(-1).requires_grad_()
+    a = alignment_kl(lp, z.log_softmax(-1), targets, il, tl, fused_log_softmax=False, backend='cpu')
+    b = alignment_kl(lp, z.log_softmax(-1), targets, il, tl, fused_log_softmax=False, backend='reference')
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.autograd.grad(a.sum(), lp)[0], torch.autograd.grad(b.sum(), lp)[0], rtol=1e-10, atol=1e-12)
+
+def test_cpu_kernels_in_float32():
+    x, z, targets, il, tl = larger(1, dtype=torch.float32)
+    x.requires_grad_()
+    h = alignment_entropy(x, targets, il, tl, backend='cpu')
+    assert h.dtype == torch.float32
+    g, = torch.autograd.grad(h.sum(), x)
+    assert g.dtype == torch.float32
+    xd = x.detach().double().requires_grad_()
+    want = alignment_entropy(xd, targets, il, tl, backend='reference')
+    torch.testing.assert_close(h.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g.double(), torch.autograd.grad(want.sum(), xd)[0], rtol=1e-5, atol=1e-6)
+    kl = alignment_kl(x, z, targets, il, tl, backend='cpu')
+    torch.testing.assert_close(kl.double(), alignment_kl(x.double(), z.double(), targets, il, tl, backend='reference'),
+                               rtol=1e-5, atol=1e-6)
+    f, s = kbest_alignments(x, targets, il, tl, k=4, backend='cpu')
+    f_ref, s_ref = kbest_alignments(x.double(), targets, il, tl, k=4, backend='reference')
+    assert s.dtype == torch.float32 and torch.equal(f, f_ref)
+    torch.testing.assert_close(s.double(), s_ref, rtol=1e-5, atol=1e-4)
+
+def test_cpu_kbest_and_samples_equal_the_reference():
+    x, _, targets, il, tl = larger(2)
+    for k in (1, 5):
+        xs = [x.detach().requires_grad_() for _ in range(2)]
+        (f_cpu, s_cpu), (f_ref, s_ref) = (kbest_alignments(xi, targets, il, tl, k=k, backend=b)
+                                          for xi, b in zip(xs, ('cpu', 'reference')))
+        assert torch.equal(f_cpu, f_ref)
+        torch.testing.assert_close(s_cpu, s_ref, rtol=1e-12, atol=1e-12)
+        (g_cpu,), (g_ref,) = (torch.autograd.grad(s.sum(), xi) for s, xi in ((s_cpu, xs[0]), (s_ref, xs[1])))
+        torch.testing.assert_close(g_cpu, g_ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(kbest_alignments(x, targets, il, tl, k=1, backend='cpu')[0][0], best_path(x, targets, il, tl)[0])
+    xs = [x.detach().requires_grad_() for _ in range(2)]
+    (f_cpu, p_cpu), (f_ref, p_ref) = (sample_alignments(xi, targets, il, tl, n=16, generator=torch.Generator().manual_seed(3),
+                                                        backend=b) for xi, b in zip(xs, ('cpu', 'reference')))
+    assert torch.equal(f_cpu, f_ref) and len({tuple(f) for f in f_cpu[:, 0].tolist()}) > 1
+    torch.testing.assert_close(p_cpu, p_ref, rtol=1e-10, atol=1e-10)
+    (g_cpu,), (g_ref,) = (torch.autograd.grad(p.sum(), xi) for p, xi in ((p_cpu, xs[0]), (p_ref, xs[1])))
+    torch.testing.assert_close(g_cpu, g_ref, rtol=1e-10, atol=1e-12)
+
+def test_zero_length_targets_on_the_cpu():
+    x = torch.randn(2, 6, 1, 4, dtype=torch.float64, requires_grad=True)      # U = 0: the all-blank path alone
+    targets, il, tl = torch.zeros(2, 0, dtype=torch.long), torch.tensor([6, 3]), torch.tensor([0, 0])
+    h = alignment_entropy(x, targets, il, tl, backend='cpu')
+    assert h.eq(0).all() and torch.autograd.grad(h.sum(), x)[0].abs().max() < 1e-14       # (rounding: log mu = 0 to 1 ulp)
+    f, s = kbest_alignments(x, targets, il, tl, k=2, backend='cpu')
+    assert f.shape == (2, 2, 0) and s[1].eq(-math.inf).all()
+    close(s[0].detach(), -rnnt_loss(x.detach(), targets, il, tl, reduction='none'))
+    f, p = sample_alignments(x, targets, il, tl, n=3, backend='cpu')
+    assert f.shape == (3, 2, 0) and p.abs().max() < 1e-13                  # log 1, to rounding
+
+def test_compiled_entropy_on_the_cpu_equals_eager():
+    x, z, targets, il, tl = larger(3, B=2, T=9, U=4)
+    f = lambda x: alignment_entropy(x, targets, il, tl, backend='cpu')
+    xs = [x.detach().requires_grad_() for _ in range(2)]
+    eager, compiled = f(xs[0]), torch.compile(f, backend='eager', fullgraph=True)(xs[1])
+    close(compiled, eager)
+    close(torch.autograd.grad(compiled.sum(), xs[1])[0], torch.autograd.grad(eager.sum(), xs[0])[0])
