@@ -282,9 +282,9 @@ def _shares3(a0, a1, a2):
     m = max(a0, max(a1, a2))
     mm = m if m > -np.inf else 0.0
     d0, d1, d2 = a0 - mm, a1 - mm, a2 - mm
-    e0 = fast_exp(d0) if d0 > -np.inf else 0.0
-    e1 = fast_exp(d1) if d1 > -np.inf else 0.0
-    e2 = fast_exp(d2) if d2 > -np.inf else 0.0
+    e0 = fast_exp(d0) if d0 > _EXP_FLOOR else 0.0       # (fast_exp reads anything below its floor as the floor:
+    e1 = fast_exp(d1) if d1 > _EXP_FLOOR else 0.0       # a share below e^-301 of the largest is dropped, never
+    e2 = fast_exp(d2) if d2 > _EXP_FLOOR else 0.0       # overstated)
     rest = (e1 + e2) if d0 == 0.0 else ((e0 + e2) if d1 == 0.0 else (e0 + e1))
     l = fast_log1p(rest)
     inv = 1.0 / (1.0 + rest)
