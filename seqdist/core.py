@@ -6,7 +6,8 @@
 __all__ = ['ZERO_BELOW', 'Log', 'Max', 'SEMIRINGS', 'LOG2E', 'LN2_HI', 'LN2_LO', 'Entropy', 'CrossEntropy', 'KL', 'LN2',
            'ALG_LOG', 'ALG_ENTROPY', 'ALG_KL', 'ALGEBRAS', 'max_grad', 'compute_dtype', 'semiring', 'bits_as_float64',
            'semiring_sum2', 'fast_exp', 'fast_exp8', 'fast_logsumexp', 'grad', 'SequenceDist', 'log_softmax_parts',
-           'KMax', 'choose_index', 'reference_only', 'fast_log1p', 'alg_plus3']
+           'KMax', 'choose_index', 'reference_only', 'fast_log1p', 'alg_plus3', 'question_backend', 'pick3',
+           'merge_top3']
 
 # %% ../nbs/00_core.ipynb #7d448610
 import math
@@ -305,3 +306,42 @@ def alg_plus3(alg, x0, x1, x2, y0, y1, y2, z0, z1, z2):
     c = ((w0 * (x2 + (m0 - n0))) if w0 > 0.0 else 0.0) + ((w1 * (y2 + (m1 - n1))) if w1 > 0.0 else 0.0) \
         + ((w2 * (z2 + (m2 - n2))) if w2 > 0.0 else 0.0)
     return lp, lq, c
+
+# %% ../nbs/00_core.ipynb #ed28d6b0
+def question_backend(backend, x, what, name='log_probs'):
+    """The backend of a lattice question with CPU kernels: 'auto' runs the CPU kernel on CPU tensors and the PyTorch
+    reference on a GPU (the CUDA kernels come later); 'cpu' and 'reference' as named; 'cuda' raises NotImplementedError.
+    `x` is the input (`name` in messages) whose device decides."""
+    if backend == 'auto': return 'reference' if x.is_cuda else 'cpu'
+    if backend == 'cuda':
+        raise NotImplementedError(f"{what} has no 'cuda' backend yet: backend='auto' runs the PyTorch reference on a GPU")
+    if backend not in ('cpu', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu' or 'reference', got {backend!r}")
+    if backend == 'cpu' and x.is_cuda: raise ValueError(f"backend='cpu' takes CPU tensors; {name} is on a GPU")
+    return backend
+
+@numba.njit(inline='always')
+def pick3(w0, w1, w2, u):
+    """For the CPU samplers: the index (0, 1 or 2) that the uniform u picks among weights w (linear, relative to their
+    largest), as `choose_index` picks: the first whose cumulative weight exceeds u times the total, never one of weight 0."""
+    c1 = w0 + w1
+    total = c1 + w2
+    i = (1 if w0 <= u * total else 0) + (1 if c1 <= u * total else 0)
+    last = 2 if w2 > 0.0 else (1 if w1 > 0.0 else 0)
+    return min(i, last)
+
+@numba.njit(inline='always')
+def merge_top3(k, a, b, c, out, code):
+    """For the CPU k-best kernels (KMax(k)'s sum of three states): the k largest of three sorted (descending) lists a, b,
+    c of length k, into out, and for each where it came from, `code` = 16 * list + rank (ties: the earlier list first;
+    an int8 holds it for k <= 16). -inf past the values that exist."""
+    i = j = l = 0
+    for r in range(k):
+        va = a[i] if i < k else -np.inf
+        vb = b[j] if j < k else -np.inf
+        vc = c[l] if l < k else -np.inf
+        if va >= vb and va >= vc:
+            out[r] = va; code[r] = i; i += 1
+        elif vb >= vc:
+            out[r] = vb; code[r] = 16 + j; j += 1
+        else:
+            out[r] = vc; code[r] = 32 + l; l += 1

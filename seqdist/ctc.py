@@ -17,6 +17,7 @@ import numba
 import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp
+from .core import question_backend, pick3, merge_top3
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import to_device, on_host, require, check_labels
 from .compile_check import resource_budget
@@ -114,7 +115,6 @@ _STATE_WORK = 8  # a lattice state costs about as much as 8 elementwise ops: the
 def _band(t, T, n_states):
     "States of the lattice that are reachable at frame t and can still reach a final state by frame T-1."
     return max(0, n_states - 2 * (T - t)), min(n_states - 1, 2 * t + 1)
-
 
 @numba.njit(cache=_CACHE)
 def _lattice(ext, L, blank, C, delay):
@@ -351,7 +351,6 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, delay, use_max, g, g
         logz[n] = z + shift
         if write_grad and z != -np.inf:
             _backward_log(n, T, n_states, ext[n], slot, skipf, alpha, emit, g[n], grad, beta, by_state)
-
 
 @numba.njit(nogil=True, cache=_CACHE)
 def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states, best, lo, hi):
@@ -883,16 +882,6 @@ def _ctc_kl_cpu(lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, gr
 
 # %% ../nbs/02_ctc.ipynb #58609b04
 @numba.njit(inline='always')
-def _pick(w0, w1, w2, u):
-    """The index (0, 1 or 2) that the uniform u picks among weights w (w / max(w), linear), as `choose_index` picks: the first
-    whose cumulative weight exceeds u times the total, never one of weight 0."""
-    c1 = w0 + w1
-    total = c1 + w2
-    i = (1 if w0 <= u * total else 0) + (1 if c1 <= u * total else 0)
-    last = 2 if w2 > 0.0 else (1 if w1 > 0.0 else 0)
-    return min(i, last)
-
-@numba.njit(inline='always')
 def _weights3(a, b, c, scaled):
     "Three alphas as weights relative to their largest: alpha / max in the scaled (linear) forward, exp(alpha - max) in log space."
     if scaled:
@@ -928,34 +917,18 @@ def _ctc_sample_cpu(lp, ext, input_lengths, target_lengths, blank, u, states, lo
         for i in range(u.shape[0]):
             f = n_states + 1                                   # alpha's index of the last blank (state 2L)
             w0, w1, w2 = _weights3(alpha[T - 1, f], alpha[T - 1, f - 1] if n_states > 1 else zero, zero, scaled)
-            s = n_states - 1 - _pick(w0, w1, w2, u[i, n, T - 1])
+            s = n_states - 1 - pick3(w0, w1, w2, u[i, n, T - 1])
             states[i, n, T - 1] = s
             for t in range(T - 2, -1, -1):
                 w0, w1, w2 = _weights3(alpha[t, s + 2], alpha[t, s + 1], alpha[t, s] if skipf[s] != 0.0 else zero, scaled)
-                s -= _pick(w0, w1, w2, u[i, n, t])
+                s -= pick3(w0, w1, w2, u[i, n, t])
                 states[i, n, t] = s
-
-@numba.njit(inline='always')
-def _merge_top(k, a, b, c, out, code):
-    """The k largest of three sorted (descending) lists a, b, c of length k, into out, and for each where it came from,
-    `code` = 16 * list + rank (ties: the earlier list first). -inf past the values that exist."""
-    i = j = l = 0
-    for r in range(k):
-        va = a[i] if i < k else -np.inf
-        vb = b[j] if j < k else -np.inf
-        vc = c[l] if l < k else -np.inf
-        if va >= vb and va >= vc:
-            out[r] = va; code[r] = i; i += 1
-        elif vb >= vc:
-            out[r] = vb; code[r] = 16 + j; j += 1
-        else:
-            out[r] = vc; code[r] = 32 + l; l += 1
 
 @numba.njit(nogil=True, cache=_CACHE)
 def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, best, lo, hi):
     """The k best paths of each sequence lo <= n < hi: the KMax(k) recursion in log space (each state the k best scores
     into it, sorted), keeping for each (frame, state, rank) which predecessor and which of its ranks it came from
-    (`_merge_top`'s code, int8); then each rank's path is walked back from the final states. states[r, n, t] gets the
+    (`merge_top3`'s code, int8); then each rank's path is walked back from the final states. states[r, n, t] gets the
     r-th path's state at frame t and best[r, n] its score (-inf, states left as they are, where fewer than k paths exist)."""
     T_max, N, C = lp.shape
     for n in range(lo, hi):
@@ -977,12 +950,12 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
             for s in range(n_states + 2): cur[s, :] = -np.inf
             for s in range(lo_s, hi_s + 1):
                 skip = s >= 2 and e[s] != blank and e[s] != e[s - 2]
-                _merge_top(k, prev[s + 2], prev[s + 1], prev[s] if skip else none, cur[s + 2], back[t, s])
+                merge_top3(k, prev[s + 2], prev[s + 1], prev[s] if skip else none, cur[s + 2], back[t, s])
                 x = lp[t, n, e[s]]
                 for r in range(k): cur[s + 2, r] += x
         last = V[(T - 1) % 2]
         finals, code = np.empty(k), np.empty(k, np.int8)
-        _merge_top(k, last[n_states + 1], last[n_states] if n_states > 1 else none, none, finals, code)
+        merge_top3(k, last[n_states + 1], last[n_states] if n_states > 1 else none, none, finals, code)
         for r in range(k):
             if finals[r] == -np.inf: break
             best[r, n] = finals[r]
@@ -994,16 +967,6 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
                     s, rank = s - c // 16, c % 16
 
 # %% ../nbs/02_ctc.ipynb #a19e0c01
-def _question_backend(backend, lp, what):
-    """The backend of a lattice question: 'auto' runs the CPU kernel on CPU tensors and the PyTorch reference on a GPU
-    (the CUDA kernels come later); 'cpu' and 'reference' as named; 'cuda' raises NotImplementedError."""
-    if backend == 'auto': return 'reference' if lp.is_cuda else 'cpu'
-    if backend == 'cuda':
-        raise NotImplementedError(f"{what} has no 'cuda' backend yet: backend='auto' runs the PyTorch reference on a GPU")
-    if backend not in ('cpu', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu' or 'reference', got {backend!r}")
-    if backend == 'cpu' and lp.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; log_probs is on a GPU")
-    return backend
-
 def _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank):
     """ctc_loss's inputs, checked as ctc_loss checks them: log_probs (T, N, C) in float32 or float64 (not detached), the
     extended labels (N, 2L+1), the lengths (N,) on log_probs' device, whether the input was unbatched, and targets' dtype."""
@@ -1096,7 +1059,7 @@ def _divergence(algebra, log_probs_p, log_probs_q, targets, input_lengths, targe
                          f"{tuple(getattr(log_probs_p, 'shape', ()))} and {tuple(getattr(log_probs_q, 'shape', ()))}")
     lp, tg, il, tl, unbatched = ctc_inputs(log_probs_p, targets, input_lengths, target_lengths, blank)
     lq = None if log_probs_q is None else ctc_inputs(log_probs_q, targets, input_lengths, target_lengths, blank)[0]
-    backend = _question_backend(backend, lp, what)
+    backend = question_backend(backend, lp, what)
     if algebra == 'CrossEntropy' and backend == 'cpu':      # H(p) + KL(p || q): two kernels, each with its own gradient
         return (_divergence('Entropy', log_probs_p, None, targets, input_lengths, target_lengths, blank, reduction, backend, what)
                 + _divergence('KL', log_probs_p, log_probs_q, targets, input_lengths, target_lengths, blank, reduction, backend, what))
@@ -1146,7 +1109,7 @@ def kbest_alignments(log_probs, targets, input_lengths, target_lengths, blank=0,
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     lp, ext, il, tl, unbatched, dtype = _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank)
-    backend, k = _question_backend(backend, lp, 'kbest_alignments'), int(k)
+    backend, k = question_backend(backend, lp, 'kbest_alignments'), int(k)
     T, N, _ = lp.shape
     if backend == 'cpu':
         states, best = torch.zeros(k, N, T, dtype=torch.long), np.empty((k, N))
@@ -1209,7 +1172,7 @@ def sample_alignments(log_probs, targets, input_lengths, target_lengths, blank=0
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     lp, ext, il, tl, unbatched, dtype = _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank)
-    backend = _question_backend(backend, lp, 'sample_alignments')
+    backend = question_backend(backend, lp, 'sample_alignments')
     T, N, _ = lp.shape
     u = torch.rand((int(n), N, T), generator=generator, dtype=torch.float64,
                    device=generator.device if generator is not None else 'cpu').to(lp.device)

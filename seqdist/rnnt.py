@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
 from .core import SEMIRINGS, compute_dtype, fast_logsumexp, Entropy, KL, CrossEntropy, KMax, choose_index
-from .core import ALG_ENTROPY, ALG_KL, alg_plus3
+from .core import ALG_ENTROPY, ALG_KL, alg_plus3, question_backend, pick3, merge_top3
 from .kernel import load_kernel
 from .memory import empty_gradient
 from .checks import on_host, require, to_device, check_labels, finite_real
@@ -647,43 +647,17 @@ def _rnnt_sample_cpu(x, y, Tl, Ul, blank, fused, u, frames, logz, lo, hi):
                     a0 = alpha[t - 1, j] + (np.float64(x[b, t - 1, j, blank]) - lse[t - 1, j])
                     a1 = alpha[t, j - 1] + (np.float64(x[b, t, j - 1, y[b, j - 1]]) - lse[t, j - 1])
                     m = max(a0, a1)
-                    label = _pick(np.exp(a0 - m), np.exp(a1 - m), 0.0, u[i, b, t + j - 1]) == 1
+                    label = pick3(np.exp(a0 - m), np.exp(a1 - m), 0.0, u[i, b, t + j - 1]) == 1
                 if label:
                     frames[i, b, j - 1] = t
                     j -= 1
                 else: t -= 1
 
-@numba.njit(inline='always')
-def _pick(w0, w1, w2, u):
-    """The index (0, 1 or 2) that the uniform u picks among weights w (w / max(w), linear), as `choose_index` picks: the
-    first whose cumulative weight exceeds u times the total, never one of weight 0."""
-    c1 = w0 + w1
-    total = c1 + w2
-    i = (1 if w0 <= u * total else 0) + (1 if c1 <= u * total else 0)
-    last = 2 if w2 > 0.0 else (1 if w1 > 0.0 else 0)
-    return min(i, last)
-
-@numba.njit(inline='always')
-def _merge_top(k, a, b, c, out, code):
-    """The k largest of three sorted (descending) lists a, b, c of length k, into out, and for each where it came from,
-    `code` = 16 * list + rank (ties: the earlier list first). -inf past the values that exist."""
-    i = j = l = 0
-    for r in range(k):
-        va = a[i] if i < k else -np.inf
-        vb = b[j] if j < k else -np.inf
-        vc = c[l] if l < k else -np.inf
-        if va >= vb and va >= vc:
-            out[r] = va; code[r] = i; i += 1
-        elif vb >= vc:
-            out[r] = vb; code[r] = 16 + j; j += 1
-        else:
-            out[r] = vc; code[r] = 32 + l; l += 1
-
 @numba.njit(nogil=True, cache=_CACHE)
 def _rnnt_kbest_cpu(x, y, Tl, Ul, blank, fused, k, frames, best, lo, hi):
     """The k best alignments of each sequence lo <= b < hi: the KMax(k) recursion in log space (each node the k best
     scores into it, sorted, merged from the blank edge's and the label edge's predecessor), keeping for each (node, rank)
-    which predecessor and which of its ranks it came from (`_merge_top`'s code, int8); then each rank's path is walked
+    which predecessor and which of its ranks it came from (`merge_top3`'s code, int8); then each rank's path is walked
     back from (T_b-1, U_b). frames[r, b, j] gets the frame of label j on the r-th path and best[r, b] its score (-inf,
     frames left as they are, where fewer than k paths exist)."""
     for b in range(lo, hi):
@@ -702,7 +676,7 @@ def _rnnt_kbest_cpu(x, y, Tl, Ul, blank, fused, k, frames, best, lo, hi):
                 for r in range(k):
                     from_blank[r] = V[t - 1, j, r] + bl[t - 1, j] if t > 0 else -np.inf
                     from_label[r] = V[t, j - 1, r] + em[t, j - 1] if j > 0 else -np.inf
-                _merge_top(k, from_blank, from_label, none, V[t, j], back[t, j])
+                merge_top3(k, from_blank, from_label, none, V[t, j], back[t, j])
         for r in range(k):
             s = V[Tb - 1, Ub, r] + bl[Tb - 1, Ub]
             if s == -np.inf: break
@@ -723,17 +697,6 @@ def _check_reduction(reduction):
 def _reduce(x, reduction):
     "`reduction` as rnnt_loss's (torchaudio's): 'none' (B,), 'sum', or 'mean', the plain mean over the batch."
     return x if reduction == 'none' else x.sum() if reduction == 'sum' else x.mean()
-
-def _question_backend(backend, logits, what):
-    """The backend of a lattice question: 'auto' runs the CPU kernel on CPU tensors and the PyTorch reference on a GPU
-    (the CUDA kernels come later); 'cpu' and 'reference' as named; 'cuda' raises NotImplementedError. (The CTC family's
-    rule, written again here: a family does not import another's private names.)"""
-    if backend == 'auto': return 'reference' if logits.is_cuda else 'cpu'
-    if backend == 'cuda':
-        raise NotImplementedError(f"{what} has no 'cuda' backend yet: backend='auto' runs the PyTorch reference on a GPU")
-    if backend not in ('cpu', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu' or 'reference', got {backend!r}")
-    if backend == 'cpu' and logits.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; logits is on a GPU")
-    return backend
 
 def _lattice_inputs(logits, targets, logit_lengths, target_lengths, blank):
     """rnnt_loss's inputs, checked as rnnt_loss checks them (`rnnt_inputs`, `check_targets`): the logits in the compute
@@ -821,7 +784,7 @@ def _divergence(algebra, logits_p, logits_q, targets, logit_lengths, target_leng
                          f"{tuple(getattr(logits_p, 'shape', ()))} and {tuple(getattr(logits_q, 'shape', ()))}")
     blank = rnnt_inputs(logits_p, targets, logit_lengths, target_lengths, blank)
     if logits_q is not None: rnnt_inputs(logits_q, targets, logit_lengths, target_lengths, blank)
-    backend = _question_backend(backend, logits_p, what)
+    backend = question_backend(backend, logits_p, what, 'logits')
     if algebra == 'CrossEntropy' and backend == 'cpu':      # H(p) + KL(p || q): two kernels, each with its own gradient
         return sum(_divergence(a, logits_p, q, targets, logit_lengths, target_lengths, blank, fused_log_softmax, reduction,
                                backend, what) for a, q in (('Entropy', None), ('KL', logits_q)))
@@ -880,7 +843,7 @@ def kbest_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, f
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     x, y, il, tl, blank = _lattice_inputs(logits, targets, logit_lengths, target_lengths, blank)
-    backend, k = _question_backend(backend, x, 'kbest_alignments'), int(k)
+    backend, k = question_backend(backend, x, 'kbest_alignments', 'logits'), int(k)
     bl, em = edge_log_probs(x, y, blank, bool(fused_log_softmax))
     differentiable = torch.is_grad_enabled() and em.requires_grad
     B, T, U1 = bl.shape
@@ -942,7 +905,7 @@ def sample_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, 
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     x, y, il, tl, blank = _lattice_inputs(logits, targets, logit_lengths, target_lengths, blank)
-    backend = _question_backend(backend, x, 'sample_alignments')
+    backend = question_backend(backend, x, 'sample_alignments', 'logits')
     bl, em = edge_log_probs(x, y, blank, bool(fused_log_softmax))
     B, T, U1 = bl.shape
     u = torch.rand((int(n), B, T + U1 - 2), generator=generator, dtype=torch.float64,
