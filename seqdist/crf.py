@@ -481,8 +481,19 @@ def _sparse_alg_cpu(alg, Mp, Mq, idx, rev, v0, vT, g, grad_p, grad_q, out, lo, h
             _sparse_beta_row(alg, bP, bQ, bH, Mp, Mq, rev, t, n, nP, nQ, nH)
             bP, bQ, bH, nP, nQ, nH = nP, nQ, nH, bP, bQ, bH
 
+# The entry points, one per algebra: the id a compile-time constant here, so that a call from Python is an ordinary
+# dispatch (a Python int passed to a function that calls `literally` goes through numba's literal dispatch, in Python,
+# at every call: ~0.4 s, measured)
+@numba.njit(nogil=True, cache=_CACHE, error_model='numpy')
+def _sparse_entropy_cpu(Mp, Mq, idx, rev, v0, vT, g, grad_p, grad_q, out, lo, hi):
+    _sparse_alg_cpu(ALG_ENTROPY, Mp, Mq, idx, rev, v0, vT, g, grad_p, grad_q, out, lo, hi)
+
+@numba.njit(nogil=True, cache=_CACHE, error_model='numpy')
+def _sparse_kl_cpu(Mp, Mq, idx, rev, v0, vT, g, grad_p, grad_q, out, lo, hi):
+    _sparse_alg_cpu(ALG_KL, Mp, Mq, idx, rev, v0, vT, g, grad_p, grad_q, out, lo, hi)
+
 # %% ../nbs/05_crf.ipynb #k3c4p5u6
-_DIVERGENCES = {'Entropy': (Entropy, ALG_ENTROPY), 'KL': (KL, ALG_KL), 'CrossEntropy': (CrossEntropy, None)}
+_DIVERGENCES = {'Entropy': (Entropy, _sparse_entropy_cpu), 'KL': (KL, _sparse_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
 
 def _out_edges(idx):
     """The edges leaving each state of a sparse lattice (C, D), as flat indices c * NZ + j into idx (C, NZ), in that
@@ -518,7 +529,7 @@ def _divergence_numba(st):
     grad_p = torch.zeros(T, N, C, NZ, dtype=torch.float64) if st.with_grad else None
     grad_q = torch.zeros(T, N, C, NZ, dtype=torch.float64) if st.with_grad and kl else None
     out = np.empty((N, 3))
-    parallel_for(_sparse_alg_cpu, N, _DIVERGENCES[st.algebra][1], st.mp.numpy(), st.mq.numpy(), st.idx.long().numpy(), st.rev,
+    parallel_for(_DIVERGENCES[st.algebra][1], N, st.mp.numpy(), st.mq.numpy(), st.idx.long().numpy(), st.rev,
                  st.ends[0].numpy(), st.ends[1].numpy(), np.ones(N) if st.with_grad else np.zeros(0),
                  none if grad_p is None else grad_p.numpy(), none if grad_q is None else grad_q.numpy(), out,
                  work=_EDGE_WORK * 4 * T * N * C * NZ)
