@@ -5,7 +5,7 @@ import functools, itertools, math
 import pytest, torch
 from seqdist import sparse, ctc_simple
 from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax, log_softmax_parts
-from seqdist.crf import CTC_CRF, _sample_edges
+from seqdist.crf import CTC_CRF, _sample_edges, crf_divergence_op
 from sampling_checks import chi_square, chi_square_bound
 
 def close(a, b, rtol=1e-10, atol=1e-12): torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
@@ -79,18 +79,23 @@ def test_sparse_reference_answers_every_semiring():
 
 # -- entropy, KL, cross-entropy ------------------------------------------------------------------------------------------
 
+BACKENDS = pytest.mark.parametrize('backend', ['cpu', 'reference'])
+
+@BACKENDS
 @pytest.mark.parametrize('state_len, T', [(1, 4), (2, 3)])
-def test_entropy_kl_cross_entropy_of_the_paths_equal_enumeration(state_len, T):
+def test_entropy_kl_cross_entropy_of_the_paths_equal_enumeration(state_len, T, backend):
     crf = CTC_CRF(state_len, 'NACGT')
     sp, sq = random_scores(crf, T, 2, 0), random_scores(crf, T, 2, 1)
     cols, _ = all_paths(state_len, 4, T)
     assert len(cols) == 4 ** state_len * 5 ** T
     want = torch.stack([torch.stack(entropy_kl_ce(path_scores(sp, b, cols), path_scores(sq, b, cols))) for b in range(2)], 1)
-    close(torch.stack([crf.entropy(sp), crf.kl(sp, sq), crf.cross_entropy(sp, sq)]), want)
+    close(torch.stack([crf.entropy(sp, backend=backend), crf.kl(sp, sq, backend=backend),
+                       crf.cross_entropy(sp, sq, backend=backend)]), want)
     close(torch.logsumexp(torch.stack([path_scores(sp, b, cols) for b in range(2)], 1), 0), crf.logZ(sp))   # the same paths
 
+@BACKENDS
 @pytest.mark.parametrize('state_len', [1, 2])
-def test_entropy_kl_cross_entropy_of_the_alignments_equal_enumeration(state_len):
+def test_entropy_kl_cross_entropy_of_the_alignments_equal_enumeration(state_len, backend):
     crf, T = CTC_CRF(state_len, 'NACGT'), 5 if state_len == 1 else 4
     sp, sq = random_scores(crf, T, 2, 2), random_scores(crf, T, 2, 3)
     targets, lengths = READS[state_len]
@@ -101,23 +106,27 @@ def test_entropy_kl_cross_entropy_of_the_alignments_equal_enumeration(state_len)
         a, q = path_scores(sp, b, cols), path_scores(sq, b, cols)
         want.append(torch.stack(entropy_kl_ce(a, q)))
         log_p.append(a.logsumexp(0) - crf.logZ(sp)[b])
-    close(torch.stack([crf.entropy(sp, tg, tl), crf.kl(sp, sq, tg, tl), crf.cross_entropy(sp, sq, tg, tl)]), torch.stack(want, 1))
+    close(torch.stack([crf.entropy(sp, tg, tl, backend=backend), crf.kl(sp, sq, tg, tl, backend=backend),
+                       crf.cross_entropy(sp, sq, tg, tl, backend=backend)]), torch.stack(want, 1))
     close(-crf.ctc_loss(sp, tg, tl, reduction='none') * tl, torch.stack(log_p))      # the lattice ctc_loss sums over
 
-def test_gradcheck():
+@BACKENDS
+def test_gradcheck(backend):
     crf = CTC_CRF(1, 'NACG')
     sp = random_scores(crf, 3, 2, 4).requires_grad_()
     sq = random_scores(crf, 3, 2, 5).requires_grad_()
     tg, tl = torch.tensor([[1, 2, 0], [2, 2, 3]]), torch.tensor([2, 3])
     check = lambda f, *xs: torch.autograd.gradcheck(f, xs, fast_mode=True)
-    for t in ({}, {'targets': tg, 'target_lengths': tl}):
+    for t in ({'backend': backend}, {'targets': tg, 'target_lengths': tl, 'backend': backend}):
         assert check(lambda x: crf.entropy(x, **t), sp)
         assert check(lambda x, y: crf.kl(x, y, **t), sp, sq)
         assert check(lambda x, y: crf.cross_entropy(x, y, **t), sp, sq)
+        if backend == 'cpu': continue                      # (no CPU kernel for these yet)
         assert check(lambda x: crf.kbest(x, k=3, **t)[1], sp)
         assert check(lambda x: crf.sample(x, n=4, generator=torch.Generator().manual_seed(0), **t)[1], sp)
 
-def test_entropy_of_a_peaky_model_is_accurate():
+@BACKENDS
+def test_entropy_of_a_peaky_model_is_accurate(backend):
     crf, T = CTC_CRF(1, 'NACGT'), 4
     cols, _ = all_paths(1, 4, T)
     scores = random_scores(crf, T, 1, 6, scale=0.1)
@@ -125,7 +134,7 @@ def test_entropy_of_a_peaky_model_is_accurate():
     s = path_scores(scores, 0, cols)
     _, lp = log_softmax_parts(s)                           # the dominant path's log-probability to full precision
     want = -(lp.exp() * lp).sum()                          # a sum of non-negative terms: exact to rounding
-    h = crf.entropy(scores)[0]
+    h = crf.entropy(scores, backend=backend)[0]
     assert 1e-14 < want < 1e-10 and abs(h - want) <= 1e-6 * want, (h.item(), want.item())
     naive = s.logsumexp(0) - (s.softmax(0) * s).sum()      # log Z - E[score] from the same float64 scores
     assert abs(naive - want) > 1e-3 * want                 # (2.8% off here: 28,000 times our error bound)
@@ -136,8 +145,61 @@ def test_entropy_of_a_peaky_model_is_accurate():
     scores[torch.arange(T), 0, acols[0]] += 16.0
     _, lp = log_softmax_parts(path_scores(scores, 0, acols))
     want = -(lp.exp() * lp).sum()
-    h = crf.entropy(scores, tg, tl)[0]
+    h = crf.entropy(scores, tg, tl, backend=backend)[0]
     assert 1e-16 < want < 1e-10 and abs(h - want) <= 1e-6 * want, (h.item(), want.item())
+
+def divergences_and_gradients(crf, sp, sq, backend, **t):
+    "Entropy, KL and cross-entropy (3, N) on `backend` and their gradients w.r.t. sp and sq (each of a random weighting)."
+    out = []
+    w = torch.randn(3, sp.shape[1], generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+    for i, f in enumerate((lambda: crf.entropy(sp, **t, backend=backend), lambda: crf.kl(sp, sq, **t, backend=backend),
+                           lambda: crf.cross_entropy(sp, sq, **t, backend=backend))):
+        v = f()
+        gp, gq = torch.autograd.grad((v.double() * w[i]).sum(), (sp, sq), allow_unused=True)
+        out.append((v, gp, torch.zeros_like(sp) if gq is None else gq))
+    return out
+
+def test_cpu_kernel_agrees_with_the_reference_beyond_enumeration():
+    "state_len 3 (64 states, 5 in-edges each), T 50, N 3: values and gradients to 1e-10 in float64, paths and alignments."
+    crf, T, N = CTC_CRF(3, 'NACGT'), 50, 3
+    sp, sq = random_scores(crf, T, N, 20).requires_grad_(), random_scores(crf, T, N, 21, scale=1.5).requires_grad_()
+    g = torch.Generator().manual_seed(22)
+    tg = torch.randint(1, 5, (N, 20), generator=g)
+    tl = torch.tensor([20, 13, 3])                     # the last: one k-mer, only stays
+    for t in ({}, {'targets': tg, 'target_lengths': tl}):
+        for (a, ga, qa), (b, gb, qb) in zip(divergences_and_gradients(crf, sp, sq, 'cpu', **t),
+                                            divergences_and_gradients(crf, sp, sq, 'reference', **t)):
+            close(a, b); close(ga, gb); close(qa, qb)
+            assert a[:2].ne(0).all()                   # (the one-k-mer read has one alignment: 0)
+
+def test_cpu_kernel_float32_and_under_torch_compile():
+    crf, T, N = CTC_CRF(2, 'NACGT'), 12, 2
+    sp = random_scores(crf, T, N, 23)
+    sq = random_scores(crf, T, N, 24)
+    tg, tl = torch.tensor([[1, 2, 3, 4], [4, 4, 1, 0]]), torch.tensor([4, 3])
+    for t in ({}, {'targets': tg, 'target_lengths': tl}):
+        x, y = sp.float().requires_grad_(), sq.float().requires_grad_()
+        want = divergences_and_gradients(crf, sp.clone().requires_grad_(), sq.clone().requires_grad_(), 'reference', **t)
+        for (a, ga, qa), (b, gb, qb) in zip(divergences_and_gradients(crf, x, y, 'cpu', **t), want):
+            assert a.dtype == ga.dtype == torch.float32
+            close(a.double(), b, rtol=1e-5, atol=1e-5); close(ga.double(), gb, rtol=1e-5, atol=1e-5)
+            close(qa.double(), qb, rtol=1e-5, atol=1e-5)
+        x = sp.clone().requires_grad_()
+        f = torch.compile(lambda s: crf.entropy(s, **t, backend='cpu'), backend='eager', fullgraph=False)
+        h = f(x)
+        g, = torch.autograd.grad(h.sum(), x)
+        x2 = sp.clone().requires_grad_()
+        h2 = crf.entropy(x2, **t, backend='cpu')
+        close(h, h2, rtol=0, atol=0); close(g, torch.autograd.grad(h2.sum(), x2)[0], rtol=0, atol=0)
+    # the op itself under compile: its registered fake and backward
+    Ms = crf._Ms(sp).clone().requires_grad_()
+    v = torch.zeros(N, crf.n_states, dtype=torch.float64)
+    op = torch.compile(lambda m: crf_divergence_op(m, None, crf.idx, v, v, 'Entropy', True, backend='cpu')[0],
+                       backend='eager', fullgraph=True)
+    close(op(Ms), crf.entropy(sp, backend='reference'))
+    x = sp.clone().requires_grad_()
+    close(torch.autograd.grad(op(Ms).sum(), Ms)[0].flatten(2),
+          torch.autograd.grad(crf.entropy(x, backend='reference').sum(), x)[0])
 
 # -- k best paths --------------------------------------------------------------------------------------------------------
 
@@ -187,13 +249,14 @@ def test_kbest_pads_where_there_are_fewer_paths():
     s, logp = crf.sample(scores, n=3, targets=tg, target_lengths=torch.tensor([5, 4]))
     assert s[:, :, 0].eq(-1).all() and logp[:, 0].eq(-math.inf).all() and logp[:, 1].eq(0).all()
 
-def test_infeasible_targets_give_zero_and_no_nan_gradient():
+@BACKENDS
+def test_infeasible_targets_give_zero_and_no_nan_gradient(backend):
     crf = CTC_CRF(1, 'NACGT')
     tg, tl = torch.tensor([[1, 2, 3, 4, 1], [1, 2, 3, 4, 0]]), [5, 4]      # sequence 0: 5 k-mers in 3 frames
     for dtype in (torch.float64, torch.float32):
         scores = random_scores(crf, 3, 2, 17, dtype=dtype).requires_grad_()
-        for f in (lambda: crf.entropy(scores, tg, tl), lambda: crf.kl(scores, 0.5 * scores, tg, tl),
-                  lambda: crf.cross_entropy(scores, 0.5 * scores, tg, tl)):
+        for f in (lambda: crf.entropy(scores, tg, tl, backend=backend), lambda: crf.kl(scores, 0.5 * scores, tg, tl, backend=backend),
+                  lambda: crf.cross_entropy(scores, 0.5 * scores, tg, tl, backend=backend)):
             value = f()
             g, = torch.autograd.grad(value.sum(), scores)
             assert value[0] == 0 and torch.isfinite(g).all() and g[:, 0].eq(0).all()
@@ -300,6 +363,8 @@ def test_bad_inputs_are_clear_errors():
         (lambda: crf.entropy(scores, tg, torch.tensor([2])), ValueError, 'target_lengths must be 2 integers'),
         (lambda: crf.sample(scores, backend='cpu'), NotImplementedError, "CTC_CRF.sample has no 'cpu' backend"),
         (lambda: crf.kbest(scores, backend='cuda'), NotImplementedError, "no 'cuda' backend"),
+        (lambda: crf.entropy(scores, backend='cuda'), NotImplementedError, "CTC_CRF.entropy has no 'cuda' backend"),
+        (lambda: crf.kl(scores, scores, backend='cuda'), NotImplementedError, "CTC_CRF.kl has no 'cuda' backend"),
         (lambda: crf.entropy(scores, backend='fast'), ValueError, 'backend must be'),
     ]
     for f, error, message in cases:
