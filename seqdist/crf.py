@@ -14,6 +14,7 @@ import numba
 from numba import literally
 import torch
 from .core import semiring, Log, Max, SequenceDist, Entropy, KL, CrossEntropy, KMax, compute_dtype, choose_index, reference_only
+from .core import question_backend
 from .core import ALG_ENTROPY, ALG_KL, ZERO_BELOW, alg_plus3, fast_exp
 from . import sparse, ctc_simple
 from .kernel import load_kernel
@@ -219,7 +220,7 @@ class CTC_CRF(SequenceDist):
         Differentiable, and accurate when tiny (the `Entropy` semiring adds only non-negative terms). `backend`: 'auto'
         (the CPU kernel, with its closed-form backward, on CPU tensors; the reference on a GPU), 'cpu' or 'reference'."""
         lat = self._lattice(scores, targets, target_lengths)
-        return _lattice_divergence('Entropy', lat, None, _question_backend(backend, lat.Ms, 'CTC_CRF.entropy'))
+        return _lattice_divergence('Entropy', lat, None, question_backend(backend, lat.Ms, 'CTC_CRF.entropy', 'scores'))
 
     def kl(self, scores_p, scores_q, targets=None, target_lengths=None, *, backend='auto'):
         """KL(p || q) (nats) (N,) between the path distributions of two score tensors (or, given targets, between their
@@ -301,7 +302,7 @@ class CTC_CRF(SequenceDist):
             raise ValueError(f"scores_p and scores_q must be tensors of the same shape, got "
                              f"{tuple(getattr(scores_p, 'shape', ()))} and {tuple(getattr(scores_q, 'shape', ()))}")
         p, q = self._lattice(scores_p, targets, target_lengths), self._lattice(scores_q, targets, target_lengths)
-        return _lattice_divergence(algebra, p, q, _question_backend(backend, p.Ms, what))
+        return _lattice_divergence(algebra, p, q, question_backend(backend, p.Ms, what, 'scores'))
 
     def _paths(self, edges, lat):
         """Paths (..., T, N) given by each frame's edge of the lattice, in the question's format: the CRF's edges are
@@ -565,16 +566,6 @@ crf_divergence_op = Op(f'{_OPS}::crf_divergence', "(Tensor Ms_p, Tensor? Ms_q, T
                        prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'reference': _divergence_reference},
                        backward={'cpu': _divergence_backward, 'reference': AUTOGRAD}, fake=_divergence_fake,
                        differentiable=('Ms_p', 'Ms_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'))
-
-def _question_backend(backend, scores, what):
-    """The backend of a question: 'auto' runs the CPU kernel on CPU tensors and the PyTorch reference on a GPU (no CUDA
-    kernel yet); 'cpu' and 'reference' as named; 'cuda' raises NotImplementedError."""
-    if backend == 'auto': return 'reference' if scores.is_cuda else 'cpu'
-    if backend == 'cuda':
-        raise NotImplementedError(f"{what} has no 'cuda' backend yet: backend='auto' runs the PyTorch reference on a GPU")
-    if backend not in ('cpu', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu' or 'reference', got {backend!r}")
-    if backend == 'cpu' and scores.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; scores is on a GPU")
-    return backend
 
 def _lattice_divergence(algebra, p, q, backend):
     "The `algebra`'s value (N,) over lattice p's paths (and q's, the same lattice with other scores), 0 where either has none."
