@@ -319,12 +319,39 @@ def _ctc_divergence_case(size, dtype, device, seed=0):
     return Case('alignment_entropy, alignment_kl', x, f,
                 bound=lambda: 400 * T * N * (2 * L + 1) * 8 + 8 * x.numel() * 8 + (1 << 20))   # the reference's autograd graph
 
+def _rnnt_divergence_case(size, dtype, device, seed=0):
+    "RNN-T's entropy and KL (op rnnt_divergence): the reference on a GPU so far, the numba kernel on the CPU."
+    from seqdist.rnnt import alignment_entropy, alignment_kl
+    B, T, U, V = dict(small=(3, 12, 5, 8), long=(2, 60, 20, 16))[size]
+    g = _gen(seed)
+    x = torch.randn(B, T, U + 1, V, generator=g, dtype=torch.float64).to(device, dtype)
+    q = torch.randn(B, T, U + 1, V, generator=g, dtype=torch.float64).to(device, dtype)
+    targets = torch.randint(0, V - 1, (B, U), generator=g, dtype=torch.int32).to(device)     # blank = V - 1
+    ll = torch.randint(T // 2, T + 1, (B,), generator=g, dtype=torch.int32); ll[0] = T
+    tl = torch.randint(U // 2, U + 1, (B,), generator=g, dtype=torch.int32); tl[0] = U
+    ll, tl = ll.to(device), tl.to(device)
+    def f(x):
+        h, kl = alignment_entropy(x, targets, ll, tl), alignment_kl(x, q, targets, ll, tl)
+        return h.sum() + kl.sum(), h, kl
+    return Case('rnnt alignment_entropy, alignment_kl', x, f,
+                bound=lambda: 400 * B * T * (U + 1) * V * 8 + (1 << 20))      # the reference's autograd graph
+
+def _crf_divergence_case(size, dtype, device, seed=0):
+    "CTC_CRF's entropy and KL over paths (op crf_divergence): the reference on a GPU so far, the numba kernel on the CPU."
+    crf, scores, targets, lengths = _crf_parts(size, seed)
+    q = torch.randn(scores.shape, generator=_gen(seed + 1), dtype=torch.float64).to(device, dtype)
+    def f(x):
+        h, kl = crf.entropy(x), crf.kl(x, q)
+        return h.sum() + kl.sum(), h, kl
+    return Case('CTC_CRF.entropy, CTC_CRF.kl', scores.to(device, dtype), f, bound=lambda: 400 * scores.numel() * 8 + (1 << 20))
+
 FAMILIES = {'ctc': _ctc_case, 'forced_align': _forced_align_case, 'ctc_simple': _ctc_simple_case, 'sparse': _sparse_case,
             'crf': _crf_case, 'rnnt': _rnnt_case, 'gru': _gru_case, 'cross_entropy': _cross_entropy_case,
             'linear_cross_entropy': _linear_cross_entropy_case, 'linear_token_stats': _linear_token_stats_case,
             'tdt': _tdt_case, 'multiblank': _multiblank_case,
-            'joint': _joint_case, 'ctc_divergence': _ctc_divergence_case}
-REFERENCE_ON_GPU = {'ctc_divergence'}   # PyTorch on a GPU so far: its host reads and Python loop are not yet sync-free
+            'joint': _joint_case, 'ctc_divergence': _ctc_divergence_case, 'rnnt_divergence': _rnnt_divergence_case,
+            'crf_divergence': _crf_divergence_case}
+REFERENCE_ON_GPU = {'ctc_divergence', 'rnnt_divergence', 'crf_divergence'}   # PyTorch on a GPU so far: its host reads and Python loop are not yet sync-free
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
 def _outputs(case, x=None):
@@ -448,7 +475,9 @@ OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_backward': 'ctc', 'seqdist::ct
              'seqdist::linear_cross_entropy_backward': 'linear_cross_entropy', 'seqdist::tdt': 'tdt', 'seqdist::tdt_backward': 'tdt',
              'seqdist::joint_rnnt': 'joint', 'seqdist::joint_rnnt_backward': 'joint',
              'seqdist::linear_token_stats': 'linear_token_stats', 'seqdist::linear_token_stats_backward': 'linear_token_stats',
-             'seqdist::ctc_divergence': 'ctc_divergence', 'seqdist::ctc_divergence_backward': 'ctc_divergence'}
+             'seqdist::ctc_divergence': 'ctc_divergence', 'seqdist::ctc_divergence_backward': 'ctc_divergence',
+             'seqdist::rnnt_divergence': 'rnnt_divergence', 'seqdist::rnnt_divergence_backward': 'rnnt_divergence',
+             'seqdist::crf_divergence': 'crf_divergence', 'seqdist::crf_divergence_backward': 'crf_divergence'}
 PUBLIC = ['ctc_loss', 'forced_align', 'ctc_simple.logZ', 'sparse.logZ', 'CTC_CRF.ctc_loss', 'rnnt_loss', 'GRU',
           'cross_entropy', 'linear_cross_entropy', 'tdt_loss', 'multiblank_rnnt_loss', 'tdt_alignments', 'tdt_best_path',
           'multiblank_alignments', 'joint_rnnt_loss', 'JointRNNTLoss', 'linear_token_stats', 'alignment_entropy', 'alignment_kl']
