@@ -265,7 +265,7 @@ def fast_log1p(x):
     and an odd series of degree 23 is exact. Arithmetic only (the branch is a 0/1 factor), so loops that call it vectorise."""
     big = np.float64(x >= _SQRT2_M1)
     z = (x - big) / (x + 2.0 + big)
-    z2 = z * z if z > 1e-150 else 0.0      # (no subnormal products, which cost a CPU ~100 cycles each: log1p(x) = x there)
+    z2 = z * z if abs(z) > 1e-150 else 0.0      # (no subnormal products, which cost ~100 cycles each: log1p(x) = x there)
     c = _ATANH
     p = c[11]
     p = p * z2 + c[10]; p = p * z2 + c[9]; p = p * z2 + c[8]; p = p * z2 + c[7]; p = p * z2 + c[6]; p = p * z2 + c[5]
