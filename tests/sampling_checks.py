@@ -14,3 +14,15 @@ def chi_square(counts, probs, n):
     obs = torch.cat([counts[~rare], counts[rare].sum()[None]]) if rare.any() else counts
     exp = torch.cat([expected[~rare], expected[rare].sum()[None]]) if rare.any() else expected
     return (((obs - exp) ** 2) / exp).sum().item(), len(obs) - 1
+
+def check_counts(drawn, logprob, n, seed):
+    """The chi-square test of the draws (indices into the paths) against the paths' exact log-probabilities, and its
+    power: the same counts fail it against the probabilities shuffled, or the likeliest path's half as large again.
+    Returns the degrees of freedom."""
+    counts = torch.bincount(drawn, minlength=len(logprob)).double()
+    stat, df = chi_square(counts, logprob.exp(), n)
+    assert stat < chi_square_bound(df), (seed, stat, df)
+    shuffled = logprob.exp()[torch.randperm(len(logprob), generator=torch.Generator().manual_seed(seed))]
+    off = logprob.exp().clone(); off[off.argmax()] *= 1.5; off /= off.sum()
+    assert chi_square(counts, shuffled, n)[0] > chi_square_bound(df) and chi_square(counts, off, n)[0] > chi_square_bound(df)
+    return df
