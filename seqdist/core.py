@@ -5,9 +5,9 @@
 # %% auto #0
 __all__ = ['ZERO_BELOW', 'Log', 'Max', 'SEMIRINGS', 'LOG2E', 'LN2_HI', 'LN2_LO', 'Entropy', 'CrossEntropy', 'KL', 'LN2',
            'ALG_LOG', 'ALG_ENTROPY', 'ALG_KL', 'ALGEBRAS', 'max_grad', 'compute_dtype', 'semiring', 'bits_as_float64',
-           'semiring_sum2', 'fast_exp', 'fast_exp8', 'fast_logsumexp', 'grad', 'SequenceDist', 'log_softmax_parts',
-           'KMax', 'choose_index', 'reference_only', 'fast_log1p', 'alg_plus3', 'question_backend', 'pick3',
-           'merge_top3']
+           'float64_as_bits', 'pow2', 'semiring_sum2', 'fast_exp', 'fast_exp8', 'fast_logsumexp', 'grad',
+           'SequenceDist', 'log_softmax_parts', 'KMax', 'choose_index', 'reference_only', 'fast_log1p', 'alg_plus3',
+           'question_backend', 'pick3', 'merge_top3']
 
 # %% ../nbs/00_core.ipynb #7d448610
 import math
@@ -93,6 +93,23 @@ def bits_as_float64(typingctx, bits):
         return builder.bitcast(args[0], context.get_value_type(types.float64))
     return types.float64(types.int64), codegen
 
+@intrinsic
+def float64_as_bits(typingctx, x):
+    "Reinterpret a float64's bits as an int64, for numba kernels (the inverse of `bits_as_float64`)."
+    if x != types.float64: return None
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.int64))
+    return types.int64(types.float64), codegen
+
+_POW2_MAGIC = 4503599627371519.0      # 2^52 + 1023
+
+@numba.njit(inline='always')
+def pow2(k):
+    """2^k for an integral float64 k in [-1022, 1023], for numba kernels. 2^52 + 1023 + k is exact and holds k + 1023 in
+    its low bits, which a shift moves to the exponent: no float-to-int conversion, which AVX2 has no vector instruction
+    for (a loop that converts runs one lane at a time), so the loops that call it stay vectorised."""
+    return bits_as_float64(float64_as_bits(k + _POW2_MAGIC) << 52)
+
 # Cody-Waite reduction x = k ln2 + r: ln2 in two parts, so that r is exact
 LOG2E, LN2_HI, LN2_LO = 1.4426950408889634, 6.93147180369123816490e-01, 1.90821492927058770002e-10
 
@@ -126,7 +143,7 @@ def fast_exp(x):
     p = c[13]
     p = p * r + c[12]; p = p * r + c[11]; p = p * r + c[10]; p = p * r + c[9]; p = p * r + c[8]; p = p * r + c[7]
     p = p * r + c[6]; p = p * r + c[5]; p = p * r + c[4]; p = p * r + c[3]; p = p * r + c[2]; p = p * r + c[1]
-    return (p * r + c[0]) * bits_as_float64((np.int64(k) + 1023) << 52)
+    return (p * r + c[0]) * pow2(k)
 
 @numba.njit(inline='always', fastmath={'contract'})
 def fast_exp8(x):
@@ -135,7 +152,7 @@ def fast_exp8(x):
     c = _EXP_TAYLOR
     p = c[8]
     p = p * r + c[7]; p = p * r + c[6]; p = p * r + c[5]; p = p * r + c[4]; p = p * r + c[3]; p = p * r + c[2]; p = p * r + c[1]
-    return (p * r + c[0]) * bits_as_float64((np.int64(k) + 1023) << 52)
+    return (p * r + c[0]) * pow2(k)
 
 @numba.njit(inline='always')
 def fast_logsumexp(row, precise):
@@ -259,50 +276,64 @@ _ATANH = tuple(2.0 / (2 * i + 1) for i in range(12))      # log((1 + z)/(1 - z))
 _SQRT2_M1, LN2 = math.sqrt(2.0) - 1.0, math.log(2.0)
 
 @numba.njit(inline='always', fastmath={'contract'}, error_model='numpy')
-def fast_log1p(x):
+def fast_log1p(x, precise=True):
     """log(1 + x) for x in [0, 2], to float64 precision however small x is (relative error < 5e-16): 1 + x is
     (1 + z)/(1 - z) with z = x/(2 + x) below sqrt(2) - 1, else 2 (1 + z)/(1 - z) with z = (x - 1)/(x + 3), so |z| <= 0.21
-    and an odd series of degree 23 is exact. Arithmetic only (the branch is a 0/1 factor), so loops that call it vectorise."""
+    and an odd series of degree 23 is exact. Arithmetic only (the branch is a 0/1 factor), so loops that call it vectorise.
+    `precise=False` (a constant) stops at degree 13: relative error < 5e-12, for float32 scores."""
     big = np.float64(x >= _SQRT2_M1)
     z = (x - big) / (x + 2.0 + big)
-    z2 = z * z if abs(z) > 1e-150 else 0.0      # (no subnormal products, which cost ~100 cycles each: log1p(x) = x there)
+    zz = z if abs(z) > 1e-150 else 0.0          # (no subnormal products, which cost ~100 cycles each, in every lane of a
+    z2 = zz * zz                                # vector that holds one: log1p(x) = x there)
     c = _ATANH
-    p = c[11]
-    p = p * z2 + c[10]; p = p * z2 + c[9]; p = p * z2 + c[8]; p = p * z2 + c[7]; p = p * z2 + c[6]; p = p * z2 + c[5]
-    p = p * z2 + c[4]; p = p * z2 + c[3]; p = p * z2 + c[2]; p = p * z2 + c[1]; p = p * z2 + c[0]
+    if precise:
+        p = c[11]
+        p = p * z2 + c[10]; p = p * z2 + c[9]; p = p * z2 + c[8]; p = p * z2 + c[7]; p = p * z2 + c[6]
+    else:
+        p = c[6]
+    p = p * z2 + c[5]; p = p * z2 + c[4]; p = p * z2 + c[3]; p = p * z2 + c[2]; p = p * z2 + c[1]; p = p * z2 + c[0]
     return p * z + big * LN2
 
 ALG_LOG, ALG_ENTROPY, ALG_KL = 0, 1, 2      # the algebras of the CPU kernels (numba literals: one compiled loop each)
 ALGEBRAS = {'Log': ALG_LOG, 'Entropy': ALG_ENTROPY, 'KL': ALG_KL}
 
 @numba.njit(inline='always', error_model='numpy')
-def _shares3(a0, a1, a2):
+def _shares3(a0, a1, a2, precise=True):
     """The log-sum of three log-weights, and each one's share w_i with -log w_i: (lse, w0, w1, w2, n0, n1, n2). The
     largest's -log is log1p(rest), rest the others' sum without its own 1 (exact however small); the others' are
     log1p(rest) - (a_i - max), sums of non-negative numbers. A weight of 0 has w_i = 0 (its n_i is then not used)."""
     m = max(a0, max(a1, a2))
     mm = m if m > -np.inf else 0.0
     d0, d1, d2 = a0 - mm, a1 - mm, a2 - mm
-    e0 = fast_exp(d0) if d0 > _EXP_FLOOR else 0.0       # (fast_exp reads anything below its floor as the floor:
-    e1 = fast_exp(d1) if d1 > _EXP_FLOOR else 0.0       # a share below e^-301 of the largest is dropped, never
-    e2 = fast_exp(d2) if d2 > _EXP_FLOOR else 0.0       # overstated)
-    rest = (e1 + e2) if d0 == 0.0 else ((e0 + e2) if d1 == 0.0 else (e0 + e1))
-    l = fast_log1p(rest)
+    first, second = d0 == 0.0, d0 != 0.0 and d1 == 0.0         # which is the largest (the first of equals)
+    u = d1 if first else d0                                     # the other two, u before v: two exponentials, not three
+    v = d1 if not (first or second) else d2
+    eu = (fast_exp(u) if precise else fast_exp8(u)) if u > _EXP_FLOOR else 0.0    # (fast_exp reads anything below its
+    ev = (fast_exp(v) if precise else fast_exp8(v)) if v > _EXP_FLOOR else 0.0    # floor as the floor: a share below
+                                                                                   # e^-301 of the largest is dropped)
+    top = 1.0 if m > -np.inf else 0.0
+    e0 = top if first else eu
+    e1 = top if second else (eu if first else ev)
+    e2 = ev if (first or second) else top
+    rest = eu + ev
+    l = fast_log1p(rest, precise)
     inv = 1.0 / (1.0 + rest)
     return m + l, e0 * inv, e1 * inv, e2 * inv, l - d0, l - d1, l - d2
 
 @numba.njit(inline='always', error_model='numpy')
-def alg_plus3(alg, x0, x1, x2, y0, y1, y2, z0, z1, z2):
+def alg_plus3(alg, x0, x1, x2, y0, y1, y2, z0, z1, z2, precise=True):
     """The semiring sum of three states (a_p, a_q, c) of algebra `alg` (a numba literal): Log, a_p = logsumexp; Entropy,
     also c = sum_i w_i (c_i - log w_i); KL, also a_q and c = sum_i w_i (c_i + log w_i - log v_i), w and v the shares of
-    the a_p and of the a_q. A term of weight 0 adds 0 (not 0 * inf). The product with an edge adds its scores to a_p, a_q."""
-    lp, w0, w1, w2, n0, n1, n2 = _shares3(x0, y0, z0)
+    the a_p and of the a_q. A term of weight 0 adds 0 (not 0 * inf). The product with an edge adds its scores to a_p, a_q.
+    `precise=False` (a literal): exponentials and logarithms to 3e-10 and 5e-12 relative, for float32 scores (a third
+    less arithmetic)."""
+    lp, w0, w1, w2, n0, n1, n2 = _shares3(x0, y0, z0, precise)
     if alg == ALG_LOG: return lp, -np.inf, 0.0
     if alg == ALG_ENTROPY:
         c = ((w0 * (x2 + n0)) if w0 > 0.0 else 0.0) + ((w1 * (y2 + n1)) if w1 > 0.0 else 0.0) \
             + ((w2 * (z2 + n2)) if w2 > 0.0 else 0.0)
         return lp, -np.inf, c
-    lq, v0, v1, v2, m0, m1, m2 = _shares3(x1, y1, z1)
+    lq, v0, v1, v2, m0, m1, m2 = _shares3(x1, y1, z1, precise)
     c = ((w0 * (x2 + (m0 - n0))) if w0 > 0.0 else 0.0) + ((w1 * (y2 + (m1 - n1))) if w1 > 0.0 else 0.0) \
         + ((w2 * (z2 + (m2 - n2))) if w2 > 0.0 else 0.0)
     return lp, lq, c

@@ -16,7 +16,7 @@ import numpy as np
 import numba
 import torch
 import torch.nn as nn
-from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp
+from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp, fast_exp8
 from .core import question_backend, pick3, merge_top3
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import to_device, on_host, require, check_labels
@@ -754,17 +754,23 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
 
 # %% ../nbs/02_ctc.ipynb #28b39b04
 @numba.njit(cache=_CACHE, error_model='numpy')
-def _alg_row(alg, p, q, h, skipneg, ep, eq, lo, hi, op, oq, oh, step):
+def _alg_row(alg, precise, p, q, h, skipneg, ep, eq, lo, hi, op, oq, oh, step):
     """One frame of a recursion of algebra `alg`: state s of the new row (op, oq, oh) is the sum of states s, s + step and
     s + 2 step of the old row (p, q, h) (skipneg[s] = -inf where the third is not an edge), times the emissions (ep, eq)[s].
     The forward recursion reads the row before (step -1), the backward one the row after (step 1); rows are padded by
-    two zero states at each end (index s + 2 is state s). 1-D rows and no branches: the loop vectorises."""
-    literally(alg)
-    for s in range(lo, hi + 1):
-        i, j, k = s + 2, s + 2 + step, s + 2 + 2 * step
-        a, b, c = alg_plus3(alg, p[i], q[i], h[i], p[j], q[j], h[j], p[k] + skipneg[s], q[k] + skipneg[s], h[k])
-        op[s + 2] = a + ep[s]; oh[s + 2] = c
-        if alg == ALG_KL: oq[s + 2] = b + eq[s]
+    two zero states at each end (index s + 2 is state s). 1-D rows, no branches, and every index the loop's counter: the
+    loop vectorises. (numba vectorises a loop only if it can prove its indices non-negative, as a negative index wraps
+    around; `range(lo, hi + 1)` with a runtime `lo` hides that, and ran one state at a time, 3x slower. So each of the
+    three predecessors is read through a view that starts at the first state it is read for.) `precise` (a literal): as
+    `alg_plus3`'s."""
+    literally(alg); literally(precise)
+    i, j, k = lo + 2, lo + 2 + step, lo + 2 + 2 * step
+    p0, q0, h0, p1, q1, h1, p2, q2, h2 = p[i:], q[i:], h[i:], p[j:], q[j:], h[j:], p[k:], q[k:], h[k:]
+    skip, ep, eq, op, oq, oh = skipneg[lo:], ep[lo:], eq[lo:], op[i:], oq[i:], oh[i:]
+    for s in range(hi + 1 - lo):
+        a, b, c = alg_plus3(alg, p0[s], q0[s], h0[s], p1[s], q1[s], h1[s], p2[s] + skip[s], q2[s] + skip[s], h2[s], precise)
+        op[s] = a + ep[s]; oh[s] = c
+        if alg == ALG_KL: oq[s] = b + eq[s]
 
 @numba.njit(inline='always')
 def _emissions(lp, t, n, ext, lo, hi, e):
@@ -772,7 +778,7 @@ def _emissions(lp, t, n, ext, lo, hi, e):
     for s in range(lo, hi + 1): e[s] = lp[t, n, ext[s]]
 
 @numba.njit(cache=_CACHE, error_model='numpy')
-def _alg_alpha(alg, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, E):
+def _alg_alpha(alg, precise, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, E):
     """The forward recursion of algebra `alg` over one sequence's CTC lattice: (P, Q, H)[t, s + 2] the state of (t, s),
     two zero states padding each end of a row (for Entropy, Q is P: read, never written). Returns the total: the sum of
     the two final states."""
@@ -789,14 +795,14 @@ def _alg_alpha(alg, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, E):
         lo, hi = _band(t, T, n_states)
         _emissions(lp, t, n, ext, lo, hi, ep)
         if alg == ALG_KL: _emissions(lq, t, n, ext, lo, hi, eq)
-        _alg_row(alg, P[t - 1], Q[t - 1], H[t - 1], skipneg, ep, eq, lo, hi, P[t], Q[t], H[t], -1)
+        _alg_row(alg, precise, P[t - 1], Q[t - 1], H[t - 1], skipneg, ep, eq, lo, hi, P[t], Q[t], H[t], -1)
     f = n_states + 1
     if n_states == 1: return P[T - 1, f], Q[T - 1, f], H[T - 1, f]
     return alg_plus3(alg, P[T - 1, f], Q[T - 1, f], H[T - 1, f], P[T - 1, f - 1], Q[T - 1, f - 1], H[T - 1, f - 1],
-                     -np.inf, -np.inf, 0.0)
+                     -np.inf, -np.inf, 0.0, precise)
 
 @numba.njit(cache=_CACHE, error_model='numpy')
-def _alg_beta_grad(alg, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, B, E, zp, zq, total, g, gs, grad_p, grad_q):
+def _alg_beta_grad(alg, precise, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, B, E, zp, zq, total, g, gs, grad_p, grad_q):
     """The backward recursion of `alg` (rows of B: the states of frame t, and of frame t + 1 times its emissions) and, at
     each node, g times the gradient of the total's accumulator w.r.t. the node's emission, added to grad_p[t, n, label]
     (and grad_q). Entropy: -mu (log mu - H_before - H_after + H); KL: mu_p (log mu_p - log mu_q + KL_before + KL_after
@@ -817,17 +823,19 @@ def _alg_beta_grad(alg, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, B, E, zp,
             if alg == ALG_KL:
                 for s in range(n_states + 4): cQ[s] = -np.inf
             for s in range(lo, hi + 1): ep[s] = 0.0; eq[s] = 0.0
-            _alg_row(alg, nP, nQ, nH, skipneg[2:], ep, eq, lo, hi, cP, cQ, cH, 1)
-        for s in range(lo, hi + 1):                        # the gradient at each node of the frame
-            lmp = P[t, s + 2] + cP[s + 2] - zp
-            mp = fast_exp(lmp) if lmp > -np.inf else 0.0
+            _alg_row(alg, precise, nP, nQ, nH, skipneg[2:], ep, eq, lo, hi, cP, cQ, cH, 1)
+        fP, fQ, fH, bP, bQ, bH, gpv, gqv = P[t, lo + 2:], Q[t, lo + 2:], H[t, lo + 2:], cP[lo + 2:], cQ[lo + 2:], cH[lo + 2:], \
+            gp[lo:], gq[lo:]                                # (views from lo: see `_alg_row`)
+        for s in range(hi + 1 - lo):                       # the gradient at each node of the frame
+            lmp = fP[s] + bP[s] - zp
+            mp = (fast_exp(lmp) if precise else fast_exp8(lmp)) if lmp > -np.inf else 0.0
             if alg == ALG_ENTROPY:
-                gp[s] = (-mp * (lmp - H[t, s + 2] - cH[s + 2] + total)) if mp > 0.0 else 0.0
+                gpv[s] = (-mp * (lmp - fH[s] - bH[s] + total)) if mp > 0.0 else 0.0
             else:
-                lmq = Q[t, s + 2] + cQ[s + 2] - zq
-                mq = fast_exp(lmq) if lmq > -np.inf else 0.0
-                gp[s] = (mp * (lmp - lmq + H[t, s + 2] + cH[s + 2] - total)) if mp > 0.0 else 0.0
-                gq[s] = mq - mp
+                lmq = fQ[s] + bQ[s] - zq
+                mq = (fast_exp(lmq) if precise else fast_exp8(lmq)) if lmq > -np.inf else 0.0
+                gpv[s] = (mp * (lmp - lmq + fH[s] + bH[s] - total)) if mp > 0.0 else 0.0
+                gqv[s] = mq - mp
         for s in range(lo, hi + 1): grad_p[t, n, ext[s]] += g * gp[s]     # (labels repeat: not vectorised)
         if alg == ALG_KL:
             for s in range(lo, hi + 1): grad_q[t, n, ext[s]] += g * gq[s]
@@ -837,15 +845,18 @@ def _alg_beta_grad(alg, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, B, E, zp,
         for s in range(n_states + 4): nP[s] = -np.inf; nH[s] = 0.0
         if alg == ALG_KL:
             for s in range(n_states + 4): nQ[s] = -np.inf
-        for s in range(lo, hi + 1):
-            nP[s + 2] = cP[s + 2] + ep[s]; nH[s + 2] = cH[s + 2]
-            if alg == ALG_KL: nQ[s + 2] = cQ[s + 2] + eq[s]
+        nPv, nQv, nHv, cPv, cQv, cHv, epv, eqv = nP[lo + 2:], nQ[lo + 2:], nH[lo + 2:], cP[lo + 2:], cQ[lo + 2:], cH[lo + 2:], \
+            ep[lo:], eq[lo:]
+        for s in range(hi + 1 - lo):
+            nPv[s] = cPv[s] + epv[s]; nHv[s] = cHv[s]
+            if alg == ALG_KL: nQv[s] = cQv[s] + eqv[s]
 
 @numba.njit(nogil=True, cache=_CACHE, error_model='numpy')
-def _ctc_alg_cpu(alg, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi):
+def _ctc_alg_cpu(alg, precise, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi):
     """out[n] = (log Z_p, log Z_q, accumulator) of algebra `alg` for the sequences lo <= n < hi, and with g (N,) not
-    empty, g[n] times the accumulator's gradient added to grad_p (and grad_q)."""
-    literally(alg)
+    empty, g[n] times the accumulator's gradient added to grad_p (and grad_q). `precise`: float64 precision (else
+    `alg_plus3`'s float32 arithmetic, a third less)."""
+    literally(alg); literally(precise)
     C = lp.shape[2]
     for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
@@ -863,21 +874,30 @@ def _ctc_alg_cpu(alg, lp, lq, ext, input_lengths, target_lengths, blank, g, grad
         P, H = np.empty((T, n_states + 4)), np.empty((T, n_states + 4))
         Q = np.empty((T, n_states + 4)) if alg == ALG_KL else P
         E = np.empty((2, n_states))
-        zp, zq, total = _alg_alpha(alg, lp, lq, n, T, n_states, e, skipneg, P, Q, H, E)
+        zp, zq, total = _alg_alpha(alg, precise, lp, lq, n, T, n_states, e, skipneg, P, Q, H, E)
         out[n, 0] = zp; out[n, 1] = zq; out[n, 2] = total
         if g.shape[0] > 0 and g[n] != 0.0 and zp > -np.inf:
-            _alg_beta_grad(alg, lp, lq, n, T, n_states, e, skipneg, P, Q, H, np.empty((6, n_states + 4)), E, zp, zq, total,
+            _alg_beta_grad(alg, precise, lp, lq, n, T, n_states, e, skipneg, P, Q, H, np.empty((6, n_states + 4)), E, zp, zq, total,
                            g[n], np.empty((2, n_states)), grad_p, grad_q)
 
-# One kernel per algebra, each calling the generic one with a constant: numba specialises it at compile time, and a
-# call from Python has no literal argument to dispatch on (a literal dispatch costs ~35 ms per call from Python).
+# One kernel per algebra and precision (float64 scores, float32 scores), each calling the generic one with constants:
+# numba specialises it at compile time, and a call from Python has no literal argument to dispatch on (a literal
+# dispatch costs ~35 ms per call from Python). Each dtype compiles one of the two, as it compiled its own copy before.
 @numba.njit(nogil=True, cache=_CACHE)
 def _ctc_entropy_cpu(lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi):
-    _ctc_alg_cpu(ALG_ENTROPY, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
+    _ctc_alg_cpu(ALG_ENTROPY, True, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _ctc_entropy32_cpu(lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi):
+    _ctc_alg_cpu(ALG_ENTROPY, False, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
 
 @numba.njit(nogil=True, cache=_CACHE)
 def _ctc_kl_cpu(lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi):
-    _ctc_alg_cpu(ALG_KL, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
+    _ctc_alg_cpu(ALG_KL, True, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _ctc_kl32_cpu(lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi):
+    _ctc_alg_cpu(ALG_KL, False, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
 
 
 # %% ../nbs/02_ctc.ipynb #58609b04
@@ -986,7 +1006,8 @@ def _reduce(x, tl, reduction, unbatched):
 def _check_reduction(reduction):
     if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
 
-_DIVERGENCES = {'Entropy': (Entropy, _ctc_entropy_cpu), 'KL': (KL, _ctc_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
+_DIVERGENCES = {'Entropy': (Entropy, {torch.float64: _ctc_entropy_cpu, torch.float32: _ctc_entropy32_cpu}),
+                'KL': (KL, {torch.float64: _ctc_kl_cpu, torch.float32: _ctc_kl32_cpu}), 'CrossEntropy': (CrossEntropy, None)}
 
 def _divergence_prepare(a, backend, check):
     """The state of an entropy or KL call: log_probs in float32/float64 (`lp`, `lq`: q is p for Entropy), detached for the
@@ -1010,7 +1031,7 @@ def _divergence_numba(st):
     grad_p = torch.zeros(T, N, C, dtype=lp.dtype) if st.with_grad else empty
     grad_q = torch.zeros(T, N, C, dtype=lp.dtype) if st.with_grad and st.algebra == 'KL' else grad_p
     out = np.empty((N, 3))
-    parallel_for(_DIVERGENCES[st.algebra][1], N, lp.numpy(), lq.numpy(), st.ext.numpy(), st.il.numpy(),
+    parallel_for(_DIVERGENCES[st.algebra][1][lp.dtype], N, lp.numpy(), lq.numpy(), st.ext.numpy(), st.il.numpy(),
                  st.tl.numpy(), st.blank, np.ones(N) if st.with_grad else np.zeros(0),
                  (grad_p if st.with_grad else torch.zeros(0, 0, 0, dtype=lp.dtype)).numpy(),
                  (grad_q if st.with_grad else torch.zeros(0, 0, 0, dtype=lp.dtype)).numpy(), out,

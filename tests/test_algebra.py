@@ -357,6 +357,20 @@ def test_cpu_kernels_in_float32_and_the_compute_dtype():
     alignment_entropy(x, tg, il, tl, backend='cpu').sum().backward()
     assert x.grad.dtype == torch.float16 and torch.isfinite(x.grad).all()
 
+@pytest.mark.parametrize('peaky', [False, True])
+def test_float32_kernels_match_float64_on_the_same_scores(peaky):
+    "The float32 kernels' shorter polynomials (precise=False): values and gradients as float64's on the same numbers."
+    lp, lq, tg, il, tl = longer_batch(4)
+    if peaky: lp, lq = (lp * 40).log_softmax(-1), (lq * 40).log_softmax(-1)     # some entropies below 1e-9
+    xs = [lp.float().detach().requires_grad_(), lq.float().detach().requires_grad_()]
+    ys = [x.detach().double().requires_grad_() for x in xs]
+    for f, args32, args64 in ((alignment_entropy, xs[:1], ys[:1]), (alignment_kl, xs, ys)):
+        v32, v64 = f(*args32, tg, il, tl, backend='cpu'), f(*args64, tg, il, tl, backend='cpu')
+        g32, g64 = torch.autograd.grad(v32.sum(), args32), torch.autograd.grad(v64.sum(), args64)
+        if peaky and f is alignment_entropy: assert ((v64 > 0) & (v64 < 1e-9)).any()     # tiny: not log Z - E[score]
+        torch.testing.assert_close(v32.double(), v64, rtol=1e-6, atol=0)
+        for a, b in zip(g32, g64): torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-7)
+
 def test_divergence_op_under_torch_compile():
     lp, lq, tg, il, tl = longer_batch(3, T=10, N=2, C=4)
     il, tl, tg = torch.tensor([10, 8]), torch.tensor([3, 2]), tg[:2, :3]
