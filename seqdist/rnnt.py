@@ -567,7 +567,7 @@ def _alg_beta_grad_rnnt(alg, bp, ep, bq, eq, Tb, Ub, P, Q, H, zp, zq, total, Pb,
                                                 zp, zq, total)
 
 @numba.njit(inline='always', fastmath={'contract'})
-def _edge_grads_to_logits(x, lse, y, b, Tb, Ub, blank, fused, gb, ge, grad):
+def _edge_grads_to_logits(x, lse, y, b, Tb, Ub, blank, fused, precise, gb, ge, grad):
     """grad[b, t, u] from the gradients gb, ge w.r.t. the blank and the label edge's log-probabilities of each node, as the
     loss's backward goes from edge posteriors to logits: with the log-softmax, d s_e / d z_v = [v = e's label] - softmax_v,
     so the row is -(gb + ge) softmax + gb at the blank + ge at the label; without it, gb and ge alone."""
@@ -576,16 +576,20 @@ def _edge_grads_to_logits(x, lse, y, b, Tb, Ub, blank, fused, gb, ge, grad):
             out, row, l = grad[b, t, u], x[b, t, u], lse[t, u]
             g_b, g_e = gb[t, u], ge[t, u] if u < Ub else 0.0
             w = g_b + g_e
-            if fused:
+            if fused and precise:
                 for v in range(row.shape[0]): out[v] = -w * fast_exp(np.float64(row[v]) - l)
                 out[blank] = g_b - w * fast_exp(np.float64(row[blank]) - l)      # the cancelling entries rounded once
                 if u < Ub: out[y[u]] = g_e - w * fast_exp(np.float64(row[y[u]]) - l)
+            elif fused:                                                           # float32 logits: as the loss's backward
+                for v in range(row.shape[0]): out[v] = -w * fast_exp8(np.float64(row[v]) - l)
+                out[blank] = g_b - w * fast_exp8(np.float64(row[blank]) - l)
+                if u < Ub: out[y[u]] = g_e - w * fast_exp8(np.float64(row[y[u]]) - l)
             else:
                 out[blank] = g_b
                 if u < Ub: out[y[u]] = g_e
 
 @numba.njit(nogil=True, cache=_CACHE, error_model='numpy')
-def _rnnt_alg_cpu(alg, xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi):
+def _rnnt_alg_cpu(alg, xp, xq, y, Tl, Ul, blank, fused, precise, with_grad, grad_p, grad_q, out, lo, hi):
     """out[b] = (log Z_p, log Z_q, accumulator) of algebra `alg` for the sequences lo <= b < hi, over the edge
     log-probabilities of logits xp (and xq for KL; log-softmax applied if `fused`, as the loss does); with `with_grad`, the
     accumulator's gradient w.r.t. the logits written into grad_p (and grad_q) for the rows of each sequence's lattice
@@ -594,8 +598,8 @@ def _rnnt_alg_cpu(alg, xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_
     for b in range(lo, hi):
         Tb, Ub = Tl[b], Ul[b]
         yb = y[b]
-        lse_p = _utterance_lse(xp, b, Tb, Ub, fused, True)
-        lse_q = _utterance_lse(xq, b, Tb, Ub, fused, True) if alg == ALG_KL else lse_p
+        lse_p = _utterance_lse(xp, b, Tb, Ub, fused, precise)      # (precise: float64 logits; the lattice is float64 anyway)
+        lse_q = _utterance_lse(xq, b, Tb, Ub, fused, precise) if alg == ALG_KL else lse_p
         bp, ep = np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
         _edge_scores(xp, lse_p, yb, b, Tb, Ub, blank, bp, ep)
         bq, eq = bp, ep
@@ -610,51 +614,58 @@ def _rnnt_alg_cpu(alg, xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_
         if zp > -np.inf and (alg != ALG_KL or zq > -np.inf):
             _alg_beta_grad_rnnt(alg, bp, ep, bq, eq, Tb, Ub, P, Q, H, zp, zq, total, np.empty((Tb, Ub + 1)),
                                 np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1)), G)
-        _edge_grads_to_logits(xp, lse_p, yb, b, Tb, Ub, blank, fused, G[0], G[1], grad_p)
-        if alg == ALG_KL: _edge_grads_to_logits(xq, lse_q, yb, b, Tb, Ub, blank, fused, G[2], G[3], grad_q)
+        _edge_grads_to_logits(xp, lse_p, yb, b, Tb, Ub, blank, fused, precise, G[0], G[1], grad_p)
+        if alg == ALG_KL: _edge_grads_to_logits(xq, lse_q, yb, b, Tb, Ub, blank, fused, precise, G[2], G[3], grad_q)
 
 # One entry point per algebra, the id a constant inside: called from Python with the id as an argument, `literally` would
 # retype the kernel at every call (about a second); a constant is a literal already.
 @numba.njit(nogil=True, cache=_CACHE)
-def _rnnt_entropy_cpu(xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi):
+def _rnnt_entropy_cpu(xp, xq, y, Tl, Ul, blank, fused, precise, with_grad, grad_p, grad_q, out, lo, hi):
     "`_rnnt_alg_cpu` in the Entropy algebra."
-    _rnnt_alg_cpu(ALG_ENTROPY, xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi)
+    _rnnt_alg_cpu(ALG_ENTROPY, xp, xq, y, Tl, Ul, blank, fused, precise, with_grad, grad_p, grad_q, out, lo, hi)
 
 @numba.njit(nogil=True, cache=_CACHE)
-def _rnnt_kl_cpu(xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi):
+def _rnnt_kl_cpu(xp, xq, y, Tl, Ul, blank, fused, precise, with_grad, grad_p, grad_q, out, lo, hi):
     "`_rnnt_alg_cpu` in the KL algebra."
-    _rnnt_alg_cpu(ALG_KL, xp, xq, y, Tl, Ul, blank, fused, with_grad, grad_p, grad_q, out, lo, hi)
+    _rnnt_alg_cpu(ALG_KL, xp, xq, y, Tl, Ul, blank, fused, precise, with_grad, grad_p, grad_q, out, lo, hi)
 
 @numba.njit(nogil=True, cache=_CACHE)
-def _rnnt_sample_cpu(x, y, Tl, Ul, blank, fused, u, frames, logz, lo, hi):
+def _rnnt_sample_cpu(x, y, Tl, Ul, blank, fused, precise, u, frames, logz, score, lo, hi):
     """Forward filtering, backward sampling for the sequences lo <= b < hi: the loss's forward (`_alpha`, log space) keeps
     alpha at every node; each sample i then walks back from (T_b-1, U_b), and from a node (t, j) on the anti-diagonal
     d = t + j steps to (t-1, j) by a blank or to (t, j-1) by label j, in proportion to the predecessor's alpha times the
     edge, picked by u[i, b, d-1] (label j then goes in frames[i, b, j-1] = t): the candidates of `sample_frames` in its
-    order, so that the same uniforms give the same samples. logz[b] gets log Z; frames stay as they are where it is -inf."""
+    order, so that the same uniforms give the same samples. logz[b] gets log Z and score[i, b] the sample's summed edge
+    log-probabilities; both stay as they are, and the frames too, where log Z is -inf."""
     for b in range(lo, hi):
         Tb, Ub = Tl[b], Ul[b]
-        lse, alpha = _utterance_lse(x, b, Tb, Ub, fused, True), np.empty((Tb, Ub + 1))
+        lse, alpha = _utterance_lse(x, b, Tb, Ub, fused, precise), np.empty((Tb, Ub + 1))
         z = _alpha(x, lse, y[b], b, Tb, Ub, blank, 0.0, False, alpha)
         logz[b] = z
         if z == -np.inf: continue
         for i in range(u.shape[0]):
             t, j = Tb - 1, Ub
+            path = np.float64(x[b, Tb - 1, Ub, blank]) - lse[Tb - 1, Ub]         # the final blank
             while t + j > 0:
+                e0 = (np.float64(x[b, t - 1, j, blank]) - lse[t - 1, j]) if t > 0 else -np.inf
+                e1 = (np.float64(x[b, t, j - 1, y[b, j - 1]]) - lse[t, j - 1]) if j > 0 else -np.inf
                 if t == 0: label = True
                 elif j == 0: label = False
                 else:
-                    a0 = alpha[t - 1, j] + (np.float64(x[b, t - 1, j, blank]) - lse[t - 1, j])
-                    a1 = alpha[t, j - 1] + (np.float64(x[b, t, j - 1, y[b, j - 1]]) - lse[t, j - 1])
+                    a0, a1 = alpha[t - 1, j] + e0, alpha[t, j - 1] + e1
                     m = max(a0, a1)
                     label = pick3(np.exp(a0 - m), np.exp(a1 - m), 0.0, u[i, b, t + j - 1]) == 1
                 if label:
                     frames[i, b, j - 1] = t
                     j -= 1
-                else: t -= 1
+                    path += e1
+                else:
+                    t -= 1
+                    path += e0
+            score[i, b] = path
 
 @numba.njit(nogil=True, cache=_CACHE)
-def _rnnt_kbest_cpu(x, y, Tl, Ul, blank, fused, k, frames, best, lo, hi):
+def _rnnt_kbest_cpu(x, y, Tl, Ul, blank, fused, precise, k, frames, best, lo, hi):
     """The k best alignments of each sequence lo <= b < hi: the KMax(k) recursion in log space (each node the k best
     scores into it, sorted, merged from the blank edge's and the label edge's predecessor), keeping for each (node, rank)
     which predecessor and which of its ranks it came from (`merge_top3`'s code, int8); then each rank's path is walked
@@ -663,7 +674,7 @@ def _rnnt_kbest_cpu(x, y, Tl, Ul, blank, fused, k, frames, best, lo, hi):
     for b in range(lo, hi):
         Tb, Ub = Tl[b], Ul[b]
         for r in range(k): best[r, b] = -np.inf
-        lse = _utterance_lse(x, b, Tb, Ub, fused, True)
+        lse = _utterance_lse(x, b, Tb, Ub, fused, precise)
         bl, em = np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
         _edge_scores(x, lse, y[b], b, Tb, Ub, blank, bl, em)
         V = np.full((Tb, Ub + 1, k), -np.inf)
@@ -734,7 +745,8 @@ def _divergence_numba(s):
     grad_q = torch.zeros_like(xq) if s.with_grad and kl else grad_p          # (not written for Entropy)
     out = np.empty((B, 3))
     parallel_for(_DIVERGENCES[s.algebra][1], B, xp.numpy(), xq.numpy(), s.y.numpy(), s.il.numpy(),
-                 s.tl.numpy(), s.blank, s.fused_log_softmax, s.with_grad, grad_p.numpy(), grad_q.numpy(), out,
+                 s.tl.numpy(), s.blank, s.fused_log_softmax, xp.dtype == torch.float64, s.with_grad, grad_p.numpy(),
+                 grad_q.numpy(), out,
                  work=xp.numel() * (4 if kl else 2))
     value, logz_p, logz_q = (torch.from_numpy(out[:, j].copy()).to(xp.dtype)      # three tensors: a custom op's outputs
                              for j in (2, 0, 1 if kl else 0))                      # may not alias
@@ -844,17 +856,21 @@ def kbest_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, f
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     x, y, il, tl, blank = _lattice_inputs(logits, targets, logit_lengths, target_lengths, blank)
     backend, k = question_backend(backend, x, 'kbest_alignments', 'logits'), int(k)
-    bl, em = edge_log_probs(x, y, blank, bool(fused_log_softmax))
-    differentiable = torch.is_grad_enabled() and em.requires_grad
-    B, T, U1 = bl.shape
-    if backend == 'cpu':                 # the KMax(k) kernel's paths; their scores summed here, differentiably
+    differentiable = torch.is_grad_enabled() and x.requires_grad
+    B, T, U1 = x.shape[:3]
+    if backend == 'cpu':                 # the KMax(k) kernel's paths and scores (differentiable: summed again by autograd)
         frames, best = torch.full((k, B, U1 - 1), -1, dtype=torch.long), np.empty((k, B))
         parallel_for(_rnnt_kbest_cpu, B, x.detach().contiguous().numpy(), y.numpy(), il.numpy(), tl.numpy(), blank,
-                     bool(fused_log_softmax), k, frames.numpy(), best, work=x.numel() + 4 * k * B * T * U1)
+                     bool(fused_log_softmax), x.dtype == torch.float64, k, frames.numpy(), best,
+                     work=x.numel() + 4 * k * B * T * U1)
         none = torch.from_numpy(best) == -math.inf
-        scores = torch.where(none, -math.inf, alignment_scores(bl, em, frames, il, tl))
+        scores = torch.from_numpy(best).to(x.dtype)
+        if differentiable:
+            bl, em = edge_log_probs(x, y, blank, bool(fused_log_softmax))
+            scores = torch.where(none, -math.inf, alignment_scores(bl, em, frames, il, tl))
         frames = torch.where(none[..., None], -1, frames)
     else:
+        bl, em = edge_log_probs(x, y, blank, bool(fused_log_softmax))
         S = KMax(k)
         with torch.enable_grad():
             if not differentiable: bl, em = bl.detach().requires_grad_(), em.detach().requires_grad_()
@@ -906,25 +922,29 @@ def sample_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, 
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     x, y, il, tl, blank = _lattice_inputs(logits, targets, logit_lengths, target_lengths, blank)
     backend = question_backend(backend, x, 'sample_alignments', 'logits')
-    bl, em = edge_log_probs(x, y, blank, bool(fused_log_softmax))
-    B, T, U1 = bl.shape
+    B, T, U1 = x.shape[:3]
     u = torch.rand((int(n), B, T + U1 - 2), generator=generator, dtype=torch.float64,
-                   device=generator.device if generator is not None else 'cpu').to(bl.device)
+                   device=generator.device if generator is not None else 'cpu').to(x.device)
+    differentiable = torch.is_grad_enabled() and x.requires_grad
     if backend == 'cpu':                 # the loss's forward keeps alpha; the kernel walks back with the same uniforms
-        frames, logz = torch.full((int(n), B, U1 - 1), -1, dtype=torch.long), np.empty(B)
+        frames, logz, path = torch.full((int(n), B, U1 - 1), -1, dtype=torch.long), np.empty(B), np.empty((int(n), B))
         parallel_for(_rnnt_sample_cpu, B, x.detach().contiguous().numpy(), y.numpy(), il.numpy(), tl.numpy(), blank,
-                     bool(fused_log_softmax), u.numpy(), frames.numpy(), logz, work=x.numel() + 4 * int(n) * B * T * U1)
-        logz = torch.from_numpy(logz).to(bl.dtype)
-        if torch.is_grad_enabled() and x.requires_grad:                   # log Z's gradient: the loss's backward
+                     bool(fused_log_softmax), x.dtype == torch.float64, u.numpy(), frames.numpy(), logz, path,
+                     work=x.numel() + 4 * int(n) * B * T * U1)
+        logz, path = torch.from_numpy(logz).to(x.dtype), torch.from_numpy(path).to(x.dtype)
+        if differentiable:               # the path scores through autograd, and log Z's gradient: the loss's backward
             costs, _ = rnnt_op(logits, targets, logit_lengths, target_lengths, blank, bool(fused_log_softmax), -1.0, 0.0,
                                0.0, backend='cpu', check=False)
-            logz = -costs.to(bl.dtype)
+            logz = -costs.to(x.dtype)
+            path = alignment_scores(*edge_log_probs(x, y, blank, bool(fused_log_softmax)), frames, il, tl)
+        # (else no log-softmax of every logit in PyTorch: the kernel summed each path's edges as it walked)
     else:
+        bl, em = edge_log_probs(x, y, blank, bool(fused_log_softmax))
         with torch.no_grad(): _, alphas = logz_reference(bl.detach(), em.detach(), il, tl, Log, all_nodes=True)
         frames = sample_frames(alphas, bl.detach(), em.detach(), il, tl, u)                 # (n, B, U)
-        logz = logz_reference(bl, em, il, tl, Log)
+        logz, path = logz_reference(bl, em, il, tl, Log), alignment_scores(bl, em, frames, il, tl)
     none = Log.is_zero(logz)
-    logp = torch.where(none, -math.inf, alignment_scores(bl, em, frames, il, tl) - torch.where(none, 0.0, logz))
+    logp = torch.where(none, -math.inf, path - torch.where(none, 0.0, logz))
     return torch.where(none[:, None], -1, frames), logp
 
 # %% ../nbs/06_rnnt.ipynb #929b1a8f
