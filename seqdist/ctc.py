@@ -721,6 +721,9 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
     return posteriors((logits.detach() * beta).log_softmax(2), targets, input_lengths, target_lengths, 0, Log, by_state=True)
 
 # %% ../nbs/02_ctc.ipynb #24619e13
+_FULL_TABLE_BYTES = 1 << 16   # CPU: a score table and back-pointers (9 bytes a lattice cell) this small keep one pass
+_CHECKPOINT_EVERY = 0         # frames between the rows that the checkpointed kernel keeps (0: sqrt(8 T) a sequence)
+
 def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0, *, backend='auto'):
     """`torchaudio.functional.forced_align`, batched and on every device: log_probs (N, T, C) batch first, targets
     (N, L). Returns the label of each frame on the best path (N, T) (targets' dtype) and its log-probability (N, T).
@@ -742,8 +745,12 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     lp = lp.detach().to(_compute_dtype(lp.dtype))
     if backend == 'cpu':
         state = torch.zeros(N, T, dtype=torch.long)
-        parallel_for(_viterbi_states_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy(), np.empty(N),
-                     work=_STATE_WORK * T * N * ext.shape[1])
+        if T * (ext.shape[1] + 4) * 9 <= _FULL_TABLE_BYTES:   # small: one pass, a back-pointer per cell
+            parallel_for(_viterbi_states_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy(),
+                         np.empty(N), work=_STATE_WORK * T * N * ext.shape[1])
+        else:               # O(S sqrt(T)) memory a sequence: "Aligning an hour" below
+            parallel_for(_viterbi_checkpointed_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank,
+                         _CHECKPOINT_EVERY, state.numpy(), np.empty(N), work=2 * _STATE_WORK * T * N * ext.shape[1])
     else:                   # the CUDA kernel (emulated on CPU tensors): one launch, the walk back included
         state = _viterbi_states_cuda(lp.contiguous(), ext, il, tl, int(blank))
     labels = ext.gather(1, state)
@@ -751,6 +758,97 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     labels = torch.where(valid, labels, blank)
     scores = torch.where(valid, log_probs.gather(2, labels[..., None])[..., 0], 0.0)
     return labels.to(targets.dtype), scores
+
+# %% ../nbs/02_ctc.ipynb #a1e0b002
+@numba.njit(cache=_CACHE, error_model='numpy')
+def _align_emissions(lpt, ext, erow, lo, hi):
+    "erow[s] = lpt[ext[s]] for the states lo <= s <= hi: a frame's emission of each state (lpt: the frame's log_probs (C,))."
+    l, e = ext[lo:], erow[lo:]                  # a scalar gather (no vector gathers before AVX2), from a row in L1
+    for i in range(hi + 1 - lo): e[i] = lpt[l[i]]
+
+@numba.njit(cache=_CACHE, error_model='numpy')
+def _align_row(prev, cur, skipneg, erow, lo, hi):
+    """One frame of the max recursion: state s of `cur` (at index s + 2) is the best of stay (s), move (s - 1) and skip
+    (s - 2, plus skipneg[s] = -inf where it is not an edge) of `prev`, plus its emission erow[s]."""
+    x, y, sk, e = prev[lo:], cur[lo + 2:], skipneg[lo:], erow[lo:]
+    for i in range(hi + 1 - lo):
+        v, m, k = x[i + 2], x[i + 1], x[i] + sk[i]
+        v = m if m > v else v                   # the first of equals wins: stay, then move, then skip
+        v = k if k > v else v
+        y[i] = v + e[i]
+
+@numba.njit(cache=_CACHE, error_model='numpy')
+def _align_row_back(prev, cur, skipneg, erow, back, lo, hi):
+    "`_align_row`, also writing which predecessor won, back[s] (0 stay, 1 move, 2 skip), as `_viterbi` does."
+    x, y, sk, e, b = prev[lo:], cur[lo + 2:], skipneg[lo:], erow[lo:], back[lo:]
+    for i in range(hi + 1 - lo):
+        v, m, k = x[i + 2], x[i + 1], x[i] + sk[i]
+        moved = m > v
+        v = m if moved else v
+        skipped = k > v
+        v = k if skipped else v
+        y[i] = v + e[i]
+        b[i] = np.int8(2) if skipped else (np.int8(1) if moved else np.int8(0))
+
+@numba.njit(cache=_CACHE, error_model='numpy')
+def _align_frame(lp, n, t, T, n_states, ext, skipneg, erow, prev, cur, back):
+    "Frame t of the recursion from row `prev` into row `cur` (each padded by two -inf either side of the band)."
+    lo, hi = _band(t, T, n_states)
+    _align_emissions(lp[t, n], ext, erow, lo, hi)
+    cur[lo] = -np.inf; cur[lo + 1] = -np.inf
+    if back.shape[0] > 0: _align_row_back(prev, cur, skipneg, erow, back, lo, hi)
+    else: _align_row(prev, cur, skipneg, erow, lo, hi)
+    cur[hi + 3] = -np.inf; cur[hi + 4] = -np.inf  # the next frame reads up to two states past the band
+
+@numba.njit(cache=_CACHE)
+def _checkpoint_interval(T):
+    "Frames between checkpoints, k = sqrt(8 T): least memory for T/k float64 rows and k int8 rows of back-pointers."
+    return max(1, int(math.sqrt(8.0 * max(T - 1, 0))))
+
+@numba.njit(nogil=True, cache=_CACHE, error_model='numpy')
+def _viterbi_checkpointed_cpu(lp, ext, input_lengths, target_lengths, blank, every, states, best, lo, hi):
+    """`_viterbi_states_cpu` in O(S sqrt(T)) memory: the best path's state at each frame, states[n, t], and its score
+    best[n], for the sequences lo <= n < hi, keeping a row of scores every `every` frames (0: `checkpoint_interval`)
+    and the back-pointers of one segment of that many frames. The same path as `_viterbi_states_cpu`."""
+    for n in range(lo, hi):
+        T, L = input_lengths[n], target_lengths[n]
+        n_states = 2 * L + 1
+        if T < _frames_needed(ext[n], L):       # infeasible: no path, states[n] left as is
+            best[n] = -np.inf
+            continue
+        if T == 0:
+            best[n] = 0.0
+            continue
+        lab = ext[n, :n_states]
+        skipneg = np.full(n_states + 2, -np.inf)  # 0 where a state may be entered from two states back
+        for s in range(2, n_states):
+            if lab[s] != blank and lab[s] != lab[s - 2]: skipneg[s] = 0.0
+        k = every if every > 0 else _checkpoint_interval(T)
+        segments = (T - 1 + k - 1) // k           # segment j: frames j k + 1 ... min(j k + k, T - 1), from checkpoint j
+        rows = np.empty((max(segments, 1), n_states + 4))
+        erow, prev, cur = np.empty(n_states), np.full(n_states + 4, -np.inf), np.empty(n_states + 4)
+        none = np.empty((0,), np.int8)
+        prev[2] = lp[0, n, lab[0]]                # frame 0: a blank or the first label
+        if n_states > 1: prev[3] = lp[0, n, lab[1]]
+        for t in range(1, T):                     # pass 1: the scores, a row kept every k frames
+            if (t - 1) % k == 0: rows[(t - 1) // k] = prev
+            _align_frame(lp, n, t, T, n_states, lab, skipneg, erow, prev, cur, none)
+            prev, cur = cur, prev
+        z, s = prev[n_states + 1], n_states - 1
+        if n_states > 1 and prev[n_states] > z: z, s = prev[n_states], n_states - 2
+        best[n] = z
+        if z == -np.inf: continue
+        states[n, T - 1] = s
+        back = np.empty((k, n_states), np.int8)
+        for j in range(segments - 1, -1, -1):     # pass 2: segments last to first, each walked back from its end
+            t0, t1 = j * k, min(j * k + k, T - 1)
+            prev[:] = rows[j]
+            for t in range(t0 + 1, t1 + 1):
+                _align_frame(lp, n, t, T, n_states, lab, skipneg, erow, prev, cur, back[t - t0 - 1])
+                prev, cur = cur, prev
+            for t in range(t1, t0, -1):
+                s -= back[t - t0 - 1, s]
+                states[n, t - 1] = s
 
 # %% ../nbs/02_ctc.ipynb #28b39b04
 @numba.njit(cache=_CACHE, error_model='numpy')
