@@ -5,10 +5,11 @@
 # %% auto #0
 __all__ = ['ctc_op', 'ctc_divergence_op', 'device', 'Prob', 'interleave_blanks', 'logz_reference', 'delay_state_offsets',
            'alignments_brute_force', 'logz_brute_force', 'ctc_inputs', 'padded_targets', 'check_alignable', 'ctc_loss',
-           'CTCLoss', 'posteriors', 'viterbi_alignments', 'soft_alignments', 'forced_align', 'alignment_entropy',
-           'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_states', 'sample_alignments',
-           'CTCAlignments', 'generate_sample_inputs', 'loss_pytorch', 'prepare_inputs', 'loss_basic', 'fwd_bwd',
-           'masked_grad', 'loss_py', 'loss_cupy', 'loss_direct_cupy']
+           'CTCLoss', 'posteriors', 'viterbi_alignments', 'soft_alignments', 'forced_align', 'TokenSpan',
+           'merge_tokens', 'token_spans', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy',
+           'kbest_alignments', 'sample_states', 'sample_alignments', 'CTCAlignments', 'generate_sample_inputs',
+           'loss_pytorch', 'prepare_inputs', 'loss_basic', 'fwd_bwd', 'masked_grad', 'loss_py', 'loss_cupy',
+           'loss_direct_cupy']
 
 # %% ../nbs/02_ctc.ipynb #0da03c22
 import math
@@ -849,6 +850,63 @@ def _viterbi_checkpointed_cpu(lp, ext, input_lengths, target_lengths, blank, eve
             for t in range(t1, t0, -1):
                 s -= back[t - t0 - 1, s]
                 states[n, t - 1] = s
+
+# %% ../nbs/02_ctc.ipynb #a1e0b006
+from dataclasses import dataclass
+
+@dataclass
+class TokenSpan:
+    "torchaudio's `TokenSpan`: a token, its first frame `start`, the frame past its last `end`, and its mean score."
+    token: int
+    start: int
+    end: int
+    score: float
+    def __len__(self): return self.end - self.start
+
+def _span_means(scores, start, end):
+    "Mean of scores[..., start:end] for each (start, end) pair, from prefix sums in float64 (scores (..., T))."
+    prefix = torch.nn.functional.pad(scores.double().cumsum(-1), (1, 0))
+    total = prefix.gather(-1, end) - prefix.gather(-1, start)
+    return (total / (end - start)).to(scores.dtype)
+
+def merge_tokens(tokens, scores, blank=0):
+    """`torchaudio.functional.merge_tokens`: the runs of equal tokens of one alignment (T,) other than the blank, as a
+    list of `TokenSpan` (end exclusive), each scored by the mean of its frames' scores (T,)."""
+    if tokens.dim() != 1 or scores.dim() != 1: raise ValueError("`tokens` and `scores` must be 1D Tensor.")
+    if len(tokens) != len(scores): raise ValueError("`tokens` and `scores` must be the same length.")
+    edge = tokens.new_tensor([-1])              # a run starts where the token changes, as torchaudio's diff finds it
+    bounds = (torch.diff(tokens, prepend=edge, append=edge) != 0).nonzero()[:, 0]
+    start, end = bounds[:-1], bounds[1:]
+    token = tokens[start]
+    keep = token != blank
+    start, end, token = start[keep], end[keep], token[keep]
+    score = _span_means(scores, start, end) if len(start) else scores.new_empty(0)
+    return [TokenSpan(*x) for x in zip(token.tolist(), start.tolist(), end.tolist(), score.tolist())]
+
+def token_spans(labels, scores, target_lengths, blank=0, *, max_length=None):
+    """The span of each target token in the alignments (N, T) `forced_align` returns (`labels`, `scores`): its first
+    frame, the frame past its last and its mean score, as (N, L) tensors with L = `max_length` or max(target_lengths);
+    -1, -1 and nan past each target length. Batched tensor ops with no host reads (on a GPU with `target_lengths` there,
+    give `max_length` to keep it so): the k-th run of equal labels other than the blank is the k-th token."""
+    if labels.dim() != 2 or scores.shape != labels.shape:
+        raise ValueError(f"labels and scores must be (N, T) tensors of one shape, got {tuple(labels.shape)} and "
+                         f"{tuple(scores.shape)}")
+    N, T = labels.shape
+    tl = to_device(torch.as_tensor(target_lengths), labels.device)
+    L = int(max_length) if max_length is not None else int(tl.max()) if N else 0
+    token = labels != blank
+    change = torch.ones_like(token)             # change[t]: labels[t] differs from labels[t - 1] (or t = 0)
+    change[:, 1:] = labels[:, 1:] != labels[:, :-1]
+    last = torch.ones_like(token)               # last[t]: labels[t] differs from labels[t + 1] (or t = T - 1)
+    last[:, :-1] = change[:, 1:]
+    starts, ends = (token & change).cumsum(1), (token & last).cumsum(1)   # tokens begun (ended) by frame t
+    k = torch.arange(1, L + 1, device=labels.device).expand(N, L).contiguous()
+    start = torch.searchsorted(starts, k)       # the frame where the k-th token starts ...
+    end = torch.searchsorted(ends, k) + 1       # ... and the frame past its last
+    valid = (k <= tl[:, None]) & (k <= starts[:, -1:] if T else k < 0)
+    start, end = torch.where(valid, start, -1), torch.where(valid, end, -1)
+    score = _span_means(scores, start.clamp(0, T), end.clamp(0, T)) if T else scores.new_zeros(N, L)
+    return start, end, torch.where(valid, score, math.nan)
 
 # %% ../nbs/02_ctc.ipynb #28b39b04
 @numba.njit(cache=_CACHE, error_model='numpy')

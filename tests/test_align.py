@@ -1,9 +1,9 @@
-"""Forced alignment at any length: the checkpointed CPU kernel against the one-pass kernel and torchaudio, and a long
-alignment's memory in a subprocess."""
+"""Forced alignment at any length: the checkpointed CPU kernel against the one-pass kernel and torchaudio, token spans
+against torchaudio's merge_tokens, and a long alignment's memory in a subprocess."""
 import json, subprocess, sys
 import pytest, torch
 import seqdist.ctc as ctc
-from seqdist.ctc import forced_align
+from seqdist.ctc import forced_align, token_spans, merge_tokens, TokenSpan
 
 def random_case(g, N, T, C, L, blank=0, ties=False, dtype=torch.float32):
     "A batch with variable lengths, repeated labels, a length-0 and a length-1 target, targets that fit their frames."
@@ -74,6 +74,56 @@ def test_checkpointed_path_equals_torchaudio(seed, monkeypatch):
             assert torch.equal(labels[n, :il[n]], ref_labels[0].long()), (seed, blank, n)
             assert torch.equal(scores[n, :il[n]], ref_scores[0])
 
+def spans_of(labels, scores, blank):
+    return [(s.token, s.start, s.end, s.score) for s in merge_tokens(labels, scores, blank)]
+
+@pytest.mark.torchaudio
+@pytest.mark.parametrize('seed', range(3))
+def test_merge_tokens_and_token_spans_equal_torchaudio(seed):
+    from seqdist.timing import load_torchaudio
+    ta_merge = load_torchaudio().functional.merge_tokens
+    g = torch.Generator().manual_seed(seed)
+    for blank, dtype in [(0, torch.float32), (3, torch.float64)]:
+        lp, targets, il, tl = random_case(g, 6, 120, 6, 30, blank, dtype=dtype)
+        labels, scores = forced_align(lp, targets, il, tl, blank)
+        start, end, score = token_spans(labels, scores, tl, blank)
+        assert start.shape == (6, int(tl.max())) and score.dtype == dtype
+        for n in range(6):
+            ours = merge_tokens(labels[n], scores[n], blank)
+            ref = ta_merge(labels[n], scores[n], blank)
+            assert [(s.token, s.start, s.end) for s in ours] == [(s.token, s.start, s.end) for s in ref]
+            assert all(len(s) == len(r) for s, r in zip(ours, ref)) and all(isinstance(s, TokenSpan) for s in ours)
+            torch.testing.assert_close(torch.tensor([s.score for s in ours]), torch.tensor([s.score for s in ref]),
+                                       rtol=1e-6, atol=1e-7)
+            k = int(tl[n])
+            assert [s.token for s in ours] == targets[n, :k].tolist()
+            assert start[n, :k].tolist() == [s.start for s in ours] and end[n, :k].tolist() == [s.end for s in ours]
+            torch.testing.assert_close(score[n, :k], torch.tensor([s.score for s in ours], dtype=dtype))
+            assert (start[n, k:] == -1).all() and (end[n, k:] == -1).all() and score[n, k:].isnan().all()
+
+def test_token_spans_edges():
+    "No frames, blanks only, max_length shorter and longer than the targets, a list of lengths, bad shapes."
+    labels = torch.tensor([[1, 1, 0, 2, 0, 2], [0, 0, 0, 0, 0, 0]])
+    scores = torch.arange(12.).reshape(2, 6)
+    start, end, score = token_spans(labels, scores, [3, 0], max_length=4)
+    assert start.tolist() == [[0, 3, 5, -1], [-1] * 4] and end.tolist() == [[2, 4, 6, -1], [-1] * 4]
+    assert score[0, :3].tolist() == [0.5, 3.0, 5.0] and score[0, 3:].isnan().all() and score[1].isnan().all()
+    start, _, _ = token_spans(labels, scores, torch.tensor([3, 0]), max_length=2)
+    assert start.tolist() == [[0, 3], [-1, -1]]
+    start, end, score = token_spans(labels[:, :0], scores[:, :0], [0, 2])
+    assert start.shape == (2, 2) and (start == -1).all() and score.isnan().all()
+    assert merge_tokens(labels[0, :0], scores[0, :0]) == [] and merge_tokens(labels[1], scores[1]) == []
+    with pytest.raises(ValueError, match="same length"): merge_tokens(labels[0], scores[0, :3])
+    with pytest.raises(ValueError, match="must be 1D"): merge_tokens(labels, scores)
+    with pytest.raises(ValueError, match=r"\(N, T\)"): token_spans(labels[0], scores[0], [3])
+
+def test_token_spans_read_no_values_on_the_host():
+    "On the meta device any host read of a value fails: with max_length given, token_spans never reads one."
+    labels = torch.tensor([[1, 1, 0, 2, 0, 2]], device='meta')
+    start, end, score = token_spans(labels, torch.empty(1, 6, device='meta'), torch.empty(1, dtype=torch.long,
+                                    device='meta'), max_length=3)
+    assert start.shape == end.shape == score.shape == (1, 3)
+
 LONG = """
 import json, resource, sys, time, torch
 import seqdist.ctc as ctc
@@ -111,3 +161,21 @@ def test_an_infeasible_long_alignment_raises():
     targets[1, 1::2] = targets[1, 0::2]                      # 10,000 repeats: 30,000 frames needed, 29,999 given
     with pytest.raises(ValueError, match=r"sequence 1 has 20000 target labels"):
         forced_align(lp, targets, torch.tensor([30000, 29999]))
+
+@pytest.mark.gpu
+def test_gpu_token_spans_agree_with_cpu_without_a_host_sync():
+    "token_spans on CUDA tensors (forced_align's outputs moved there): the CPU's spans, and no host-device sync."
+    g = torch.Generator().manual_seed(0)
+    lp, targets, il, tl = random_case(g, 8, 300, 9, 60)
+    labels, scores = forced_align(lp, targets, il, tl)
+    want = token_spans(labels, scores, tl)
+    args = [x.cuda() for x in (labels, scores, tl)]
+    token_spans(*args, max_length=targets.shape[1])                     # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try: got = token_spans(*args, max_length=targets.shape[1])
+    finally: torch.cuda.set_sync_debug_mode(0)
+    k = want[0].shape[1]
+    assert torch.equal(got[0][:, :k].cpu(), want[0]) and torch.equal(got[1][:, :k].cpu(), want[1])
+    torch.testing.assert_close(got[2][:, :k].cpu(), want[2], equal_nan=True, rtol=1e-6, atol=1e-6)
+    assert (got[0][:, k:] == -1).all()
