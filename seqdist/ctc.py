@@ -730,7 +730,8 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     (N, L). Returns the label of each frame on the best path (N, T) (targets' dtype) and its log-probability (N, T).
     Frames past a sequence's input length get the blank label and a score of 0. Targets that cannot fit their frames
     (labels + adjacent repeats > input length) raise a ValueError naming the sequence. `backend`: 'auto' (by device), 'cpu'
-    (numba) or 'cuda' (the CUDA kernel; emulated on CPU tensors)."""
+    (numba; beyond small inputs in O(S sqrt(T)) memory a sequence, S = 2L+1: "Aligning an hour") or 'cuda' (the CUDA
+    kernel; emulated on CPU tensors)."""
     if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 3:
         raise ValueError(f"log_probs must be a (N, T, C) tensor, got {getattr(log_probs, 'shape', log_probs)!r}")
     if not isinstance(targets, torch.Tensor) or targets.dim() != 2:
