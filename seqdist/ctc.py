@@ -722,7 +722,7 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
     return posteriors((logits.detach() * beta).log_softmax(2), targets, input_lengths, target_lengths, 0, Log, by_state=True)
 
 # %% ../nbs/02_ctc.ipynb #24619e13
-_FULL_TABLE_BYTES = 1 << 16   # CPU: a score table and back-pointers (9 bytes a lattice cell) this small keep one pass
+_FULL_TABLE_BYTES = 1 << 18   # CPU: a score table and back-pointers (9 bytes a lattice cell) this small keep one pass
 _CHECKPOINT_EVERY = 0         # frames between the rows that the checkpointed kernel keeps (0: sqrt(8 T) a sequence)
 
 def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0, *, backend='auto'):
@@ -763,44 +763,66 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
 
 # %% ../nbs/02_ctc.ipynb #a1e0b002
 @numba.njit(cache=_CACHE, error_model='numpy')
-def _align_emissions(lpt, ext, erow, lo, hi):
-    "erow[s] = lpt[ext[s]] for the states lo <= s <= hi: a frame's emission of each state (lpt: the frame's log_probs (C,))."
-    l, e = ext[lo:], erow[lo:]                  # a scalar gather (no vector gathers before AVX2), from a row in L1
-    for i in range(hi + 1 - lo): e[i] = lpt[l[i]]
+def _align_emissions(lpt, tg, e, i0, i1):
+    "e[i] = lpt[tg[i]] for the labels i0 <= i <= i1 of the target: their emissions at a frame (lpt: its log_probs (C,))."
+    l, y = tg[i0:], e[i0:]                      # a scalar gather (no vector gathers before AVX2), from a row in L1
+    for j in range(i1 + 1 - i0): y[j] = lpt[l[j]]
 
 @numba.njit(cache=_CACHE, error_model='numpy')
-def _align_row(prev, cur, skipneg, erow, lo, hi):
-    """One frame of the max recursion: state s of `cur` (at index s + 2) is the best of stay (s), move (s - 1) and skip
-    (s - 2, plus skipneg[s] = -inf where it is not an edge) of `prev`, plus its emission erow[s]."""
-    x, y, sk, e = prev[lo:], cur[lo + 2:], skipneg[lo:], erow[lo:]
-    for i in range(hi + 1 - lo):
-        v, m, k = x[i + 2], x[i + 1], x[i] + sk[i]
-        v = m if m > v else v                   # the first of equals wins: stay, then move, then skip
-        v = k if k > v else v
-        y[i] = v + e[i]
+def _align_blanks(B, Lb, nB, eb, back, i0, i1):
+    """Blanks i0 <= i <= i1 (state 2i; at B[i + 1], the labels' scores at Lb[i + 1]) of the next frame nB: the better of
+    stay (B[i + 1]) and move (label i - 1: Lb[i]), plus the blank's emission eb; back[i] = 1 where move won (if given)."""
+    st, mv, y = B[i0 + 1:], Lb[i0:], nB[i0 + 1:]
+    if back.shape[0] == 0:                      # 1-D views from 0 and branch-free selects: numba vectorises the loops
+        for j in range(i1 + 1 - i0):
+            v, m = st[j], mv[j]
+            y[j] = (m if m > v else v) + eb      # the first of equals wins: stay, then move, then skip
+    else:
+        b = back[i0:]
+        for j in range(i1 + 1 - i0):
+            v, m = st[j], mv[j]
+            moved = m > v
+            y[j] = (m if moved else v) + eb
+            b[j] = np.int8(1) if moved else np.int8(0)
 
 @numba.njit(cache=_CACHE, error_model='numpy')
-def _align_row_back(prev, cur, skipneg, erow, back, lo, hi):
-    "`_align_row`, also writing which predecessor won, back[s] (0 stay, 1 move, 2 skip), as `_viterbi` does."
-    x, y, sk, e, b = prev[lo:], cur[lo + 2:], skipneg[lo:], erow[lo:], back[lo:]
-    for i in range(hi + 1 - lo):
-        v, m, k = x[i + 2], x[i + 1], x[i] + sk[i]
-        moved = m > v
-        v = m if moved else v
-        skipped = k > v
-        v = k if skipped else v
-        y[i] = v + e[i]
-        b[i] = np.int8(2) if skipped else (np.int8(1) if moved else np.int8(0))
+def _align_labels(B, Lb, nL, skipneg, e, back, i0, i1):
+    """Labels i0 <= i <= i1 (state 2i + 1) of the next frame nL: the best of stay (Lb[i + 1]), move (blank i: B[i + 1])
+    and skip (label i - 1: Lb[i], plus skipneg[i] = -inf where it is not an edge), plus the emission e[i]; back[i] = 0,
+    1 or 2 for the winner (if given)."""
+    st, mv, sk, sn, em, y = Lb[i0 + 1:], B[i0 + 1:], Lb[i0:], skipneg[i0:], e[i0:], nL[i0 + 1:]
+    if back.shape[0] == 0:
+        for j in range(i1 + 1 - i0):
+            v, m, k = st[j], mv[j], sk[j] + sn[j]
+            v = m if m > v else v
+            y[j] = (k if k > v else v) + em[j]
+    else:
+        b = back[i0:]
+        for j in range(i1 + 1 - i0):
+            v, m, k = st[j], mv[j], sk[j] + sn[j]
+            moved = m > v
+            v = m if moved else v
+            skipped = k > v
+            y[j] = (k if skipped else v) + em[j]
+            b[j] = np.int8(2) if skipped else (np.int8(1) if moved else np.int8(0))
+
+@numba.njit(inline='always')
+def _align_clear(B, Lb, s):
+    "State s of a frame (-2 <= s <= S + 1, beyond the lattice too) to -inf."
+    if s % 2 == 0: B[s // 2 + 1] = -np.inf
+    else: Lb[s // 2 + 1] = -np.inf
 
 @numba.njit(cache=_CACHE, error_model='numpy')
-def _align_frame(lp, n, t, T, n_states, ext, skipneg, erow, prev, cur, back):
-    "Frame t of the recursion from row `prev` into row `cur` (each padded by two -inf either side of the band)."
+def _align_frame(lpt, eb, t, T, n_states, tg, skipneg, e, B, Lb, nB, nL, back_blanks, back_labels):
+    """Frame t of the max recursion from rows (B, Lb) into (nB, nL): blanks and labels in rows of their own, so that
+    the blanks share one emission and the loops run over consecutive states. Only the band of states that can still
+    be reached and still reach the end is computed; the two states either side of it are set to -inf."""
     lo, hi = _band(t, T, n_states)
-    _align_emissions(lp[t, n], ext, erow, lo, hi)
-    cur[lo] = -np.inf; cur[lo + 1] = -np.inf
-    if back.shape[0] > 0: _align_row_back(prev, cur, skipneg, erow, back, lo, hi)
-    else: _align_row(prev, cur, skipneg, erow, lo, hi)
-    cur[hi + 3] = -np.inf; cur[hi + 4] = -np.inf  # the next frame reads up to two states past the band
+    i0, i1 = lo // 2, (hi - 1) // 2             # the labels in the band (state 2i + 1)
+    if i1 >= i0: _align_emissions(lpt, tg, e, i0, i1)
+    _align_blanks(B, Lb, nB, eb, back_blanks, (lo + 1) // 2, hi // 2)
+    if i1 >= i0: _align_labels(B, Lb, nL, skipneg, e, back_labels, i0, i1)
+    for s in (lo - 2, lo - 1, hi + 1, hi + 2): _align_clear(nB, nL, s)   # the next frame reads these
 
 @numba.njit(cache=_CACHE)
 def _checkpoint_interval(T):
@@ -810,7 +832,7 @@ def _checkpoint_interval(T):
 @numba.njit(nogil=True, cache=_CACHE, error_model='numpy')
 def _viterbi_checkpointed_cpu(lp, ext, input_lengths, target_lengths, blank, every, states, best, lo, hi):
     """`_viterbi_states_cpu` in O(S sqrt(T)) memory: the best path's state at each frame, states[n, t], and its score
-    best[n], for the sequences lo <= n < hi, keeping a row of scores every `every` frames (0: `checkpoint_interval`)
+    best[n], for the sequences lo <= n < hi, keeping the scores of every `every`-th frame (0: `_checkpoint_interval`)
     and the back-pointers of one segment of that many frames. The same path as `_viterbi_states_cpu`."""
     for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
@@ -821,35 +843,41 @@ def _viterbi_checkpointed_cpu(lp, ext, input_lengths, target_lengths, blank, eve
         if T == 0:
             best[n] = 0.0
             continue
-        lab = ext[n, :n_states]
-        skipneg = np.full(n_states + 2, -np.inf)  # 0 where a state may be entered from two states back
-        for s in range(2, n_states):
-            if lab[s] != blank and lab[s] != lab[s - 2]: skipneg[s] = 0.0
+        tg = ext[n, 1:n_states:2].copy()        # the labels
+        skipneg = np.full(max(L, 1), -np.inf)   # 0 where label i may be entered from label i - 1
+        for i in range(1, L):
+            if tg[i] != blank and tg[i] != tg[i - 1]: skipneg[i] = 0.0
         k = every if every > 0 else _checkpoint_interval(T)
         segments = (T - 1 + k - 1) // k           # segment j: frames j k + 1 ... min(j k + k, T - 1), from checkpoint j
-        rows = np.empty((max(segments, 1), n_states + 4))
-        erow, prev, cur = np.empty(n_states), np.full(n_states + 4, -np.inf), np.empty(n_states + 4)
-        none = np.empty((0,), np.int8)
-        prev[2] = lp[0, n, lab[0]]                # frame 0: a blank or the first label
-        if n_states > 1: prev[3] = lp[0, n, lab[1]]
-        for t in range(1, T):                     # pass 1: the scores, a row kept every k frames
-            if (t - 1) % k == 0: rows[(t - 1) // k] = prev
-            _align_frame(lp, n, t, T, n_states, lab, skipneg, erow, prev, cur, none)
-            prev, cur = cur, prev
-        z, s = prev[n_states + 1], n_states - 1
-        if n_states > 1 and prev[n_states] > z: z, s = prev[n_states], n_states - 2
+        rows = np.empty((max(segments, 1), n_states + 4))   # checkpoint j: B then Lb of frame j k
+        B, nB = np.full(L + 3, -np.inf), np.full(L + 3, -np.inf)   # blank i at [i + 1]; -inf pads either end
+        Lb, nL = np.full(L + 2, -np.inf), np.full(L + 2, -np.inf)  # label i at [i + 1]
+        e, none = np.empty(max(L, 1)), np.empty(0, np.int8)
+        B[1] = lp[0, n, blank]                    # frame 0: a blank or the first label
+        if L > 0: Lb[1] = lp[0, n, tg[0]]
+        for t in range(1, T):                     # pass 1: the scores, those of every k-th frame kept
+            if (t - 1) % k == 0:
+                rows[(t - 1) // k, :L + 3] = B; rows[(t - 1) // k, L + 3:] = Lb
+            lpt = lp[t, n]
+            _align_frame(lpt, np.float64(lpt[blank]), t, T, n_states, tg, skipneg, e, B, Lb, nB, nL, none, none)
+            B, nB, Lb, nL = nB, B, nL, Lb
+        z, s = B[L + 1], n_states - 1             # the last blank, or the last label if better
+        if L > 0 and Lb[L] > z: z, s = Lb[L], n_states - 2
         best[n] = z
         if z == -np.inf: continue
         states[n, T - 1] = s
-        back = np.empty((k, n_states), np.int8)
+        back_blanks, back_labels = np.empty((k, L + 1), np.int8), np.empty((k, max(L, 1)), np.int8)
         for j in range(segments - 1, -1, -1):     # pass 2: segments last to first, each walked back from its end
             t0, t1 = j * k, min(j * k + k, T - 1)
-            prev[:] = rows[j]
+            B[:] = rows[j, :L + 3]; Lb[:] = rows[j, L + 3:]
             for t in range(t0 + 1, t1 + 1):
-                _align_frame(lp, n, t, T, n_states, lab, skipneg, erow, prev, cur, back[t - t0 - 1])
-                prev, cur = cur, prev
+                lpt = lp[t, n]
+                _align_frame(lpt, np.float64(lpt[blank]), t, T, n_states, tg, skipneg, e, B, Lb, nB, nL,
+                             back_blanks[t - t0 - 1], back_labels[t - t0 - 1])
+                B, nB, Lb, nL = nB, B, nL, Lb
             for t in range(t1, t0, -1):
-                s -= back[t - t0 - 1, s]
+                r = t - t0 - 1
+                s -= back_blanks[r, s // 2] if s % 2 == 0 else back_labels[r, s // 2]
                 states[n, t - 1] = s
 
 # %% ../nbs/02_ctc.ipynb #a1e0b006
