@@ -5,10 +5,11 @@
 # %% auto #0
 __all__ = ['ctc_op', 'ctc_divergence_op', 'device', 'Prob', 'interleave_blanks', 'logz_reference', 'delay_state_offsets',
            'alignments_brute_force', 'logz_brute_force', 'ctc_inputs', 'padded_targets', 'check_alignable', 'ctc_loss',
-           'CTCLoss', 'posteriors', 'viterbi_alignments', 'soft_alignments', 'forced_align', 'alignment_entropy',
-           'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_states', 'sample_alignments',
-           'CTCAlignments', 'generate_sample_inputs', 'loss_pytorch', 'prepare_inputs', 'loss_basic', 'fwd_bwd',
-           'masked_grad', 'loss_py', 'loss_cupy', 'loss_direct_cupy']
+           'CTCLoss', 'posteriors', 'viterbi_alignments', 'soft_alignments', 'forced_align', 'TokenSpan',
+           'merge_tokens', 'token_spans', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy',
+           'kbest_alignments', 'sample_states', 'sample_alignments', 'CTCAlignments', 'generate_sample_inputs',
+           'loss_pytorch', 'prepare_inputs', 'loss_basic', 'fwd_bwd', 'masked_grad', 'loss_py', 'loss_cupy',
+           'loss_direct_cupy']
 
 # %% ../nbs/02_ctc.ipynb #0da03c22
 import math
@@ -721,12 +722,16 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
     return posteriors((logits.detach() * beta).log_softmax(2), targets, input_lengths, target_lengths, 0, Log, by_state=True)
 
 # %% ../nbs/02_ctc.ipynb #24619e13
+_FULL_TABLE_BYTES = 1 << 18   # CPU: a score table and back-pointers (9 bytes a lattice cell) this small keep one pass
+_CHECKPOINT_EVERY = 0         # frames between the rows that the checkpointed kernel keeps (0: sqrt(8 T) a sequence)
+
 def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0, *, backend='auto'):
     """`torchaudio.functional.forced_align`, batched and on every device: log_probs (N, T, C) batch first, targets
     (N, L). Returns the label of each frame on the best path (N, T) (targets' dtype) and its log-probability (N, T).
     Frames past a sequence's input length get the blank label and a score of 0. Targets that cannot fit their frames
     (labels + adjacent repeats > input length) raise a ValueError naming the sequence. `backend`: 'auto' (by device), 'cpu'
-    (numba) or 'cuda' (the CUDA kernel; emulated on CPU tensors)."""
+    (numba; beyond small inputs in O(S sqrt(T)) memory a sequence, S = 2L+1: "Aligning an hour") or 'cuda' (the CUDA
+    kernel; emulated on CPU tensors)."""
     if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 3:
         raise ValueError(f"log_probs must be a (N, T, C) tensor, got {getattr(log_probs, 'shape', log_probs)!r}")
     if not isinstance(targets, torch.Tensor) or targets.dim() != 2:
@@ -742,8 +747,12 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     lp = lp.detach().to(_compute_dtype(lp.dtype))
     if backend == 'cpu':
         state = torch.zeros(N, T, dtype=torch.long)
-        parallel_for(_viterbi_states_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy(), np.empty(N),
-                     work=_STATE_WORK * T * N * ext.shape[1])
+        if T * (ext.shape[1] + 4) * 9 <= _FULL_TABLE_BYTES:   # small: one pass, a back-pointer per cell
+            parallel_for(_viterbi_states_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank, state.numpy(),
+                         np.empty(N), work=_STATE_WORK * T * N * ext.shape[1])
+        else:               # O(S sqrt(T)) memory a sequence: "Aligning an hour" below
+            parallel_for(_viterbi_checkpointed_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank,
+                         _CHECKPOINT_EVERY, state.numpy(), np.empty(N), work=2 * _STATE_WORK * T * N * ext.shape[1])
     else:                   # the CUDA kernel (emulated on CPU tensors): one launch, the walk back included
         state = _viterbi_states_cuda(lp.contiguous(), ext, il, tl, int(blank))
     labels = ext.gather(1, state)
@@ -751,6 +760,182 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     labels = torch.where(valid, labels, blank)
     scores = torch.where(valid, log_probs.gather(2, labels[..., None])[..., 0], 0.0)
     return labels.to(targets.dtype), scores
+
+# %% ../nbs/02_ctc.ipynb #a1e0b002
+@numba.njit(cache=_CACHE, error_model='numpy')
+def _align_emissions(lpt, tg, e, i0, i1):
+    "e[i] = lpt[tg[i]] for the labels i0 <= i <= i1 of the target: their emissions at a frame (lpt: its log_probs (C,))."
+    l, y = tg[i0:], e[i0:]                      # a scalar gather (no vector gathers before AVX2), from a row in L1
+    for j in range(i1 + 1 - i0): y[j] = lpt[l[j]]
+
+@numba.njit(cache=_CACHE, error_model='numpy')
+def _align_blanks(B, Lb, nB, eb, back, i0, i1):
+    """Blanks i0 <= i <= i1 (state 2i; at B[i + 1], the labels' scores at Lb[i + 1]) of the next frame nB: the better of
+    stay (B[i + 1]) and move (label i - 1: Lb[i]), plus the blank's emission eb; back[i] = 1 where move won (if given)."""
+    st, mv, y = B[i0 + 1:], Lb[i0:], nB[i0 + 1:]
+    if back.shape[0] == 0:                      # 1-D views from 0 and branch-free selects: numba vectorises the loops
+        for j in range(i1 + 1 - i0):
+            v, m = st[j], mv[j]
+            y[j] = (m if m > v else v) + eb      # the first of equals wins: stay, then move, then skip
+    else:
+        b = back[i0:]
+        for j in range(i1 + 1 - i0):
+            v, m = st[j], mv[j]
+            moved = m > v
+            y[j] = (m if moved else v) + eb
+            b[j] = np.int8(1) if moved else np.int8(0)
+
+@numba.njit(cache=_CACHE, error_model='numpy')
+def _align_labels(B, Lb, nL, skipneg, e, back, i0, i1):
+    """Labels i0 <= i <= i1 (state 2i + 1) of the next frame nL: the best of stay (Lb[i + 1]), move (blank i: B[i + 1])
+    and skip (label i - 1: Lb[i], plus skipneg[i] = -inf where it is not an edge), plus the emission e[i]; back[i] = 0,
+    1 or 2 for the winner (if given)."""
+    st, mv, sk, sn, em, y = Lb[i0 + 1:], B[i0 + 1:], Lb[i0:], skipneg[i0:], e[i0:], nL[i0 + 1:]
+    if back.shape[0] == 0:
+        for j in range(i1 + 1 - i0):
+            v, m, k = st[j], mv[j], sk[j] + sn[j]
+            v = m if m > v else v
+            y[j] = (k if k > v else v) + em[j]
+    else:
+        b = back[i0:]
+        for j in range(i1 + 1 - i0):
+            v, m, k = st[j], mv[j], sk[j] + sn[j]
+            moved = m > v
+            v = m if moved else v
+            skipped = k > v
+            y[j] = (k if skipped else v) + em[j]
+            b[j] = np.int8(2) if skipped else (np.int8(1) if moved else np.int8(0))
+
+@numba.njit(inline='always')
+def _align_clear(B, Lb, s):
+    "State s of a frame (-2 <= s <= S + 1, beyond the lattice too) to -inf."
+    if s % 2 == 0: B[s // 2 + 1] = -np.inf
+    else: Lb[s // 2 + 1] = -np.inf
+
+@numba.njit(cache=_CACHE, error_model='numpy')
+def _align_frame(lpt, eb, t, T, n_states, tg, skipneg, e, B, Lb, nB, nL, back_blanks, back_labels):
+    """Frame t of the max recursion from rows (B, Lb) into (nB, nL): blanks and labels in rows of their own, so that
+    the blanks share one emission and the loops run over consecutive states. Only the band of states that can still
+    be reached and still reach the end is computed; the two states either side of it are set to -inf."""
+    lo, hi = _band(t, T, n_states)
+    i0, i1 = lo // 2, (hi - 1) // 2             # the labels in the band (state 2i + 1)
+    if i1 >= i0: _align_emissions(lpt, tg, e, i0, i1)
+    _align_blanks(B, Lb, nB, eb, back_blanks, (lo + 1) // 2, hi // 2)
+    if i1 >= i0: _align_labels(B, Lb, nL, skipneg, e, back_labels, i0, i1)
+    for s in (lo - 2, lo - 1, hi + 1, hi + 2): _align_clear(nB, nL, s)   # the next frame reads these
+
+@numba.njit(cache=_CACHE)
+def _checkpoint_interval(T):
+    "Frames between checkpoints, k = sqrt(8 T): least memory for T/k float64 rows and k int8 rows of back-pointers."
+    return max(1, int(math.sqrt(8.0 * max(T - 1, 0))))
+
+@numba.njit(nogil=True, cache=_CACHE, error_model='numpy')
+def _viterbi_checkpointed_cpu(lp, ext, input_lengths, target_lengths, blank, every, states, best, lo, hi):
+    """`_viterbi_states_cpu` in O(S sqrt(T)) memory: the best path's state at each frame, states[n, t], and its score
+    best[n], for the sequences lo <= n < hi, keeping the scores of every `every`-th frame (0: `_checkpoint_interval`)
+    and the back-pointers of one segment of that many frames. The same path as `_viterbi_states_cpu`."""
+    for n in range(lo, hi):
+        T, L = input_lengths[n], target_lengths[n]
+        n_states = 2 * L + 1
+        if T < _frames_needed(ext[n], L):       # infeasible: no path, states[n] left as is
+            best[n] = -np.inf
+            continue
+        if T == 0:
+            best[n] = 0.0
+            continue
+        tg = ext[n, 1:n_states:2].copy()        # the labels
+        skipneg = np.full(max(L, 1), -np.inf)   # 0 where label i may be entered from label i - 1
+        for i in range(1, L):
+            if tg[i] != blank and tg[i] != tg[i - 1]: skipneg[i] = 0.0
+        k = every if every > 0 else _checkpoint_interval(T)
+        segments = (T - 1 + k - 1) // k           # segment j: frames j k + 1 ... min(j k + k, T - 1), from checkpoint j
+        rows = np.empty((max(segments, 1), n_states + 4))   # checkpoint j: B then Lb of frame j k
+        B, nB = np.full(L + 3, -np.inf), np.full(L + 3, -np.inf)   # blank i at [i + 1]; -inf pads either end
+        Lb, nL = np.full(L + 2, -np.inf), np.full(L + 2, -np.inf)  # label i at [i + 1]
+        e, none = np.empty(max(L, 1)), np.empty(0, np.int8)
+        B[1] = lp[0, n, blank]                    # frame 0: a blank or the first label
+        if L > 0: Lb[1] = lp[0, n, tg[0]]
+        for t in range(1, T):                     # pass 1: the scores, those of every k-th frame kept
+            if (t - 1) % k == 0:
+                rows[(t - 1) // k, :L + 3] = B; rows[(t - 1) // k, L + 3:] = Lb
+            lpt = lp[t, n]
+            _align_frame(lpt, np.float64(lpt[blank]), t, T, n_states, tg, skipneg, e, B, Lb, nB, nL, none, none)
+            B, nB, Lb, nL = nB, B, nL, Lb
+        z, s = B[L + 1], n_states - 1             # the last blank, or the last label if better
+        if L > 0 and Lb[L] > z: z, s = Lb[L], n_states - 2
+        best[n] = z
+        if z == -np.inf: continue
+        states[n, T - 1] = s
+        back_blanks, back_labels = np.empty((k, L + 1), np.int8), np.empty((k, max(L, 1)), np.int8)
+        for j in range(segments - 1, -1, -1):     # pass 2: segments last to first, each walked back from its end
+            t0, t1 = j * k, min(j * k + k, T - 1)
+            B[:] = rows[j, :L + 3]; Lb[:] = rows[j, L + 3:]
+            for t in range(t0 + 1, t1 + 1):
+                lpt = lp[t, n]
+                _align_frame(lpt, np.float64(lpt[blank]), t, T, n_states, tg, skipneg, e, B, Lb, nB, nL,
+                             back_blanks[t - t0 - 1], back_labels[t - t0 - 1])
+                B, nB, Lb, nL = nB, B, nL, Lb
+            for t in range(t1, t0, -1):
+                r = t - t0 - 1
+                s -= back_blanks[r, s // 2] if s % 2 == 0 else back_labels[r, s // 2]
+                states[n, t - 1] = s
+
+# %% ../nbs/02_ctc.ipynb #a1e0b006
+from dataclasses import dataclass
+
+@dataclass
+class TokenSpan:
+    "torchaudio's `TokenSpan`: a token, its first frame `start`, the frame past its last `end`, and its mean score."
+    token: int
+    start: int
+    end: int
+    score: float
+    def __len__(self): return self.end - self.start
+
+def _span_means(scores, start, end):
+    "Mean of scores[..., start:end] for each (start, end) pair, from prefix sums in float64 (scores (..., T))."
+    prefix = torch.nn.functional.pad(scores.double().cumsum(-1), (1, 0))
+    total = prefix.gather(-1, end) - prefix.gather(-1, start)
+    return (total / (end - start)).to(scores.dtype)
+
+def merge_tokens(tokens, scores, blank=0):
+    """`torchaudio.functional.merge_tokens`: the runs of equal tokens of one alignment (T,) other than the blank, as a
+    list of `TokenSpan` (end exclusive), each scored by the mean of its frames' scores (T,)."""
+    if tokens.dim() != 1 or scores.dim() != 1: raise ValueError("`tokens` and `scores` must be 1D Tensor.")
+    if len(tokens) != len(scores): raise ValueError("`tokens` and `scores` must be the same length.")
+    edge = tokens.new_tensor([-1])              # a run starts where the token changes, as torchaudio's diff finds it
+    bounds = (torch.diff(tokens, prepend=edge, append=edge) != 0).nonzero()[:, 0]
+    start, end = bounds[:-1], bounds[1:]
+    token = tokens[start]
+    keep = token != blank
+    start, end, token = start[keep], end[keep], token[keep]
+    score = _span_means(scores, start, end) if len(start) else scores.new_empty(0)
+    return [TokenSpan(*x) for x in zip(token.tolist(), start.tolist(), end.tolist(), score.tolist())]
+
+def token_spans(labels, scores, target_lengths, blank=0, *, max_length=None):
+    """The span of each target token in the alignments (N, T) `forced_align` returns (`labels`, `scores`): its first
+    frame, the frame past its last and its mean score, as (N, L) tensors with L = `max_length` or max(target_lengths);
+    -1, -1 and nan past each target length. Batched tensor ops with no host reads (on a GPU with `target_lengths` there,
+    give `max_length` to keep it so): the k-th run of equal labels other than the blank is the k-th token."""
+    if labels.dim() != 2 or scores.shape != labels.shape:
+        raise ValueError(f"labels and scores must be (N, T) tensors of one shape, got {tuple(labels.shape)} and "
+                         f"{tuple(scores.shape)}")
+    N, T = labels.shape
+    tl = to_device(torch.as_tensor(target_lengths), labels.device)
+    L = int(max_length) if max_length is not None else int(tl.max()) if N else 0
+    token = labels != blank
+    change = torch.ones_like(token)             # change[t]: labels[t] differs from labels[t - 1] (or t = 0)
+    change[:, 1:] = labels[:, 1:] != labels[:, :-1]
+    last = torch.ones_like(token)               # last[t]: labels[t] differs from labels[t + 1] (or t = T - 1)
+    last[:, :-1] = change[:, 1:]
+    starts, ends = (token & change).cumsum(1), (token & last).cumsum(1)   # tokens begun (ended) by frame t
+    k = torch.arange(1, L + 1, device=labels.device).expand(N, L).contiguous()
+    start = torch.searchsorted(starts, k)       # the frame where the k-th token starts ...
+    end = torch.searchsorted(ends, k) + 1       # ... and the frame past its last
+    valid = (k <= tl[:, None]) & (k <= starts[:, -1:] if T else k < 0)
+    start, end = torch.where(valid, start, -1), torch.where(valid, end, -1)
+    score = _span_means(scores, start.clamp(0, T), end.clamp(0, T)) if T else scores.new_zeros(N, L)
+    return start, end, torch.where(valid, score, math.nan)
 
 # %% ../nbs/02_ctc.ipynb #28b39b04
 @numba.njit(cache=_CACHE, error_model='numpy')

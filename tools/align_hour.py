@@ -1,0 +1,56 @@
+"""Time and peak memory of `seqdist.ctc.forced_align` on the CPU at long lengths: the one-pass kernel (a score and a
+back-pointer per lattice cell) against the checkpointed one, and the checkpointed one on an hour of frames.
+
+    python tools/align_hour.py            # prints a markdown table
+    python tools/align_hour.py --quick    # the 20,000-frame rows only
+
+Each row runs in a subprocess of its own: the inputs are made and the kernels compiled (or loaded from numba's cache)
+first, then the peak resident memory is reset (/proc/self/clear_refs) and the call measured; "extra memory" is the
+peak during the calls less the resident memory before them (the inputs, log_probs included, are not counted)."""
+import json, subprocess, sys, time
+
+ROWS = [(20000, 6000, 'one pass', 5), (20000, 6000, 'checkpointed', 5), (180000, 50000, 'checkpointed', 1)]
+
+def measure(T, L, kernel, runs, C=32):
+    import torch
+    import seqdist.ctc as ctc
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(1, T, C, generator=g).log_softmax(-1)
+    targets = torch.randint(1, C, (1, L), generator=g)
+    ctc._FULL_TABLE_BYTES = 1 << 62 if kernel == 'one pass' else 0
+    ctc.forced_align(lp[:, :200], targets[:, :50])           # compile or load the kernel
+    ctc.token_spans(*ctc.forced_align(lp[:, :200], targets[:, :50]), [50])
+    def rss(key): return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) * 1024
+    open('/proc/self/clear_refs', 'w').write('5')            # the peak (VmHWM) starts again from here
+    before, times = rss('VmRSS'), []
+    for _ in range(runs):
+        t = time.perf_counter()
+        labels, scores = ctc.forced_align(lp, targets)
+        times.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    ctc.token_spans(labels, scores, [L])
+    spans = time.perf_counter() - t
+    return dict(seconds=sorted(times)[len(times) // 2], extra=rss('VmHWM') - before, spans=spans)
+
+def main():
+    import datetime, os, platform
+    rows = ROWS[:2] if '--quick' in sys.argv else ROWS
+    print(f"{datetime.date.today()}, {platform.machine()} CPU with {os.cpu_count()} cores, torch.set_num_threads(2); "
+          "N = 1, C = 32, float32 log_probs\n")
+    print("| T | L | kernel | time (s) | extra memory (MB) | token_spans (s) |")
+    print("|---|---|---|---|---|---|")
+    for T, L, kernel, runs in rows:
+        r = subprocess.run([sys.executable, __file__, '--row', str(T), str(L), kernel, str(runs)], capture_output=True,
+                           text=True)
+        if r.returncode: raise SystemExit(r.stderr[-3000:])
+        m = json.loads(r.stdout.strip().splitlines()[-1])
+        median = f" (median of {runs})" if runs > 1 else ""
+        print(f"| {T:,} | {L:,} | {kernel} | {m['seconds']:.2f}{median} | {m['extra'] / 1e6:,.0f} | {m['spans']:.3f} |",
+              flush=True)
+
+if __name__ == '__main__':
+    if sys.argv[1:2] == ['--row']:
+        T, L, kernel, runs = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+        print(json.dumps(measure(T, L, kernel, runs)))
+    else: main()
