@@ -305,7 +305,7 @@ def bench_forced_align_gpu(T=200, C=1000, L=56, device='cuda', warmup=2, reps=7)
 # %% ../nbs/10_bench.ipynb #665a88e7
 def _families(quick, device, gpu=None):
     "(name, () -> rows) for every family's benchmark on `device` (against GPU anchors if `gpu`), in reading order."
-    from seqdist.rnnt import bench_rnnt
+    from seqdist.rnnt import bench_rnnt, bench_rnnt_questions
     from seqdist.gru import bench_gru
     from seqdist.cross_entropy import bench_cross_entropy
     from seqdist.joint import bench_joint
@@ -317,13 +317,15 @@ def _families(quick, device, gpu=None):
                 ('forced_align', lambda: bench_forced_align(100, 8, 100, 10, 20, **q)),
                 ('ctc_questions', lambda: bench_ctc_questions(100, 4, 10, 10, 20, **q)),
                 ('sparse', lambda: bench_sparse([(100, 4, 3)], **q)), ('ctc_crf', lambda: bench_ctc_crf(200, 4, 3, **q)),
-                ('rnnt', lambda: bench_rnnt(quick=True)), ('joint', lambda: bench_joint(quick=True)),
+                ('rnnt', lambda: bench_rnnt(quick=True)), ('rnnt_questions', lambda: bench_rnnt_questions(2, 20, 5, 16, **q)),
+                ('joint', lambda: bench_joint(quick=True)),
                 ('tdt', lambda: bench_tdt(quick=True)), ('gru', lambda: bench_gru(quick=True)),
                 ('cross_entropy', lambda: bench_cross_entropy(quick=True))]
     if not gpu:
         return [('ctc', bench_ctc), ('forced_align', bench_forced_align), ('ctc_questions', bench_ctc_questions),
                 ('sparse', bench_sparse), ('ctc_crf', bench_ctc_crf),
-                ('rnnt', bench_rnnt), ('joint', bench_joint), ('tdt', bench_tdt), ('gru', bench_gru),
+                ('rnnt', bench_rnnt), ('rnnt_questions', bench_rnnt_questions), ('joint', bench_joint), ('tdt', bench_tdt),
+                ('gru', bench_gru),
                 ('cross_entropy', bench_cross_entropy)]
     if quick:
         q = dict(warmup=1, reps=3)

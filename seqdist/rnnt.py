@@ -7,7 +7,7 @@ __all__ = ['rnnt_op', 'rnnt_edges_op', 'rnnt_divergence_op', 'RNNT_SHAPES', 'edg
            'logz_brute_force', 'row_offsets', 'rnnt_inputs', 'check_targets', 'clean_targets', 'grad_from_edges',
            'rnnt_loss', 'RNNTLoss', 'posteriors', 'viterbi_alignments', 'best_path', 'alignment_entropy',
            'alignment_kl', 'alignment_cross_entropy', 'alignment_scores', 'kbest_alignments', 'sample_frames',
-           'sample_alignments', 'rnnt_inputs_for', 'bench_rnnt', 'rnnt_peak_mb', 'sweep_rnnt']
+           'sample_alignments', 'rnnt_inputs_for', 'bench_rnnt', 'bench_rnnt_questions', 'rnnt_peak_mb', 'sweep_rnnt']
 
 # %% ../nbs/06_rnnt.ipynb #f11e832e
 import math
@@ -980,6 +980,36 @@ def bench_rnnt(quick=False, shapes=None, device='cpu'):
                          anchor_ms=t_a, ours_ms=t_o, ratio=t_a / t_o,
                          check=f"loss diff {abs(l_o - l_a).item():.1e}, grad diff {(g_o - g_a).abs().max().item():.1e}"))
     return rows
+
+# %% ../nbs/06_rnnt.ipynb #b9e5a0c2
+def bench_rnnt_questions(B=8, T=200, U=50, V=128, warmup=2, reps=7):
+    """The RNN-T lattice questions on the CPU at the first shape of `RNNT_SHAPES`, each timed alternately with its anchor
+    from the same family, with both peak memories (`peak_extra_mb`): entropy and KL fwd+bwd against `rnnt_loss` fwd+bwd
+    (one or two models), 8 samples against one loss forward, k-best (k = 4) against `best_path`. ratio = anchor / ours,
+    as in `seqdist.bench.bench_ctc_questions`."""
+    from .timing import peak_extra_mb
+    x, y, il, tl = rnnt_inputs_for(B, T, U, V)
+    xq = rnnt_inputs_for(B, T, U, V, seed=1)[0]
+    xd = x.detach()
+    loss = lambda z: rnnt_loss(z, y, il, tl, blank=0, reduction='sum')
+    cases = [('alignment_entropy fwd+bwd', 'rnnt_loss fwd+bwd (target: ratio >= 0.67)',
+              lambda: torch.autograd.grad(loss(x), x),
+              lambda: torch.autograd.grad(alignment_entropy(x, y, il, tl, blank=0, reduction='sum'), x)),
+             ('alignment_kl fwd+bwd', 'rnnt_loss fwd+bwd, both models',
+              lambda: torch.autograd.grad(loss(x) + loss(xq), (x, xq)),
+              lambda: torch.autograd.grad(alignment_kl(x, xq, y, il, tl, blank=0, reduction='sum'), (x, xq))),
+             ('sample_alignments n=8', 'rnnt_loss forward (target: ratio >= 0.67)',
+              lambda: rnnt_loss(xd, y, il, tl, blank=0),
+              lambda: sample_alignments(xd, y, il, tl, blank=0, n=8, generator=torch.Generator().manual_seed(0))),
+             ('kbest_alignments k=4', 'best_path (target: ratio >= 0.5)',
+              lambda: best_path(xd, y, il, tl, blank=0), lambda: kbest_alignments(xd, y, il, tl, blank=0, k=4))]
+    rows = []
+    for op, anchor, theirs, ours in cases:
+        t0, t1 = paired_median_ms(theirs, ours, warmup, reps)
+        rows.append(dict(op=op, shape=f"B={B} T={T} U={U} V={V}", anchor='seqdist ' + anchor, anchor_ms=t0, ours_ms=t1,
+                         ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs), ours_mb=peak_extra_mb(ours), check='-'))
+    return rows
+
 
 # %% ../nbs/06_rnnt.ipynb #f90c7740
 def rnnt_peak_mb(B, T, U, V, impl='seqdist'):
