@@ -32,3 +32,46 @@ template <bool IS_MAX, class T> __device__ T block_reduce(T x, T* slots) {
     for (int o = 16; o > 0; o /= 2) { T y = __shfl_xor_sync(0xffffffff, x, o); x = IS_MAX ? max2(x, y) : x + y; }
     return x;
 }
+
+// The algebras of the lattice questions (seqdist.core, "The algebra in the kernels"): a state (p, q, c) in double,
+// summed three at a time (`alg_plus3<A>`, A an algebra) as the numba kernels' `alg_plus3`, with the same care: each share w_i and -log w_i, the
+// largest's -log as log1p of the others' sum (exact however small), a share below e^-301 of the largest dropped.
+// ALG_LOG: p = logsumexp; ALG_ENTROPY: c = sum_i w_i (c_i - log w_i); ALG_KL: also q, and c = sum_i w_i (c_i + log w_i
+// - log v_i), v the shares of the q. A term of weight 0 adds 0 (not 0 * inf).
+enum { ALG_LOG = 0, ALG_ENTROPY = 1, ALG_KL = 2 };
+struct AlgState { double p, q, c; };
+
+__device__ __forceinline__ double alg_shares3(double a0, double a1, double a2, double* w, double* nl) {
+    const double m = max3(a0, a1, a2), mm = m > -INFINITY ? m : 0.0;
+    const double d[3] = {a0 - mm, a1 - mm, a2 - mm};
+    const int top = d[0] == 0.0 ? 0 : (d[1] == 0.0 ? 1 : 2);      // the largest (the first of equals)
+    double e[3], rest = 0.0;
+    #pragma unroll
+    for (int i = 0; i < 3; i++) {
+        e[i] = i == top ? (m > -INFINITY ? 1.0 : 0.0) : (d[i] > -301.0 ? exp(d[i]) : 0.0);
+        if (i != top) rest += e[i];
+    }
+    const double l = log1p(rest), inv = 1.0 / (1.0 + rest);
+    #pragma unroll
+    for (int i = 0; i < 3; i++) { w[i] = e[i] * inv; nl[i] = l - d[i]; }
+    return m + l;
+}
+
+template <int A> __device__ __forceinline__ AlgState alg_plus3(AlgState x, AlgState y, AlgState z) {
+    double w[3], n[3];
+    AlgState r;
+    r.p = alg_shares3(x.p, y.p, z.p, w, n);
+    r.q = -INFINITY; r.c = 0.0;
+    if (A == ALG_LOG) return r;
+    const double c[3] = {x.c, y.c, z.c};
+    if (A == ALG_ENTROPY) {
+        #pragma unroll
+        for (int i = 0; i < 3; i++) r.c += w[i] > 0.0 ? w[i] * (c[i] + n[i]) : 0.0;
+        return r;
+    }
+    double v[3], m[3];
+    r.q = alg_shares3(x.q, y.q, z.q, v, m);
+    #pragma unroll
+    for (int i = 0; i < 3; i++) r.c += w[i] > 0.0 ? w[i] * (c[i] + (m[i] - n[i])) : 0.0;
+    return r;
+}

@@ -339,14 +339,16 @@ def alg_plus3(alg, x0, x1, x2, y0, y1, y2, z0, z1, z2, precise=True):
     return lp, lq, c
 
 # %% ../nbs/00_core.ipynb #ed28d6b0
-def question_backend(backend, x, what, name='log_probs'):
-    """The backend of a lattice question with CPU kernels: 'auto' runs the CPU kernel on CPU tensors and the PyTorch
-    reference on a GPU (the CUDA kernels come later); 'cpu' and 'reference' as named; 'cuda' raises NotImplementedError.
-    `x` is the input (`name` in messages) whose device decides."""
-    if backend == 'auto': return 'reference' if x.is_cuda else 'cpu'
+def question_backend(backend, x, what, name='log_probs', cuda=False):
+    """The backend of a lattice question with CPU kernels: 'auto' runs the CPU kernel on CPU tensors and, on a GPU, the
+    CUDA kernel where the question has one (`cuda`), else the PyTorch reference; 'cpu' and 'reference' as named; 'cuda'
+    the CUDA kernel (through the emulator on CPU tensors), or NotImplementedError where there is none yet. `x` is the
+    input (`name` in messages) whose device decides."""
+    if backend == 'auto': return ('cuda' if cuda else 'reference') if x.is_cuda else 'cpu'
     if backend == 'cuda':
+        if cuda: return backend
         raise NotImplementedError(f"{what} has no 'cuda' backend yet: backend='auto' runs the PyTorch reference on a GPU")
-    if backend not in ('cpu', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu' or 'reference', got {backend!r}")
+    if backend not in ('cpu', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu', 'cuda' or 'reference', got {backend!r}")
     if backend == 'cpu' and x.is_cuda: raise ValueError(f"backend='cpu' takes CPU tensors; {name} is on a GPU")
     return backend
 

@@ -18,7 +18,7 @@ import numba
 import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp, fast_exp8
-from .core import question_backend, pick3, merge_top3
+from .core import question_backend, pick3, merge_top3, ALGEBRAS
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import to_device, on_host, require, check_labels
 from .compile_check import resource_budget
@@ -1225,6 +1225,30 @@ def _divergence_numba(st):
                              for j in (2, 0, 1 if st.algebra == 'KL' else 0))      # may not alias
     return value, logz_p, logz_q, grad_p, grad_q if st.algebra == 'KL' else lp.new_empty(0)
 
+_DIVERGENCE_THREADS = 256        # ctc_divergence's block: states loop over the threads
+_divergence_kernels = {(dtype, algebra): load_kernel('ctc.cu', 'ctc_divergence', ALG=ALGEBRAS[algebra], **Log.cuda_macros(dtype))
+                       for dtype in (torch.float32, torch.float64) for algebra in ('Entropy', 'KL')}
+
+def _divergence_cuda(st):
+    """The CUDA kernel (through the emulator on CPU tensors): one launch, one block per sequence, the same values and
+    closed-form gradients as the CPU kernel (for g = 1, scaled in the backward). Its workspace: the forward states of
+    every frame (N, T, 3, S + 4) in float64, as the CPU kernel keeps per sequence. No host reads: sync-free."""
+    lp, lq = st.lp.detach().contiguous(), st.lq.detach().contiguous()
+    T, N, C = lp.shape
+    S_max, kl, dev, f64 = st.ext.shape[1], st.algebra == 'KL', lp.device, torch.float64
+    grad_p = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if st.with_grad else lp.new_zeros(1)
+    grad_q = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if st.with_grad and kl else grad_p
+    out = torch.zeros(N, 3, dtype=f64, device=dev)
+    if N > 0:
+        _divergence_kernels[(lp.dtype, st.algebra)](
+            (N,), (_DIVERGENCE_THREADS,), lp=lp, lq=lq, ext=st.ext, input_lengths=st.il, target_lengths=st.tl,
+            fwd=torch.empty(N, max(T, 1), 3, S_max + 4, dtype=f64, device=dev), back=torch.empty(N, 6, S_max + 4, dtype=f64, device=dev),
+            gs=torch.empty(N, 2, S_max, dtype=f64, device=dev), out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C,
+            S_max=S_max, T_max=T, blank=st.blank, with_grad=int(st.with_grad))
+    value, logz_p, logz_q = (out[:, j].to(lp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
+    empty = lp.new_empty(0)
+    return value, logz_p, logz_q, grad_p if st.with_grad else empty, grad_q if st.with_grad and kl else empty
+
 def _divergence_reference(st):
     "The reference: the semiring's recursion in PyTorch (`logz_reference`), differentiated by autograd."
     S = _DIVERGENCES[st.algebra][0]
@@ -1252,8 +1276,10 @@ def _divergence_fake(a, backend):
 ctc_divergence_op = Op(f'{_OPS}::ctc_divergence', "(Tensor log_probs_p, Tensor? log_probs_q, Tensor targets, "
                        "Tensor input_lengths, Tensor target_lengths, int blank, str algebra, bool with_grad) -> "
                        "(Tensor value, Tensor logz_p, Tensor logz_q, Tensor grad_p, Tensor grad_q)",
-                       prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'reference': _divergence_reference},
-                       backward={'cpu': _divergence_backward, 'reference': AUTOGRAD}, fake=_divergence_fake,
+                       prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'cuda': _divergence_cuda,
+                                                             'reference': _divergence_reference},
+                       backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
+                       fake=_divergence_fake,
                        differentiable=('log_probs_p', 'log_probs_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'))
 
 def _divergence(algebra, log_probs_p, log_probs_q, targets, input_lengths, target_lengths, blank, reduction, backend, what):
@@ -1265,8 +1291,8 @@ def _divergence(algebra, log_probs_p, log_probs_q, targets, input_lengths, targe
                          f"{tuple(getattr(log_probs_p, 'shape', ()))} and {tuple(getattr(log_probs_q, 'shape', ()))}")
     lp, tg, il, tl, unbatched = ctc_inputs(log_probs_p, targets, input_lengths, target_lengths, blank)
     lq = None if log_probs_q is None else ctc_inputs(log_probs_q, targets, input_lengths, target_lengths, blank)[0]
-    backend = question_backend(backend, lp, what)
-    if algebra == 'CrossEntropy' and backend == 'cpu':      # H(p) + KL(p || q): two kernels, each with its own gradient
+    backend = question_backend(backend, lp, what, cuda=True)
+    if algebra == 'CrossEntropy' and backend != 'reference':   # H(p) + KL(p || q): two kernels, each with its own gradient
         return (_divergence('Entropy', log_probs_p, None, targets, input_lengths, target_lengths, blank, reduction, backend, what)
                 + _divergence('KL', log_probs_p, log_probs_q, targets, input_lengths, target_lengths, blank, reduction, backend, what))
     with_grad = torch.is_grad_enabled() and (lp.requires_grad or (lq is not None and lq.requires_grad))
@@ -1479,6 +1505,8 @@ for (dtype, S), ks in _ctc_kernels.items():   # how the glue launches them, and 
                     why="one block per sequence, with its back-pointers' frames in shared memory")
     resource_budget([ks[n] for n in ('ctc_posteriors', 'ctc_grad', 'ctc_states_to_labels')], block=256, min_threads=1024,
                     why="memory-bound passes over (T, N, C): half the SM's threads in flight")
+resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_THREADS, min_threads=_DIVERGENCE_THREADS,
+                why="the lattice questions: one block per sequence, float64 states in global memory")
 
 # %% ../nbs/02_ctc.ipynb #e1a16cda
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')   # seqdist 0.0.3's default device
