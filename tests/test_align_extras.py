@@ -161,3 +161,17 @@ def test_bad_targets_with_star_and_infeasible_ones():
 def test_cuda_backend_not_yet(kw, name):
     with pytest.raises(NotImplementedError, match=name):
         forced_align(torch.randn(1, 6, 4).log_softmax(-1), torch.tensor([[1, 2]]), backend='cuda', **kw)
+
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_degenerate_lengths(backend):
+    "No frames, one frame, no target, a target that needs every frame; with the wildcard and priors too."
+    g = torch.Generator().manual_seed(7)
+    lp = torch.randn(5, 3, 4, generator=g, dtype=torch.float64).log_softmax(-1)
+    targets = torch.tensor([[1, 2], [3, 0], [3, 0], [2, 4], [4, 4]])
+    il, tl = torch.tensor([0, 1, 1, 2, 3]), torch.tensor([0, 0, 1, 2, 2])
+    labels, scores, conf = forced_align(lp, targets, il, tl, backend=backend, return_confidence=True, star=4,
+                                        label_log_priors=torch.randn(4, generator=g, dtype=torch.float64))
+    assert labels[3, :2].tolist() == [2, 4] and labels[4].tolist() == [4, 0, 4] and (labels[0] == 0).all()
+    assert conf[0].tolist() == [0, 0] and conf[1].tolist() == [0, 0]       # one path: every posterior is 1
+    torch.testing.assert_close(conf[2:], torch.tensor([[1.0, 0], [1, 1], [1, 1]], dtype=torch.float64))
+    assert labels[2, 0] == 3 and scores[2, 0] == lp[2, 0, 3] and scores[0].tolist() == [0, 0, 0]
