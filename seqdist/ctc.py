@@ -776,7 +776,7 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     valid = torch.arange(T, device=labels.device)[None] < to_device(il, labels.device)[:, None]
     labels = torch.where(valid, labels, blank)
     scores = torch.where(valid, model.gather(2, labels[..., None])[..., 0], 0.0)
-    if star is not None: labels = torch.where(labels == C, star, labels)   # the wildcard's column back to its id
+    if star is not None: labels = torch.where(labels == C, int(star), labels)   # the wildcard's column back to its id
     if not return_confidence: return labels.to(targets.dtype), scores
     confidence = _token_confidence(lp, padded, il, tl, blank, state, valid, targets.shape[1], backend)
     return labels.to(targets.dtype), scores, confidence.to(scores.dtype)
@@ -992,10 +992,10 @@ def _alignment_emissions(log_probs, targets, target_lengths, blank, star, star_p
     if isinstance(star, bool) or not isinstance(star, (int, np.integer)) or star < C:
         raise ValueError(f"star must be an int >= C = {C} (a label id outside the vocabulary), got {star!r}")
     penalty = finite_real(star_penalty, 'star_penalty')
-    tl = torch.as_tensor(target_lengths).cpu()
-    within = torch.arange(targets.shape[1])[None] < tl.reshape(-1, 1)
-    bad = targets.cpu()[within & (targets.cpu() >= C) & (targets.cpu() != star)]
-    if bad.numel(): raise ValueError(f"targets must hold labels in [0, C) = [0, {C}) or star = {star}, got {bad[:5].tolist()}")
+    tl, tg = torch.as_tensor(target_lengths).cpu(), targets.cpu()
+    if tl.shape == (N,):                            # (other shapes: ctc_inputs names them)
+        bad = tg[(torch.arange(tg.shape[1])[None] < tl[:, None]) & (tg >= C) & (tg != star)]
+        if bad.numel(): raise ValueError(f"targets must hold labels in [0, C) = [0, {C}) or star = {star}, got {bad[:5].tolist()}")
     label = torch.arange(C, device=model.device) != blank
     def best(x):
         "The best non-blank log-probability of each frame (N, T, 1), -inf if the blank is the only class."
