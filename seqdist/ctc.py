@@ -725,13 +725,19 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
 _FULL_TABLE_BYTES = 1 << 18   # CPU: a score table and back-pointers (9 bytes a lattice cell) this small keep one pass
 _CHECKPOINT_EVERY = 0         # frames between the rows that the checkpointed kernel keeps (0: sqrt(8 T) a sequence)
 
-def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0, *, backend='auto'):
+def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, blank=0, *, backend='auto',
+                 return_confidence=False, star=None, star_penalty=0.0, label_log_priors=None, prior_scale=1.0):
     """`torchaudio.functional.forced_align`, batched and on every device: log_probs (N, T, C) batch first, targets
     (N, L). Returns the label of each frame on the best path (N, T) (targets' dtype) and its log-probability (N, T).
     Frames past a sequence's input length get the blank label and a score of 0. Targets that cannot fit their frames
     (labels + adjacent repeats > input length) raise a ValueError naming the sequence. `backend`: 'auto' (by device), 'cpu'
-    (numba; beyond small inputs in O(S sqrt(T)) memory a sequence, S = 2L+1: "Aligning an hour") or 'cuda' (the CUDA
-    kernel; emulated on CPU tensors)."""
+    (numba; beyond small inputs in O(S sqrt(T)) memory a sequence, S = 2L+1: "Aligning an hour"), 'cuda' (the CUDA
+    kernel; emulated on CPU tensors) or 'reference' (the argmax of the `S=Max` state posteriors, in PyTorch).
+    `return_confidence`: also return each target token's confidence (N, L), the mean posterior probability of its
+    state over the frames the best path gives it ("Confidence"). `star`: an id >= C that `targets` may hold, a wildcard
+    matching any frames at `star_penalty` plus the frame's best non-blank log-probability; `label_log_priors` (C,):
+    align with log_probs - `prior_scale` * label_log_priors ("Wildcards and priors"). The scores returned are always
+    the model's log_probs along the path. The three options are not yet on the 'cuda' backend."""
     if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 3:
         raise ValueError(f"log_probs must be a (N, T, C) tensor, got {getattr(log_probs, 'shape', log_probs)!r}")
     if not isinstance(targets, torch.Tensor) or targets.dim() != 2:
@@ -739,11 +745,20 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     N, T, C = log_probs.shape
     if input_lengths is None: input_lengths = torch.full((N,), T, dtype=torch.long)
     if target_lengths is None: target_lengths = torch.full((N,), targets.shape[1], dtype=torch.long)
-    lp, tg, il, tl, _ = ctc_inputs(log_probs.transpose(0, 1), targets, input_lengths, target_lengths, blank)
+    if not isinstance(return_confidence, bool): raise ValueError(f"return_confidence must be a bool, got {return_confidence!r}")
+    options = star is not None or label_log_priors is not None
+    emissions, model, aligned = log_probs, log_probs, targets   # what is aligned; the scores returned; the targets
+    if options: emissions, model, aligned = _alignment_emissions(log_probs, targets, target_lengths, blank, star,
+                                                                  star_penalty, label_log_priors, prior_scale)
+    lp, tg, il, tl, _ = ctc_inputs(emissions.transpose(0, 1), aligned, input_lengths, target_lengths, blank)
     padded = padded_targets(lp, tg, il, tl, blank)
     check_alignable(padded, il, tl)         # no best path otherwise: raise, as torchaudio does
     ext = interleave_blanks(padded, blank)
-    backend = resolve_backend(backend, lp, ('cpu', 'cuda'), 'log_probs')
+    backend = resolve_backend(backend, lp, ('cpu', 'cuda', 'reference'), 'log_probs')
+    if backend == 'cuda' and (options or return_confidence):
+        used = [n for n, v in (('return_confidence', return_confidence), ('star', star is not None),
+                               ('label_log_priors', label_log_priors is not None)) if v]
+        raise NotImplementedError(f"forced_align's {', '.join(used)} not yet on the 'cuda' backend: use 'cpu' or 'reference'")
     lp = lp.detach().to(_compute_dtype(lp.dtype))
     if backend == 'cpu':
         state = torch.zeros(N, T, dtype=torch.long)
@@ -753,13 +768,18 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
         else:               # O(S sqrt(T)) memory a sequence: "Aligning an hour" below
             parallel_for(_viterbi_checkpointed_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank,
                          _CHECKPOINT_EVERY, state.numpy(), np.empty(N), work=2 * _STATE_WORK * T * N * ext.shape[1])
-    else:                   # the CUDA kernel (emulated on CPU tensors): one launch, the walk back included
+    elif backend == 'cuda': # the CUDA kernel (emulated on CPU tensors): one launch, the walk back included
         state = _viterbi_states_cuda(lp.contiguous(), ext, il, tl, int(blank))
+    else:                   # the reference: the one-hot best path of the Max semiring's gradient
+        state = posteriors(lp, padded, il, tl, blank, Max, by_state=True, backend='reference').argmax(-1).T
     labels = ext.gather(1, state)
     valid = torch.arange(T, device=labels.device)[None] < to_device(il, labels.device)[:, None]
     labels = torch.where(valid, labels, blank)
-    scores = torch.where(valid, log_probs.gather(2, labels[..., None])[..., 0], 0.0)
-    return labels.to(targets.dtype), scores
+    scores = torch.where(valid, model.gather(2, labels[..., None])[..., 0], 0.0)
+    if star is not None: labels = torch.where(labels == C, int(star), labels)   # the wildcard's column back to its id
+    if not return_confidence: return labels.to(targets.dtype), scores
+    confidence = _token_confidence(lp, padded, il, tl, blank, state, valid, targets.shape[1], backend)
+    return labels.to(targets.dtype), scores, confidence.to(scores.dtype)
 
 # %% ../nbs/02_ctc.ipynb #a1e0b002
 @numba.njit(cache=_CACHE, error_model='numpy')
@@ -936,6 +956,53 @@ def token_spans(labels, scores, target_lengths, blank=0, *, max_length=None):
     start, end = torch.where(valid, start, -1), torch.where(valid, end, -1)
     score = _span_means(scores, start.clamp(0, T), end.clamp(0, T)) if T else scores.new_zeros(N, L)
     return start, end, torch.where(valid, score, math.nan)
+
+# %% ../nbs/02_ctc.ipynb #c0f1d002
+def _token_confidence(lp, padded, il, tl, blank, state, valid, L, backend):
+    """Each target token's mean state posterior (Log lattice) over the frames of the best path (N, T) `state`,
+    (N, L), 0 past the target lengths: lp (T, N, C) as aligned, padded (N, W) targets, valid (N, T) frames."""
+    gamma = posteriors(lp, padded, il, tl, blank, Log, by_state=True, backend=backend)   # (T, N, 2W + 1)
+    on_path = gamma.permute(1, 0, 2).gather(2, state[..., None])[..., 0]   # (N, T): the posterior of the path's state
+    token = valid & (state % 2 == 1)                                        # frames where the path is on a label
+    j = torch.where(token, state // 2, 0)                                   # ... and which one
+    mass = on_path.new_zeros(len(state), L).scatter_add_(1, j, torch.where(token, on_path, 0.0))
+    frames = on_path.new_zeros(len(state), L).scatter_add_(1, j, token.to(on_path.dtype))
+    return torch.where(frames > 0, mass / frames.clamp(min=1), 0.0)
+
+# %% ../nbs/02_ctc.ipynb #c0f1d006
+from .checks import finite_real
+
+def _alignment_emissions(log_probs, targets, target_lengths, blank, star, star_penalty, label_log_priors, prior_scale):
+    """`forced_align`'s wildcard and priors, checked: the emissions to align (N, T, C, or C + 1 with the wildcard's
+    column), the model's log-probabilities with the same columns (the scores returned), and the targets with the
+    wildcard's id mapped to its column C."""
+    N, T, C = log_probs.shape
+    model = log_probs.detach()
+    emissions = model.to(_compute_dtype(model.dtype))
+    if label_log_priors is not None:
+        scale = finite_real(prior_scale, 'prior_scale')
+        priors = label_log_priors
+        if not isinstance(priors, torch.Tensor) or not priors.is_floating_point() or tuple(priors.shape) != (C,):
+            raise ValueError(f"label_log_priors must be a float tensor of shape (C,) = ({C},), got "
+                             f"{getattr(priors, 'shape', priors)!r}")
+        priors = to_device(priors, emissions.device).to(emissions.dtype)
+        if not torch.isfinite(priors).all(): raise ValueError("label_log_priors must be finite")
+        emissions = emissions - scale * priors
+    if star is None: return emissions, log_probs, targets
+    if isinstance(star, bool) or not isinstance(star, (int, np.integer)) or star < C:
+        raise ValueError(f"star must be an int >= C = {C} (a label id outside the vocabulary), got {star!r}")
+    penalty = finite_real(star_penalty, 'star_penalty')
+    tl, tg = torch.as_tensor(target_lengths).cpu(), targets.cpu()
+    if tl.shape == (N,):                            # (other shapes: ctc_inputs names them)
+        bad = tg[(torch.arange(tg.shape[1])[None] < tl[:, None]) & (tg >= C) & (tg != star)]
+        if bad.numel(): raise ValueError(f"targets must hold labels in [0, C) = [0, {C}) or star = {star}, got {bad[:5].tolist()}")
+    label = torch.arange(C, device=model.device) != blank
+    def best(x):
+        "The best non-blank log-probability of each frame (N, T, 1), -inf if the blank is the only class."
+        return x[..., label].amax(-1, keepdim=True) if C > 1 else torch.full_like(x[..., :1], -math.inf)
+    emissions = torch.cat([emissions, penalty + best(emissions)], -1)
+    aligned = torch.where(targets == star, C, targets)          # the wildcard's column
+    return emissions, torch.cat([log_probs, best(log_probs)], -1), aligned
 
 # %% ../nbs/02_ctc.ipynb #28b39b04
 @numba.njit(cache=_CACHE, error_model='numpy')
