@@ -295,11 +295,11 @@ def test_bad_inputs_are_clear_errors():
         expect(ValueError, r'exceed the padded targets', f, lp, tg, il, torch.tensor([3, 1]))
         expect(ValueError, r'log_probs must have shape', f, lp[0, 0], tg, il, tl)
         expect(TypeError, r'targets must hold integer', f, lp, tg.float(), il, tl)
-        expect(NotImplementedError, r"no 'cuda' backend yet", f, lp, tg, il, tl, backend='cuda')
+        if f is not alignment_entropy:                                  # (entropy and KL have a CUDA kernel)
+            expect(NotImplementedError, r"no 'cuda' backend yet", f, lp, tg, il, tl, backend='cuda')
         expect(ValueError, r"backend must be", f, lp, tg, il, tl, backend='numba')
     for f in (alignment_kl, alignment_cross_entropy):
         expect(ValueError, r'same shape', f, lp, lp[:4], tg, il, tl)
-        expect(NotImplementedError, r"no 'cuda' backend yet", f, lp, lp, tg, il, tl, backend='cuda')
         expect(ValueError, r"backend must be", f, lp, lp, tg, il, tl, backend='numba')
         expect(ValueError, r'targets must hold labels in', f, lp, lp, torch.tensor([[1, 7], [3, 0]]), il, tl)
     expect(ValueError, r'reduction must be', alignment_entropy, lp, tg, il, tl, reduction='avg')
@@ -400,3 +400,28 @@ def test_ctc_alignments_distribution_object():
     torch.testing.assert_close(d.marginals.sum(-1)[:, :5], (torch.arange(lp.shape[0])[:, None] < il[None, :5]).double())
     labels, scores = d.topk(2)
     assert torch.equal(labels[0, :-1], kbest_alignments(lp, tg, il, tl, k=1)[0][0, :-1])
+
+# -- the CUDA kernel (ctc_divergence), through the emulator on CPU tensors
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_cuda_kernel_matches_the_cpu_kernel(dtype):
+    "Entropy, KL and cross-entropy and their gradients: the CUDA kernel (emulated) as the CPU kernel, in both dtypes."
+    lp, lq, tg, il, tl = longer_batch(5, dtype=dtype)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for f, xs in ((alignment_entropy, (lp,)), (alignment_kl, (lp, lq)), (alignment_cross_entropy, (lp, lq))):
+        got = {}
+        for backend in ('cpu', 'cuda'):
+            ys = [x.detach().requires_grad_() for x in xs]
+            v = f(*ys, tg, il, tl, backend=backend)
+            got[backend] = [v.detach(), *torch.autograd.grad(v.sum(), ys)]
+        for a, b in zip(got['cpu'], got['cuda']): torch.testing.assert_close(b, a, **tol)
+
+def test_cuda_kernel_on_the_enumerated_batch_and_gradcheck():
+    "The emulated CUDA kernel against enumeration's batch (repeats, an empty target, infeasible targets), and gradcheck."
+    lp, lq, tg, il, tl, _ = batch(8)
+    for f, xs in ((alignment_entropy, (lp,)), (alignment_kl, (lp, lq))):
+        close(f(*xs, tg, il, tl, backend='cuda'), f(*xs, tg, il, tl, backend='reference'), rtol=1e-10)
+    x = lp[:4, :2].detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: alignment_entropy(x, tg[:2], [4, 4], tl[:2], backend='cuda'), (x,))
+    with pytest.raises(NotImplementedError, match="no 'cuda' backend"):
+        sample_alignments(lp, tg, il, tl, backend='cuda')
