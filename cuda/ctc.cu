@@ -347,3 +347,45 @@ extern "C" __global__ void ctc_divergence(
         }
     }
 }
+
+// Backward sampling over the forward states that ctc_divergence keeps (ALG_LOG: their p is log alpha): thread i * N + n
+// walks sample i of sequence n back from frame T - 1, picking a final state (the last blank, the last label) and then
+// at each frame a predecessor of the state after it (stay, move, skip) in proportion to exp(alpha), with the uniform
+// u[i, n, t], as `pick3` picks (the first whose cumulative weight exceeds u times the total, never one of weight 0):
+// the CPU kernel's candidates in its order, so the same uniforms give the same samples. states[i, n, t] gets the state;
+// nothing is written for a sequence with no path (log Z, out[3 n], -inf) or no frames.
+__device__ __forceinline__ int pick3(double w0, double w1, double w2, double u) {
+    const double c1 = w0 + w1, total = c1 + w2;
+    const int i = (w0 <= u * total ? 1 : 0) + (c1 <= u * total ? 1 : 0);
+    const int last = w2 > 0.0 ? 2 : (w1 > 0.0 ? 1 : 0);
+    return i < last ? i : last;
+}
+__device__ __forceinline__ int pick_log3(double a0, double a1, double a2, double u) {
+    const double m = max3(a0, a1, a2);
+    return pick3(a0 > -INFINITY ? exp(a0 - m) : 0.0, a1 > -INFINITY ? exp(a1 - m) : 0.0, a2 > -INFINITY ? exp(a2 - m) : 0.0, u);
+}
+
+extern "C" __global__ void ctc_sample(
+    const double* __restrict__ fwd, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, const double* __restrict__ u, const double* __restrict__ out,
+    long long* __restrict__ states, int N, int S_max, int T_max, int n_samples, int blank)
+{
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (long long)n_samples * N) return;
+    const int n = (int)(id % N);
+    const int T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1, W = S_max + 4;
+    if (T == 0 || !(out[3 * n] > -INFINITY)) return;
+    const long long* e = ext + (long long)n * S_max;
+    const double* F = fwd + (long long)n * T_max * 3 * W;              // row t: F + t * 3 * W; p first
+    const double* ui = u + id * T_max;                                  // u[i, n, :]
+    long long* si = states + id * T_max;
+    const double* last = F + (long long)(T - 1) * 3 * W;
+    int s = S - 1 - pick_log3(last[S + 1], S > 1 ? last[S] : -INFINITY, -INFINITY, ui[T - 1]);
+    si[T - 1] = s;
+    for (int t = T - 2; t >= 0; t--) {
+        const double* a = F + (long long)t * 3 * W;
+        const bool skip = s >= 2 && e[s] != blank && e[s] != e[s - 2];
+        s -= pick_log3(a[s + 2], a[s + 1], skip ? a[s] : -INFINITY, ui[t]);
+        si[t] = s;
+    }
+}

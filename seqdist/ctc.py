@@ -1294,27 +1294,33 @@ def _divergence_numba(st):
 
 _DIVERGENCE_THREADS = 256        # ctc_divergence's block: states loop over the threads
 _divergence_kernels = {(dtype, algebra): load_kernel('ctc.cu', 'ctc_divergence', ALG=ALGEBRAS[algebra], **Log.cuda_macros(dtype))
-                       for dtype in (torch.float32, torch.float64) for algebra in ('Entropy', 'KL')}
+                       for dtype in (torch.float32, torch.float64) for algebra in ('Log', 'Entropy', 'KL')}
+_sample_kernel = load_kernel('ctc.cu', 'ctc_sample', **Log.cuda_macros(torch.float64))      # (float64 states only)
+
+def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad):
+    """ctc_divergence (through the emulator on CPU tensors): one launch, one block per sequence. Returns out (N, 3)
+    (log Z_p, log Z_q, accumulator, float64), the forward states of every frame (N, T, 3, S + 4) in float64 (as the CPU
+    kernel keeps per sequence: the sampler walks them), and with `with_grad` the gradients (T, N, C) of the accumulator
+    (for KL also q's), else empty. No host reads: sync-free."""
+    T, N, C = lp.shape
+    S_max, kl, dev, f64 = ext.shape[1], algebra == 'KL', lp.device, torch.float64
+    grad_p = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if with_grad else lp.new_zeros(1)
+    grad_q = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if with_grad and kl else grad_p
+    out, fwd = torch.zeros(N, 3, dtype=f64, device=dev), torch.empty(N, max(T, 1), 3, S_max + 4, dtype=f64, device=dev)
+    if N > 0:
+        _divergence_kernels[(lp.dtype, algebra)](
+            (N,), (_DIVERGENCE_THREADS,), lp=lp, lq=lq, ext=ext, input_lengths=il, target_lengths=tl, fwd=fwd,
+            back=torch.empty(N, 6, S_max + 4, dtype=f64, device=dev), gs=torch.empty(N, 2, S_max, dtype=f64, device=dev),
+            out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C, S_max=S_max, T_max=T, blank=blank, with_grad=int(with_grad))
+    empty = lp.new_empty(0)
+    return out, fwd, grad_p if with_grad else empty, grad_q if with_grad and kl else empty
 
 def _divergence_cuda(st):
-    """The CUDA kernel (through the emulator on CPU tensors): one launch, one block per sequence, the same values and
-    closed-form gradients as the CPU kernel (for g = 1, scaled in the backward). Its workspace: the forward states of
-    every frame (N, T, 3, S + 4) in float64, as the CPU kernel keeps per sequence. No host reads: sync-free."""
-    lp, lq = st.lp.detach().contiguous(), st.lq.detach().contiguous()
-    T, N, C = lp.shape
-    S_max, kl, dev, f64 = st.ext.shape[1], st.algebra == 'KL', lp.device, torch.float64
-    grad_p = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if st.with_grad else lp.new_zeros(1)
-    grad_q = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if st.with_grad and kl else grad_p
-    out = torch.zeros(N, 3, dtype=f64, device=dev)
-    if N > 0:
-        _divergence_kernels[(lp.dtype, st.algebra)](
-            (N,), (_DIVERGENCE_THREADS,), lp=lp, lq=lq, ext=st.ext, input_lengths=st.il, target_lengths=st.tl,
-            fwd=torch.empty(N, max(T, 1), 3, S_max + 4, dtype=f64, device=dev), back=torch.empty(N, 6, S_max + 4, dtype=f64, device=dev),
-            gs=torch.empty(N, 2, S_max, dtype=f64, device=dev), out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C,
-            S_max=S_max, T_max=T, blank=st.blank, with_grad=int(st.with_grad))
-    value, logz_p, logz_q = (out[:, j].to(lp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
-    empty = lp.new_empty(0)
-    return value, logz_p, logz_q, grad_p if st.with_grad else empty, grad_q if st.with_grad and kl else empty
+    "The CUDA kernel: the same values and closed-form gradients as the CPU kernel (for g = 1, scaled in the backward)."
+    out, _, grad_p, grad_q = _divergence_launch(st.lp.detach().contiguous(), st.lq.detach().contiguous(), st.ext, st.il,
+                                                st.tl, st.blank, st.algebra, st.with_grad)
+    value, logz_p, logz_q = (out[:, j].to(st.lp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
+    return value, logz_p, logz_q, grad_p, grad_q
 
 def _divergence_reference(st):
     "The reference: the semiring's recursion in PyTorch (`logz_reference`), differentiated by autograd."
@@ -1460,28 +1466,44 @@ def sample_states(alphas, ext, input_lengths, target_lengths, blank, u):
         state = torch.where(new >= 0, new, state).clamp(0, width - 1)
     return states
 
+def _differentiable_logz(logz, lp, ext, il, tl, blank):
+    """A kernel's log Z (N,), differentiable where log_probs require grad: the loss's forward and posteriors (`ctc_op`),
+    with zero_infinity so that a sequence with no path (log Z = -inf, kept) sends no NaN into the gradient."""
+    if not (torch.is_grad_enabled() and lp.requires_grad): return logz
+    z, _ = ctc_op(lp, ext[:, 1::2], il, tl, int(blank), False, 'labels', True, False, False, 0.0, check=False)
+    return torch.where(torch.isinf(logz), logz, z)
+
 def sample_alignments(log_probs, targets, input_lengths, target_lengths, blank=0, n=1, generator=None, *, backend='auto'):
     """n exact samples from the posterior distribution over each sequence's alignments, by forward filtering (the Log
     semiring's alphas) and backward sampling: labels (n, N, T) in forced_align's format, and the log-probability of each
     under the posterior (n, N), its summed log-probability minus log Z (differentiable, for REINFORCE). The uniforms are
     `torch.rand((n, N, T), generator=generator, dtype=torch.float64)` on the generator's device (the CPU by default), so a
     generator with a given seed gives the same samples on every backend. Targets that cannot fit their frames give
-    labels -1 and log-probability -inf. `backend`: 'auto' (the CPU kernel on CPU tensors), 'cpu' or 'reference'."""
+    labels -1 and log-probability -inf. `backend`: 'auto' (the CPU kernel on CPU tensors, the CUDA kernels on a GPU),
+    'cpu', 'cuda' or 'reference'."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     lp, ext, il, tl, unbatched, dtype = _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank)
-    backend = question_backend(backend, lp, 'sample_alignments')
+    backend = question_backend(backend, lp, 'sample_alignments', cuda=True)
     T, N, _ = lp.shape
     u = torch.rand((int(n), N, T), generator=generator, dtype=torch.float64,
                    device=generator.device if generator is not None else 'cpu').to(lp.device)
-    if backend == 'cpu':
+    if backend == 'cuda':                # ctc_divergence's Log forward keeps alpha; ctc_sample walks back, a thread a sample
+        states = torch.full((int(n), N, T), -1, dtype=torch.long, device=lp.device)
+        x = lp.detach().contiguous()
+        out, fwd, _, _ = _divergence_launch(x, x, ext, il, tl, int(blank), 'Log', False)
+        if N > 0 and T > 0:
+            _sample_kernel((math.ceil(int(n) * N / 256),), (256,), fwd=fwd, ext=ext, input_lengths=il, target_lengths=tl,
+                           u=u.contiguous(), out=out, states=states, N=N, S_max=ext.shape[1], T_max=T, n_samples=int(n),
+                           blank=int(blank))
+        logz = _differentiable_logz(out[:, 0].to(lp.dtype), lp, ext, il, tl, blank)
+        states = torch.where(torch.arange(T, device=lp.device) < il[:, None], states, -1)
+    elif backend == 'cpu':
         states, logz = torch.full((int(n), N, T), -1, dtype=torch.long), np.empty(N)
         parallel_for(_ctc_sample_cpu, N, lp.detach().numpy(), ext.numpy(), il.numpy(), tl.numpy(), int(blank), u.numpy(),
                      states.numpy(), logz, work=_STATE_WORK * T * N * ext.shape[1])
-        logz = torch.from_numpy(logz).to(lp.dtype)
-        if torch.is_grad_enabled() and lp.requires_grad:                  # log Z's gradient: the loss's posteriors
-            logz, _ = ctc_op(lp, ext[:, 1::2], il, tl, int(blank), False, 'labels', False, False, False, 0.0, check=False)
+        logz = _differentiable_logz(torch.from_numpy(logz).to(lp.dtype), lp, ext, il, tl, blank)
         states = torch.where(torch.arange(T) < il[:, None], states, -1)
     else:
         x = _state_scores(lp, ext)
@@ -1574,6 +1596,7 @@ for (dtype, S), ks in _ctc_kernels.items():   # how the glue launches them, and 
                     why="memory-bound passes over (T, N, C): half the SM's threads in flight")
 resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_THREADS, min_threads=_DIVERGENCE_THREADS,
                 why="the lattice questions: one block per sequence, float64 states in global memory")
+resource_budget([_sample_kernel], block=256, min_threads=1024, why="one thread per sample and sequence, walking back")
 
 # %% ../nbs/02_ctc.ipynb #e1a16cda
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')   # seqdist 0.0.3's default device

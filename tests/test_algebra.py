@@ -295,7 +295,7 @@ def test_bad_inputs_are_clear_errors():
         expect(ValueError, r'exceed the padded targets', f, lp, tg, il, torch.tensor([3, 1]))
         expect(ValueError, r'log_probs must have shape', f, lp[0, 0], tg, il, tl)
         expect(TypeError, r'targets must hold integer', f, lp, tg.float(), il, tl)
-        if f is not alignment_entropy:                                  # (entropy and KL have a CUDA kernel)
+        if f is kbest_alignments:                                       # (the others have CUDA kernels)
             expect(NotImplementedError, r"no 'cuda' backend yet", f, lp, tg, il, tl, backend='cuda')
         expect(ValueError, r"backend must be", f, lp, tg, il, tl, backend='numba')
     for f in (alignment_kl, alignment_cross_entropy):
@@ -424,4 +424,23 @@ def test_cuda_kernel_on_the_enumerated_batch_and_gradcheck():
     x = lp[:4, :2].detach().requires_grad_()
     assert torch.autograd.gradcheck(lambda x: alignment_entropy(x, tg[:2], [4, 4], tl[:2], backend='cuda'), (x,))
     with pytest.raises(NotImplementedError, match="no 'cuda' backend"):
-        sample_alignments(lp, tg, il, tl, backend='cuda')
+        kbest_alignments(lp, tg, il, tl, backend='cuda')
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_cuda_sampler_gives_the_cpu_samples_and_gradients(dtype):
+    """The same generator, the same samples on the CUDA kernel (emulated) as on the CPU and the reference; log-probabilities
+    and their gradients (finite, an infeasible sequence included) as the reference's."""
+    lp, lq, tg, il, tl = longer_batch(6, dtype=dtype)
+    got = {}
+    for backend in ('cpu', 'cuda', 'reference'):
+        x = lp.detach().requires_grad_()
+        labels, logp = sample_alignments(x, tg, il, tl, n=40, generator=torch.Generator().manual_seed(2), backend=backend)
+        (grad,) = torch.autograd.grad(logp[torch.isfinite(logp)].sum(), x)
+        got[backend] = labels, logp.detach(), grad
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for backend in ('cuda', 'cpu'):
+        assert torch.equal(got[backend][0], got['reference'][0])
+        torch.testing.assert_close(got[backend][1], got['reference'][1], **tol)
+        assert torch.isfinite(got[backend][2]).all()
+    torch.testing.assert_close(got['cuda'][2], got['cpu'][2], **tol)        # (the reference's float32 autograd: 2e-4 off)
+    if dtype == torch.float64: torch.testing.assert_close(got['cpu'][2], got['reference'][2], **tol)

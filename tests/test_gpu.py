@@ -517,3 +517,22 @@ def test_joint_rnnt_loss_all_four_gradients_agree_with_the_composition_in_float6
     gg = torch.autograd.grad((got * w.cuda()).sum(), got_in + list(mc.parameters()))
     torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-9, atol=1e-9)
     for a, b in zip(gg, gw): torch.testing.assert_close(a.cpu(), b, rtol=1e-9, atol=1e-9 * b.abs().max().item())
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_gpu_ctc_samples_equal_the_reference_without_a_host_sync(dtype, record):
+    """CTC sample_alignments on the GPU (ctc_divergence's forward, ctc_sample's walk): the reference's samples for the same
+    generator (the uniforms come from the generator's device), log-probabilities as the reference's, no host sync."""
+    from seqdist.ctc import sample_alignments
+    g = _gen(0)
+    T, N, C, L = 60, 4, 8, 12
+    lp = torch.randn(T, N, C, generator=g, dtype=torch.float64).log_softmax(-1).to('cuda', dtype)
+    targets, il, tl = torch.randint(1, C, (N, L), generator=g), torch.tensor([60, 50, 60, 13]), torch.tensor([12, 8, 0, 12])
+    args = [lp] + [x.cuda() for x in (targets, il, tl)]
+    gen = lambda: torch.Generator(device='cuda').manual_seed(1)
+    labels, logp = sample_alignments(*args, n=16, generator=gen())                  # (and a warm-up)
+    _no_sync(lambda: sample_alignments(*args, n=16, generator=gen()))
+    ref_labels, ref_logp = sample_alignments(*args, n=16, generator=gen(), backend='reference')
+    assert torch.equal(labels, ref_labels), "the CUDA kernels and the reference differ on the same uniforms"
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(logp, ref_logp, rtol=tol, atol=tol)
+    record('ctc_samples')
