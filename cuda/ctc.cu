@@ -389,3 +389,71 @@ extern "C" __global__ void ctc_sample(
         si[t] = s;
     }
 }
+
+// The k best paths (KMax(k), k <= 16), one block per sequence, as the CPU kernel `_ctc_kbest_cpu`: each state keeps
+// the k best scores into it, sorted, merged from its predecessors' lists (stay, move, skip: `merge_top3`, ties to the
+// earlier list), and for each (frame, state, rank) a code 16 * list + rank of where it came from (`back`, int8,
+// N x T_max x S_max x k); two frames of values in `vals` (N x 2 x (S_max + 2) x k, index s + 2 is state s). Then thread
+// r < k walks rank r back from the final states: states[r, n, t] and best[r, n] (-inf where fewer than r + 1 exist).
+__device__ void merge_top3(int k, const double* a, const double* b, const double* c, double* out, signed char* code) {
+    int i = 0, j = 0, l = 0;
+    for (int r = 0; r < k; r++) {
+        const double va = i < k ? a[i] : -INFINITY, vb = j < k ? b[j] : -INFINITY, vc = l < k ? c[l] : -INFINITY;
+        if (va >= vb && va >= vc) { out[r] = va; code[r] = (signed char)i; i++; }
+        else if (vb >= vc) { out[r] = vb; code[r] = (signed char)(16 + j); j++; }
+        else { out[r] = vc; code[r] = (signed char)(32 + l); l++; }
+    }
+}
+
+extern "C" __global__ void ctc_kbest(
+    const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, double* __restrict__ vals, signed char* __restrict__ back,
+    double* __restrict__ best, long long* __restrict__ states, int N, int C, int S_max, int T_max, int blank, int k)
+{
+    const int n = blockIdx.x, B = blockDim.x, j = threadIdx.x;
+    const int T = (int)input_lengths[n], L = (int)target_lengths[n], S = 2 * L + 1, W = S_max + 2;
+    const long long* e = ext + (long long)n * S_max;
+    for (int r = j; r < k; r += B) best[(long long)r * N + n] = -INFINITY;
+    int repeats = 0;
+    for (int m = 1; m < L; m++) repeats += e[2 * m + 1] == e[2 * m - 1];
+    if (T < L + repeats) return;                            // no path (the whole block returns)
+    if (T == 0) { if (j == 0) best[n] = 0.0; return; }     // the empty path
+    __shared__ double none[16], finals[16];                 // (shared, not per-thread arrays: no local memory)
+    __shared__ signed char code[16];
+    if (j < 16) none[j] = -INFINITY;
+    double* V = vals + (long long)n * 2 * W * k;            // frame t's row: V + (t % 2) * W * k; state s at (s + 2) * k
+    signed char* bk = back + (long long)n * T_max * S_max * k;
+    const long long frame = (long long)N * C;
+    for (int i = j; i < 2 * W * k; i += B) V[i] = -INFINITY;
+    __syncthreads();
+    if (j == 0) { V[2 * k] = (double)lp[n * (long long)C + e[0]];
+                  if (S > 1) V[3 * k] = (double)lp[n * (long long)C + e[1]]; }
+    for (int t = 1; t < T; t++) {
+        __syncthreads();
+        const double* prev = V + ((t - 1) % 2) * W * k;
+        double* cur = V + (t % 2) * W * k;
+        const int lo = max(0, S - 2 * (T - t)), hi = min(S - 1, 2 * t + 1);
+        for (int s = j; s < S; s += B) {
+            double* o = cur + (s + 2) * k;
+            if (s < lo || s > hi) { for (int r = 0; r < k; r++) o[r] = -INFINITY; continue; }
+            const bool skip = s >= 2 && e[s] != blank && e[s] != e[s - 2];
+            merge_top3(k, prev + (s + 2) * k, prev + (s + 1) * k, skip ? prev + s * k : none, o,
+                       bk + ((long long)t * S_max + s) * k);
+            const double x = (double)lp[t * frame + n * (long long)C + e[s]];
+            for (int r = 0; r < k; r++) o[r] += x;
+        }
+    }
+    __syncthreads();
+    const double* last = V + ((T - 1) % 2) * W * k;
+    if (j == 0) merge_top3(k, last + (S + 1) * k, S > 1 ? last + S * k : none, none, finals, code);
+    __syncthreads();
+    const int r = j;
+    if (r >= k || !(finals[r] > -INFINITY)) return;
+    best[(long long)r * N + n] = finals[r];
+    int s = S - 1 - code[r] / 16, rank = code[r] % 16;
+    long long* out = states + ((long long)r * N + n) * T_max;
+    for (int t = T - 1; t >= 0; t--) {
+        out[t] = s;
+        if (t > 0) { const int c = bk[((long long)t * S_max + s) * k + rank]; s -= c / 16; rank = c % 16; }
+    }
+}

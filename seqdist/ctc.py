@@ -1296,6 +1296,7 @@ _DIVERGENCE_THREADS = 256        # ctc_divergence's block: states loop over the 
 _divergence_kernels = {(dtype, algebra): load_kernel('ctc.cu', 'ctc_divergence', ALG=ALGEBRAS[algebra], **Log.cuda_macros(dtype))
                        for dtype in (torch.float32, torch.float64) for algebra in ('Log', 'Entropy', 'KL')}
 _sample_kernel = load_kernel('ctc.cu', 'ctc_sample', **Log.cuda_macros(torch.float64))      # (float64 states only)
+_kbest_kernels = {dtype: load_kernel('ctc.cu', 'ctc_kbest', **Log.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
 
 def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad):
     """ctc_divergence (through the emulator on CPU tensors): one launch, one block per sequence. Returns out (N, 3)
@@ -1414,9 +1415,19 @@ def kbest_alignments(log_probs, targets, input_lengths, target_lengths, blank=0,
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     lp, ext, il, tl, unbatched, dtype = _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank)
-    backend, k = question_backend(backend, lp, 'kbest_alignments'), int(k)
+    backend, k = question_backend(backend, lp, 'kbest_alignments', cuda=True), int(k)
     T, N, _ = lp.shape
-    if backend == 'cpu':
+    if backend == 'cuda':                # one block per sequence: the KMax(k) recursion, then a thread per rank walks back
+        S_max, dev = ext.shape[1], lp.device
+        states, best = torch.zeros(k, N, T, dtype=torch.long, device=dev), torch.empty(k, N, dtype=torch.float64, device=dev)
+        if N > 0:
+            _kbest_kernels[lp.dtype]((N,), (_DIVERGENCE_THREADS,), lp=lp.detach().contiguous(), ext=ext, input_lengths=il,
+                                     target_lengths=tl, vals=torch.empty(N, 2, S_max + 2, k, dtype=torch.float64, device=dev),
+                                     back=torch.empty(N, max(T, 1), S_max, k, dtype=torch.int8, device=dev), best=best,
+                                     states=states, N=N, C=lp.shape[2], S_max=S_max, T_max=T, blank=int(blank), k=k)
+        none = best == -math.inf
+        scores = _path_scores(lp, ext, states, il)
+    elif backend == 'cpu':
         states, best = torch.zeros(k, N, T, dtype=torch.long), np.empty((k, N))
         parallel_for(_ctc_kbest_cpu, N, lp.detach().numpy(), ext.numpy(), il.numpy(), tl.numpy(), int(blank), k,
                      states.numpy(), best, work=_STATE_WORK * k * T * N * ext.shape[1])
@@ -1597,6 +1608,8 @@ for (dtype, S), ks in _ctc_kernels.items():   # how the glue launches them, and 
 resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_THREADS, min_threads=_DIVERGENCE_THREADS,
                 why="the lattice questions: one block per sequence, float64 states in global memory")
 resource_budget([_sample_kernel], block=256, min_threads=1024, why="one thread per sample and sequence, walking back")
+resource_budget(list(_kbest_kernels.values()), block=_DIVERGENCE_THREADS, min_threads=_DIVERGENCE_THREADS,
+                why="k-best: one block per sequence, k scores per state in global memory")
 
 # %% ../nbs/02_ctc.ipynb #e1a16cda
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')   # seqdist 0.0.3's default device

@@ -295,8 +295,6 @@ def test_bad_inputs_are_clear_errors():
         expect(ValueError, r'exceed the padded targets', f, lp, tg, il, torch.tensor([3, 1]))
         expect(ValueError, r'log_probs must have shape', f, lp[0, 0], tg, il, tl)
         expect(TypeError, r'targets must hold integer', f, lp, tg.float(), il, tl)
-        if f is kbest_alignments:                                       # (the others have CUDA kernels)
-            expect(NotImplementedError, r"no 'cuda' backend yet", f, lp, tg, il, tl, backend='cuda')
         expect(ValueError, r"backend must be", f, lp, tg, il, tl, backend='numba')
     for f in (alignment_kl, alignment_cross_entropy):
         expect(ValueError, r'same shape', f, lp, lp[:4], tg, il, tl)
@@ -423,8 +421,19 @@ def test_cuda_kernel_on_the_enumerated_batch_and_gradcheck():
         close(f(*xs, tg, il, tl, backend='cuda'), f(*xs, tg, il, tl, backend='reference'), rtol=1e-10)
     x = lp[:4, :2].detach().requires_grad_()
     assert torch.autograd.gradcheck(lambda x: alignment_entropy(x, tg[:2], [4, 4], tl[:2], backend='cuda'), (x,))
-    with pytest.raises(NotImplementedError, match="no 'cuda' backend"):
-        kbest_alignments(lp, tg, il, tl, backend='cuda')
+    for k in (1, 5, 16):                                            # k-best: the enumeration's, as the reference finds them
+        (l1, s1), (l2, s2) = (kbest_alignments(lp, tg, il, tl, k=k, backend=b) for b in ('cuda', 'reference'))
+        assert torch.equal(l1, l2)
+        close(s1, s2)
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_cuda_kbest_matches_the_cpu_kernel(dtype):
+    "k-best on the CUDA kernel (emulated): the CPU kernel's paths and scores, ties included (rounded scores)."
+    lp, lq, tg, il, tl = longer_batch(7, dtype=dtype)
+    for x in (lp, (lp * 2).round() / 2):                            # (the second: many exact ties)
+        for k in (1, 4, 16):
+            (l1, s1), (l2, s2) = (kbest_alignments(x, tg, il, tl, k=k, backend=b) for b in ('cuda', 'cpu'))
+            assert torch.equal(l1, l2) and torch.equal(s1, s2)
 
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_cuda_sampler_gives_the_cpu_samples_and_gradients(dtype):

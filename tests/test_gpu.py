@@ -536,3 +536,20 @@ def test_gpu_ctc_samples_equal_the_reference_without_a_host_sync(dtype, record):
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     torch.testing.assert_close(logp, ref_logp, rtol=tol, atol=tol)
     record('ctc_samples')
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_gpu_ctc_kbest_equals_the_cpu_kernel_without_a_host_sync(dtype, record):
+    "CTC kbest_alignments on the GPU (ctc_kbest): the CPU kernel's paths and scores, bitwise repeatable, no host sync."
+    from seqdist.ctc import kbest_alignments
+    g = _gen(0)
+    T, N, C, L = 60, 4, 8, 12
+    lp = torch.randn(T, N, C, generator=g, dtype=torch.float64).log_softmax(-1).to(dtype)
+    targets, il, tl = torch.randint(1, C, (N, L), generator=g), torch.tensor([60, 50, 60, 13]), torch.tensor([12, 8, 0, 12])
+    want = kbest_alignments(lp, targets, il, tl, k=8, backend='cpu')
+    args = [x.cuda() for x in (lp, targets, il, tl)]
+    got = kbest_alignments(*args, k=8)                                                # (and a warm-up)
+    _no_sync(lambda: kbest_alignments(*args, k=8))
+    again = kbest_alignments(*args, k=8)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5 if dtype == torch.float32 else 1e-12)
+    record('ctc_kbest')
