@@ -81,13 +81,14 @@ def sweep_ctc(Ts=(125, 250, 500, 1000, 2000, 4000), N=16, C=20, labels_per_frame
     return rows
 
 # %% ../nbs/10_bench.ipynb #31bd392f
-def bench_ctc_questions(T=500, N=32, C=20, L_min=80, L_max=100, warmup=2, reps=7):
-    """The CTC lattice questions on the CPU, each timed alternately with its anchor from the same family, with both
-    peak memories (`peak_extra_mb`): entropy and KL fwd+bwd against `ctc_loss` fwd+bwd, 8 samples against one loss
-    forward, k-best (k = 4) against `forced_align`."""
+def bench_ctc_questions(T=500, N=32, C=20, L_min=80, L_max=100, warmup=2, reps=7, device='cpu'):
+    """The CTC lattice questions (on the CPU, or on `device`'s CUDA kernels), each timed alternately with its anchor from
+    the same family, with both peak memories on the CPU (`peak_extra_mb`; GPU memory is not measured here): entropy and
+    KL fwd+bwd against `ctc_loss` fwd+bwd, 8 samples against one loss forward, k-best (k = 4) against `forced_align`."""
     from seqdist.ctc import alignment_entropy, alignment_kl, sample_alignments, kbest_alignments
-    lp, targets, il, tl = ctc_inputs_for(T, N, C, L_min, L_max)
-    lq = ctc_inputs_for(T, N, C, L_min, L_max, seed=1)[0]
+    lp, targets, il, tl = ctc_inputs_for(T, N, C, L_min, L_max, device)
+    lq = ctc_inputs_for(T, N, C, L_min, L_max, device, seed=1)[0]
+    gen = lambda: torch.Generator(device=device).manual_seed(0)
     x, y = lp.detach().requires_grad_(), lq.detach().requires_grad_()
     lp = lp.detach()
     cases = [('alignment_entropy fwd+bwd', 'ctc_loss fwd+bwd (target: ratio >= 0.67)',
@@ -98,15 +99,17 @@ def bench_ctc_questions(T=500, N=32, C=20, L_min=80, L_max=100, warmup=2, reps=7
               lambda: torch.autograd.grad(alignment_kl(x, y, targets, il, tl, reduction='sum'), (x, y))),
              ('sample_alignments n=8', 'ctc_loss forward (target: ratio >= 0.67)',
               lambda: ctc_loss(lp, targets, il, tl),
-              lambda: sample_alignments(lp, targets, il, tl, n=8, generator=torch.Generator().manual_seed(0))),
+              lambda: sample_alignments(lp, targets, il, tl, n=8, generator=gen())),
              ('kbest_alignments k=4', 'forced_align (target: ratio >= 0.5)',
               lambda: forced_align(lp.transpose(0, 1), targets, il, tl),
               lambda: kbest_alignments(lp, targets, il, tl, k=4))]
     rows = []
+    cpu = torch.device(device).type == 'cpu'
     for op, anchor, theirs, ours in cases:
-        t0, t1 = timed_pair(theirs, ours, 'cpu', warmup, reps)
+        t0, t1 = timed_pair(theirs, ours, device, warmup, reps)
         rows.append(dict(op=op, shape=f"T={T} N={N} C={C} L={L_min}-{L_max}", anchor='seqdist ' + anchor, anchor_ms=t0,
-                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs), ours_mb=peak_extra_mb(ours), check='-'))
+                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs) if cpu else float('nan'),
+                         ours_mb=peak_extra_mb(ours) if cpu else float('nan'), check='-'))
     return rows
 
 # %% ../nbs/10_bench.ipynb #89624098
@@ -332,12 +335,14 @@ def _families(quick, device, gpu=None):
         return [('ctc', lambda: bench_ctc_gpu([(200, 16, 20, 30, 40)], device, **q)),
                 ('ctc_crf', lambda: bench_crf_gpu(device, [(100, 4, 3)], [(100, 4, 20)], [(100, 4, 12)], **q)),
                 ('forced_align', lambda: bench_forced_align_gpu(100, 50, 10, device, **q)),
+                ('ctc_questions', lambda: bench_ctc_questions(100, 4, 10, 10, 20, device=device, **q)),
                 ('rnnt', lambda: bench_rnnt(shapes=[(2, 50, 10, 64)], device=device)),
                 ('joint', lambda: bench_joint(quick=True, device=device)), ('tdt', lambda: bench_tdt(quick=True, device=device)),
                 ('gru', lambda: bench_gru(quick=True, device=device)),
                 ('cross_entropy', lambda: bench_cross_entropy(quick=True, device=device))]
     return [('ctc', lambda: bench_ctc_gpu(device=device)), ('ctc_crf', lambda: bench_crf_gpu(device)),
             ('forced_align', lambda: bench_forced_align_gpu(device=device)),
+            ('ctc_questions', lambda: bench_ctc_questions(device=device)),
             ('rnnt', lambda: bench_rnnt(shapes=[(4, 300, 80, 1024), (32, 500, 100, 1024)], device=device)),
             ('joint', lambda: bench_joint(device=device)), ('tdt', lambda: bench_tdt(device=device)),
             ('gru', lambda: bench_gru(device=device)),
