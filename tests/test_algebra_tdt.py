@@ -164,6 +164,35 @@ def test_gradcheck_of_entropy_kl_and_cross_entropy(lat):
     assert torch.autograd.gradcheck(lambda x, q: lat.kl(x, q, y, il, tl), (x, xq), fast_mode=True)
     assert torch.autograd.gradcheck(lambda x, q: lat.ce(x, q, y, il, tl), (x, xq), fast_mode=True)
 
+def weighted(out, seed):
+    "A random weighting of the outputs: the gradient of their weighted sum tests the whole Jacobian's rows at once."
+    return (out * torch.rand(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)).sum()
+
+@pytest.mark.parametrize('lat', LATTICES, ids=repr)
+def test_cpu_kernels_equal_the_reference(lat):
+    """The CPU kernels (the backward in closed form, in the same call) against the reference (autograd through the
+    recursion): values and gradients, fp64, variable lengths and a sequence with no path."""
+    for seed in range(2):
+        x, xq, y, il, tl = batch(lat, 20 + seed)
+        x, xq = x.requires_grad_(), xq.requires_grad_()
+        cases = [('entropy', lat.entropy, (x,))]
+        for name, f, args in cases:
+            got, want = (f(*args, y, il, tl, backend=backend) for backend in ('cpu', 'reference'))
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+            g_got = torch.autograd.grad(weighted(got, seed), args)
+            g_want = torch.autograd.grad(weighted(want, seed), args)
+            for a, b in zip(g_got, g_want): torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name} grad: {m}")
+            assert got.abs().gt(0.1).sum() >= 3                                   # not a test of zeros
+
+@pytest.mark.parametrize('lat', LATTICES, ids=repr)
+def test_gradcheck_of_the_cpu_kernels(lat):
+    "The CPU path's closed-form gradients against finite differences on a tiny case (two sequences, one label)."
+    g = torch.Generator().manual_seed(14)
+    W = 3 + len(lat.spec) if lat.tdt else 2 + len(lat.spec)
+    x = torch.randn(2, 3, 2, W, generator=g, dtype=torch.float64).requires_grad_()
+    y, il, tl = torch.full((2, 1), 1 if lat.tdt else 0), torch.tensor([3, 2]), torch.tensor([1, 0])
+    assert torch.autograd.gradcheck(lambda x: lat.entropy(x, y, il, tl, backend='cpu'), (x,))
+
 def test_no_path_gives_zero_and_a_zero_gradient():
     x, xq, y, il, tl = batch(TDT_NO_ZERO, 5)
     x = x.detach().requires_grad_()
@@ -309,8 +338,9 @@ def entropy_high_precision(lat, x, y, T_b, U_b, digits=60):
         logz = m + sum(((s - m).exp() for s in scores), Dec(0)).ln()
         return float(-sum((s - logz).exp() * (s - logz) for s in scores))
 
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
 @pytest.mark.parametrize('lat', [TDT, MULTIBLANK], ids=repr)
-def test_entropy_of_a_peaky_model_is_accurate(lat):
+def test_entropy_of_a_peaky_model_is_accurate(lat, backend):
     x, _, y, il, tl = batch(lat, 10)
     T_b, U_b = 5, 3
     x, y, il, tl = x[:1], y[:1], il[:1], tl[:1]
@@ -319,7 +349,7 @@ def test_entropy_of_a_peaky_model_is_accurate(lat):
     for t, u, label, i in best:
         x[0, t, u, y[0, u] if label else (lat.blank % V if lat.tdt or i == 0 else lat.blank % V - i)] += 34.0
         if lat.tdt: x[0, t, u, V + i] += 34.0
-    h = lat.entropy(x, y, il, tl)[0].item()
+    h = lat.entropy(x, y, il, tl, backend=backend)[0].item()
     want = entropy_high_precision(lat, x[0], y[0].tolist(), T_b, U_b)
     assert 1e-13 < want < 1e-11 and abs(h - want) <= 1e-10 * want, (h, want)
     # log Z - E[score], the same sum in fp64 without the semiring, loses digits: it misses even a 1e-6 bound
@@ -358,7 +388,7 @@ def test_bad_inputs_are_clear_errors():
             expect(ValueError, r'target_lengths must be in', f, x_, y_, il, torch.tensor([4, 0, 2, 1, 2]))
             expect(TypeError, r'targets must hold integers', f, x_, y_.float(), il, tl)
             expect(ValueError, r'logits must have shape', f, x_[0], y_, il, tl)
-            expect(NotImplementedError, r"no 'cpu' backend yet", f, x_, y_, il, tl, backend='cpu')
+            if f is not lat.entropy: expect(NotImplementedError, r"no 'cpu' backend yet", f, x_, y_, il, tl, backend='cpu')
             expect(NotImplementedError, r"no 'cuda' backend yet", f, x_, y_, il, tl, backend='cuda')
             expect(ValueError, r'backend must be', f, x_, y_, il, tl, backend='numba')
             bad = y_.clone(); bad[0, 0] = lat.blank % V
