@@ -729,7 +729,7 @@ def _divergence(algebra, lattice, logits_p, logits_q, targets, logit_lengths, ta
     sigma = finite_real(sigma, 'sigma')
     durations, big, blank = _lattice_inputs(lattice, logits_p, targets, logit_lengths, target_lengths, blank)
     if logits_q is not None: _lattice_inputs(lattice, logits_q, targets, logit_lengths, target_lengths, blank)
-    backend = question_backend(backend, logits_p, what, 'logits') if algebra == 'Entropy' else reference_only(backend, what)
+    backend = question_backend(backend, logits_p, what, 'logits')
     if algebra == 'CrossEntropy' and backend == 'cpu':
         return sum(_divergence(a, lattice, logits_p, q, targets, logit_lengths, target_lengths, blank, sigma, reduction,
                                backend, what) for a, q in (('Entropy', None), ('KL', logits_q)))
@@ -845,14 +845,16 @@ def alignment_entropy(logits, targets, logit_lengths, target_lengths, durations=
 def alignment_kl(logits_p, logits_q, targets, logit_lengths, target_lengths, durations=(0, 1, 2, 3, 4), blank=-1,
                  sigma=0.0, reduction='none', *, backend='auto'):
     """KL(p || q) (nats) between the posterior distributions over the TDT alignments of two models' logits for the same
-    targets; both sides differentiable. Stable when p is close to q (the `KL` semiring adds each mixture's own KL)."""
+    targets; both sides differentiable. Stable when p is close to q (the `KL` semiring adds each mixture's own KL).
+    `backend` as `alignment_entropy`'s."""
     return _divergence('KL', ('tdt', durations), logits_p, logits_q, targets, logit_lengths, target_lengths, blank, sigma,
                        reduction, backend, 'alignment_kl')
 
 def alignment_cross_entropy(logits_p, logits_q, targets, logit_lengths, target_lengths, durations=(0, 1, 2, 3, 4),
                             blank=-1, sigma=0.0, reduction='none', *, backend='auto'):
     """-E_p[log q(alignment)] (nats) between the posterior distributions over the TDT alignments of two models' logits:
-    `alignment_entropy(p) + alignment_kl(p, q)`. Both sides differentiable."""
+    `alignment_entropy(p) + alignment_kl(p, q)` (so computed on the CPU; the reference runs the `CrossEntropy` semiring).
+    Both sides differentiable."""
     return _divergence('CrossEntropy', ('tdt', durations), logits_p, logits_q, targets, logit_lengths, target_lengths,
                        blank, sigma, reduction, backend, 'alignment_cross_entropy')
 
@@ -1049,7 +1051,12 @@ def _tdt_entropy_cpu(xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad,
     "`_tdt_alg_cpu` in the Entropy algebra."
     _tdt_alg_cpu(ALG_ENTROPY, xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad, grad_p, grad_q, out, lo, hi)
 
-_DIVERGENCES = {'Entropy': (Entropy, _tdt_entropy_cpu), 'KL': (KL, None), 'CrossEntropy': (CrossEntropy, None)}
+@numba.njit(nogil=True, cache=_CACHE)
+def _tdt_kl_cpu(xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad, grad_p, grad_q, out, lo, hi):
+    "`_tdt_alg_cpu` in the KL algebra."
+    _tdt_alg_cpu(ALG_KL, xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad, grad_p, grad_q, out, lo, hi)
+
+_DIVERGENCES = {'Entropy': (Entropy, _tdt_entropy_cpu), 'KL': (KL, _tdt_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
 
 def _divergence_prepare(a, backend, check):
     """The state of an entropy or KL call: the logits in their compute dtype (`xp`, `xq`: q is p for Entropy), detached

@@ -175,7 +175,7 @@ def test_cpu_kernels_equal_the_reference(lat):
     for seed in range(2):
         x, xq, y, il, tl = batch(lat, 20 + seed)
         x, xq = x.requires_grad_(), xq.requires_grad_()
-        cases = [('entropy', lat.entropy, (x,))]
+        cases = [('entropy', lat.entropy, (x,)), ('KL', lat.kl, (x, xq)), ('cross-entropy', lat.ce, (x, xq))]
         for name, f, args in cases:
             got, want = (f(*args, y, il, tl, backend=backend) for backend in ('cpu', 'reference'))
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
@@ -191,7 +191,10 @@ def test_gradcheck_of_the_cpu_kernels(lat):
     W = 3 + len(lat.spec) if lat.tdt else 2 + len(lat.spec)
     x = torch.randn(2, 3, 2, W, generator=g, dtype=torch.float64).requires_grad_()
     y, il, tl = torch.full((2, 1), 1 if lat.tdt else 0), torch.tensor([3, 2]), torch.tensor([1, 0])
+    xq = torch.randn(2, 3, 2, W, generator=g, dtype=torch.float64).requires_grad_()
     assert torch.autograd.gradcheck(lambda x: lat.entropy(x, y, il, tl, backend='cpu'), (x,))
+    assert torch.autograd.gradcheck(lambda x, q: lat.kl(x, q, y, il, tl, backend='cpu'), (x, xq))
+    assert torch.autograd.gradcheck(lambda x, q: lat.ce(x, q, y, il, tl, backend='cpu'), (x, xq), fast_mode=True)
 
 def test_no_path_gives_zero_and_a_zero_gradient():
     x, xq, y, il, tl = batch(TDT_NO_ZERO, 5)
@@ -395,7 +398,7 @@ def test_bad_inputs_are_clear_errors():
             expect(ValueError, r'blank', f, x_, bad, il, tl)
         for f in (lat.kl, lat.ce):
             expect(ValueError, r'same shape', f, x_, x_[:4], y_, il, tl)
-            expect(NotImplementedError, r"no 'cpu' backend yet", f, x_, x_, y_, il, tl, backend='cpu')
+            expect(NotImplementedError, r"no 'cuda' backend yet", f, x_, x_, y_, il, tl, backend='cuda')
         expect(ValueError, r'reduction must be', lat.entropy, x_, y_, il, tl, reduction='mean_batch')
         for k in (0, 17, 2.0, True): expect(ValueError, r'k must be an int in \[1, 16\]', lat.kbest, x_, y_, il, tl, k=k)
         for n in (0, -1, 1.5): expect(ValueError, r'n must be a positive int', lat.sample, x_, y_, il, tl, n=n)

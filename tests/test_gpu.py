@@ -337,20 +337,23 @@ def _rnnt_divergence_case(size, dtype, device, seed=0):
                 bound=lambda: 400 * B * T * (U + 1) * V * 8 + (1 << 20))      # the reference's autograd graph
 
 def _tdt_divergence_case(size, dtype, device, seed=0):
-    """TDT's and multi-blank's entropy (op tdt_divergence): the reference on a GPU so far, the numba kernel on the CPU."""
-    from seqdist.tdt import alignment_entropy, multiblank_alignment_entropy
+    """TDT's entropy and KL, multi-blank's entropy (op tdt_divergence): the reference on a GPU so far, the numba kernel on
+    the CPU."""
+    from seqdist.tdt import alignment_entropy, alignment_kl, multiblank_alignment_entropy
     B, T, U, V = dict(small=(3, 12, 5, 8), long=(2, 40, 20, 16))[size]
     g = _gen(seed)
     x = torch.randn(B, T, U + 1, V + 5, generator=g, dtype=torch.float64).to(device, dtype)     # durations 0..4
+    q = torch.randn(B, T, U + 1, V + 5, generator=g, dtype=torch.float64).to(device, dtype)
     targets = torch.randint(0, V - 3, (B, U), generator=g, dtype=torch.int32).to(device)     # (below blank V-1 and 2 big blanks)
     ll = torch.randint(T // 2, T + 1, (B,), generator=g, dtype=torch.int32); ll[0] = T
     tl = torch.randint(U // 2, U + 1, (B,), generator=g, dtype=torch.int32); tl[0] = U
     ll, tl = ll.to(device), tl.to(device)
     def f(x):
         h = alignment_entropy(x, targets, ll, tl, (0, 1, 2, 3, 4), sigma=0.05)
+        kl = alignment_kl(x, q, targets, ll, tl, (0, 1, 2, 3, 4), sigma=0.05)
         hm = multiblank_alignment_entropy(x[..., :V], targets, ll, tl, (2, 3))
-        return h.sum() + hm.sum(), h, hm
-    return Case('tdt alignment_entropy, multiblank_alignment_entropy', x, f,
+        return h.sum() + kl.sum() + hm.sum(), h, kl, hm
+    return Case('tdt alignment_entropy, alignment_kl, multiblank_alignment_entropy', x, f,
                 bound=lambda: 800 * B * T * (U + 1) * (V + 5) * 8 + (1 << 20))      # the reference's autograd graph
 
 def _crf_divergence_case(size, dtype, device, seed=0):
