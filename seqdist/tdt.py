@@ -688,7 +688,7 @@ def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 
     return frames, dur, score
 
 # %% ../nbs/09_tdt.ipynb #tdtq-code
-from .core import Entropy, KL, CrossEntropy, KMax, choose_index, reference_only
+from .core import Entropy, KL, CrossEntropy, KMax, choose_index, reference_only, question_backend
 
 def _check_reduction(reduction):
     if reduction not in _REDUCTIONS: raise ValueError(f"reduction must be 'none', 'sum', 'mean' or 'mean_volume', got {reduction!r}")
@@ -704,18 +704,29 @@ def _lattice_inputs(lattice, logits, targets, logit_lengths, target_lengths, bla
     big, blank = multiblank_inputs(logits, targets, logit_lengths, target_lengths, spec, blank)
     return (), big, blank
 
-def _lattice_scores(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma):
-    """Check the inputs (`_lattice_inputs`); return the edge scores (B, T, U+1, K), differentiable with respect to the
-    logits (computed in float32 or float64), the lattice's edge table and the lengths (B,) on the logits' device."""
+def _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma):
+    """The inputs checked (`_lattice_inputs`, the targets' values too): the logits x in float32 or float64
+    (differentiable), the targets y (B, U+1) and lengths il, tl (B,) of `clean_targets` on the logits' device, the
+    lattice's edge table, V, D, sigma, the durations, the big blanks' durations and the blank in [0, V)."""
     sigma = finite_real(sigma, 'sigma')
     durations, big, blank = _lattice_inputs(lattice, logits, targets, logit_lengths, target_lengths, blank)
     V = logits.shape[-1] - len(durations)
     x = logits.to(compute_dtype(logits.dtype))
     y, il, tl = clean_targets(x[..., :V], targets, logit_lengths, target_lengths, blank)
     if big: _check_big_blank_targets(y, tl, blank, len(big))
-    table = edge_table(durations, big, blank, False)
-    duration_lp = x[..., V:].log_softmax(-1) if durations else None
-    return edge_scores(x[..., :V].log_softmax(-1), duration_lp, y, table, (sigma, 0.0)), table, il, tl
+    return SimpleNamespace(x=x, y=y, il=il, tl=tl, V=V, D=len(durations), sigma=sigma, durations=durations, big=big,
+                           blank=blank, table=edge_table(durations, big, blank, False))
+
+def _scores(c):
+    "The edge scores (B, T, U+1, K) of checked inputs `c` (`_checked`), differentiable with respect to the logits."
+    return edge_scores(c.x[..., :c.V].log_softmax(-1), c.x[..., c.V:].log_softmax(-1) if c.D else None, c.y, c.table,
+                       (c.sigma, 0.0))
+
+def _lattice_scores(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma):
+    """Check the inputs (`_checked`); return the edge scores (B, T, U+1, K), differentiable with respect to the logits
+    (computed in float32 or float64), the lattice's edge table and the lengths (B,) on the logits' device."""
+    c = _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
+    return _scores(c), c.table, c.il, c.tl
 
 def _divergence(algebra, lattice, logits_p, logits_q, targets, logit_lengths, target_lengths, blank, sigma, reduction,
                 backend, what):
@@ -811,24 +822,39 @@ def _sample(lattice, logits, targets, logit_lengths, target_lengths, blank, sigm
     """n exact samples from the posterior over the paths: forward filtering (the Log semiring's alphas), then a walk
     back that enters each node by edge k with probability alpha(start of k) * score(k) / alpha(node), drawn with one
     uniform a step. Timestamps as `_timestamps`', and each path's log-probability (n, B) (path score - log Z)."""
-    reference_only(backend, what)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    scores, table, il, tl = _lattice_scores(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
-    B, T, U1, _ = scores.shape
+    c = _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
+    backend, n = question_backend(backend, c.x, what, 'logits'), int(n)
+    B, T, U1, _ = c.x.shape
     steps = T + U1 - 1                                    # a path has at most T_b + U_b edges
-    logz, diagonals = logz_reference(scores, table, il, tl, Log, all_diagonals=True)      # diagonals (N, B, U+1)
-    none = Log.is_zero(logz.detach()).expand(int(n), B)
-    with torch.no_grad():
-        u = torch.arange(U1, device=il.device)
-        alpha = diagonals[torch.arange(T, device=il.device)[:, None] + u, :, u].permute(2, 0, 1)    # (B, T, U+1)
-        weights = (alpha[..., None] + scores)[None]                                                 # (1, B, T, U+1, K)
-        uniforms = torch.rand((int(n), B, steps), generator=generator, dtype=torch.float64,
-                              device=generator.device if generator is not None else 'cpu').to(il.device)
-        taken = _walk_back(weights, table, il, tl, lambda w, s: choose_index(w, uniforms[..., s]), steps, none)
-    frames, durations, blanks = _timestamps(taken, table, il, T, U1 - 1)
-    logp = torch.where(none, -math.inf, _path_scores(scores, taken) - torch.where(none[0], 0.0, logz))
+    uniforms = torch.rand((n, B, steps), generator=generator, dtype=torch.float64,
+                          device=generator.device if generator is not None else 'cpu').to(c.il.device)
+    differentiable = torch.is_grad_enabled() and c.x.requires_grad
+    if backend == 'cpu':                # the loss's forward keeps alpha; the kernel walks back with the same uniforms
+        taken, logz, path = torch.full((3, n, B, steps), -1, dtype=torch.long), np.empty(B), np.empty((n, B))
+        parallel_for(_tdt_sample_cpu, B, c.x.detach().contiguous().numpy(), c.y.numpy(), c.il.numpy(), c.tl.numpy(), c.V,
+                     c.D, c.table, np.array([c.sigma, 0.0]), c.x.dtype == torch.float64, uniforms.numpy(), taken.numpy(),
+                     logz, path, work=c.x.numel() + n * B * steps * len(c.table))
+        logz, path = torch.from_numpy(logz).to(c.x.dtype), torch.from_numpy(path).to(c.x.dtype)
+        if differentiable:              # the path scores through autograd, and log Z's gradient: the loss's backward
+            costs, _ = tdt_op(logits, targets, logit_lengths, target_lengths, list(c.durations), list(c.big), c.blank,
+                              c.sigma, 0.0, -1.0, 0.0, 0.0, backend='cpu', check=False)
+            logz, path = -costs.to(c.x.dtype), _path_scores(_scores(c), taken)
+        none = Log.is_zero(logz.detach()).expand(n, B)
+    else:
+        scores = _scores(c)
+        logz, diagonals = logz_reference(scores, c.table, c.il, c.tl, Log, all_diagonals=True)   # diagonals (N, B, U+1)
+        none = Log.is_zero(logz.detach()).expand(n, B)
+        with torch.no_grad():
+            u = torch.arange(U1, device=c.il.device)
+            alpha = diagonals[torch.arange(T, device=c.il.device)[:, None] + u, :, u].permute(2, 0, 1)  # (B, T, U+1)
+            weights = (alpha[..., None] + scores)[None]                                                # (1, B, T, U+1, K)
+            taken = _walk_back(weights, c.table, c.il, c.tl, lambda w, s: choose_index(w, uniforms[..., s]), steps, none)
+        path = _path_scores(scores, taken)
+    frames, durations, blanks = _timestamps(taken, c.table, c.il, T, U1 - 1)
+    logp = torch.where(none, -math.inf, path - torch.where(none[0], 0.0, logz))
     return frames, durations, blanks, logp
 
 # -- the public questions: the TDT lattice (durations=) and the multi-blank lattice (multiblank_*, big_blank_durations)
@@ -873,7 +899,8 @@ def sample_alignments(logits, targets, logit_lengths, target_lengths, durations=
     backward sampling), in `kbest_alignments`' format (n leading), with the log-probability of each under the posterior
     (n, B), its score minus log Z (differentiable, for REINFORCE). The uniforms are `torch.rand((n, B, T + U),
     generator=generator, dtype=torch.float64)` on the generator's device (the CPU by default): a seed gives the same
-    samples on every device. No path: -1 and log-probability -inf."""
+    samples on every device and backend. No path: -1 and log-probability -inf. `backend`: 'auto' (the CPU kernel on CPU
+    tensors, the reference on a GPU), 'cpu' or 'reference'."""
     return _sample(('tdt', durations), logits, targets, logit_lengths, target_lengths, blank, sigma, n, generator, backend,
                    'sample_alignments')
 
@@ -910,7 +937,7 @@ def multiblank_sample_alignments(logits, targets, logit_lengths, target_lengths,
 
 # %% ../nbs/09_tdt.ipynb #tdtq-kernels
 from numba import literally
-from .core import ALG_ENTROPY, ALG_KL, alg_plus3, question_backend
+from .core import ALG_ENTROPY, ALG_KL, alg_plus3
 from .ops import AUTOGRAD
 
 @numba.njit(inline='always')
@@ -1121,6 +1148,52 @@ tdt_divergence_op = Op(f'{_OPS}::tdt_divergence', "(Tensor logits_p, Tensor? log
                        prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'reference': _divergence_reference},
                        backward={'cpu': _divergence_backward, 'reference': AUTOGRAD}, fake=_divergence_fake,
                        differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'))
+
+# %% ../nbs/09_tdt.ipynb #tdtq-sample
+@numba.njit(inline='always')
+def _choose(w, K, u):
+    """`choose_index` of the log-weights w[:K] and the uniform u, in its arithmetic: the weights relative to their largest,
+    their running sums, the first index whose sum exceeds u times the total, never one of weight 0. (w is overwritten.)"""
+    m = -np.inf
+    for k in range(K): m = max(m, w[k])
+    last, c = 0, 0.0
+    for k in range(K):
+        e = np.exp(w[k] - m) if w[k] > -np.inf else 0.0
+        if e > 0.0: last = k
+        c += e
+        w[k] = c                                          # the running sums
+    i, bound = 0, u * w[K - 1]
+    for k in range(K - 1): i += 1 if w[k] <= bound else 0
+    return min(i, last)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _tdt_sample_cpu(x, y, Tl, Ul, V, D, table, sigmas, precise, uniforms, taken, logz, score, lo, hi):
+    """Forward filtering, backward sampling for the sequences lo <= b < hi: alpha at every node by the loss's `_alpha`;
+    then sample i walks back from (Tb, Ub), at step s entering its node by the edge kind k drawn by `_choose` from the
+    weights alpha(start of k) + score(k) with the uniform uniforms[i, b, s], as the reference's `_walk_back` draws. The
+    edges taken go to taken[:, i, b, s] = (start t, start u, k), log Z to logz[b] and the path's summed edge scores to
+    score[i, b]; where log Z is -inf, nothing but logz[b] is written."""
+    K = table.shape[0]
+    for b in range(lo, hi):
+        Tb, Ub = Tl[b], Ul[b]
+        E, lse, A = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2)), np.empty((Tb, Ub + 1))
+        cand, w = np.empty(K), np.empty(K)
+        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, 0.0, precise, E, lse, np.empty((Tb, Ub + 1)), False)
+        z = _alpha(E, Tb, Ub, table, 0, False, A, cand)
+        logz[b] = z
+        if z == -np.inf: continue
+        for i in range(uniforms.shape[0]):
+            t, u, s, path = Tb, Ub, 0, 0.0
+            while t > 0 or u > 0:
+                for k in range(K):                        # edge k would enter (t, u) from (t - d_k, u - label_k)
+                    ts, us = t - table[k, 2], u - table[k, 1]
+                    w[k] = A[ts, us] + E[ts, us, k] if ts >= 0 and us >= 0 and (table[k, 1] == 0 or t < Tb) else -np.inf
+                k = _choose(w, K, uniforms[i, b, s])
+                t, u = t - table[k, 2], u - table[k, 1]
+                taken[0, i, b, s] = t; taken[1, i, b, s] = u; taken[2, i, b, s] = k
+                path += E[t, u, k]
+                s += 1
+            score[i, b] = path
 
 # %% ../nbs/09_tdt.ipynb #tdtanchor-code
 _LOG_ZERO = -1e30     # the anchor's finite log-zero: autograd through logaddexp(-inf, -inf) would give NaN
