@@ -688,7 +688,7 @@ def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 
     return frames, dur, score
 
 # %% ../nbs/09_tdt.ipynb #tdtq-code
-from .core import Entropy, KL, CrossEntropy, KMax, choose_index, reference_only, question_backend
+from .core import Entropy, KL, CrossEntropy, KMax, choose_index, question_backend
 
 def _check_reduction(reduction):
     if reduction not in _REDUCTIONS: raise ValueError(f"reduction must be 'none', 'sum', 'mean' or 'mean_volume', got {reduction!r}")
@@ -800,22 +800,34 @@ def _path_scores(scores, taken):
 
 def _kbest(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma, k, backend, what):
     """The k best paths, best first, by the `KMax(k)` semiring: the j-th score's gradient marks the edges of its
-    path (1 on each), and the walk back follows the marks. Timestamps as `_timestamps`', scores (k, B)."""
-    reference_only(backend, what)
+    path (1 on each), and the walk back follows the marks (the CPU kernel keeps back-pointers instead). Timestamps as
+    `_timestamps`', scores (k, B)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
-    S, grad_enabled = KMax(int(k)), torch.is_grad_enabled()
-    with torch.enable_grad():
-        scores, table, il, tl = _lattice_scores(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
-        x = scores if scores.requires_grad else scores.detach().requires_grad_()
-        best = logz_reference(x, table, il, tl, S)                                    # (k, B)
-        marks = torch.stack([torch.autograd.grad(best[j].sum(), x, retain_graph=True)[0] for j in range(S.components)])
-    none = S.is_zero(best)
-    B, T, U1, _ = x.shape
-    taken = _walk_back(marks, table, il, tl, lambda w, s: w.argmax(-1), T + U1 - 1, none)
-    frames, durations, blanks = _timestamps(taken, table, il, T, U1 - 1)
-    scores = torch.where(none, -math.inf, best)
-    if not (grad_enabled and logits.requires_grad): scores = scores.detach()
+    c = _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
+    backend, k = question_backend(backend, c.x, what, 'logits'), int(k)
+    differentiable = torch.is_grad_enabled() and logits.requires_grad
+    B, T, U1, _ = c.x.shape
+    steps = T + U1 - 1
+    if backend == 'cpu':                # the kernel's paths and scores (differentiable: summed again by autograd)
+        taken, best = torch.full((3, k, B, steps), -1, dtype=torch.long), np.empty((k, B))
+        parallel_for(_tdt_kbest_cpu, B, c.x.detach().contiguous().numpy(), c.y.numpy(), c.il.numpy(), c.tl.numpy(), c.V,
+                     c.D, c.table, np.array([c.sigma, 0.0]), c.x.dtype == torch.float64, k, taken.numpy(), best,
+                     work=c.x.numel() + k * B * T * U1 * len(c.table))
+        scores = torch.from_numpy(best).to(c.x.dtype)
+        if differentiable: scores = torch.where(torch.isinf(scores), -math.inf, _path_scores(_scores(c), taken))
+    else:
+        S = KMax(k)
+        with torch.enable_grad():
+            scores = _scores(c)
+            x = scores if scores.requires_grad else scores.detach().requires_grad_()
+            best = logz_reference(x, c.table, c.il, c.tl, S)                            # (k, B)
+            marks = torch.stack([torch.autograd.grad(best[j].sum(), x, retain_graph=True)[0] for j in range(k)])
+        none = S.is_zero(best)
+        taken = _walk_back(marks, c.table, c.il, c.tl, lambda w, s: w.argmax(-1), steps, none)
+        scores = torch.where(none, -math.inf, best)
+        if not differentiable: scores = scores.detach()
+    frames, durations, blanks = _timestamps(taken, c.table, c.il, T, U1 - 1)
     return frames, durations, blanks, scores
 
 def _sample(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma, n, generator, backend, what):
@@ -889,7 +901,8 @@ def kbest_alignments(logits, targets, logit_lengths, target_lengths, durations=(
     """The k best TDT alignments of each sequence, best first: `tdt_best_path`'s frames and durations (k, B, U) of the
     labels, the duration of the blank leaving each frame (k, B, T) (0: none leaves it; two paths may differ in their
     blanks alone), and the summed score of each path (k, B) (differentiable). Fewer than k paths: the rest are -1 with
-    score -inf. k in [1, 16]."""
+    score -inf. k in [1, 16]. `backend`: 'auto' (the CPU kernel on CPU tensors, the reference on a GPU), 'cpu' or
+    'reference'."""
     return _kbest(('tdt', durations), logits, targets, logit_lengths, target_lengths, blank, sigma, k, backend,
                   'kbest_alignments')
 
@@ -1194,6 +1207,75 @@ def _tdt_sample_cpu(x, y, Tl, Ul, V, D, table, sigmas, precise, uniforms, taken,
                 path += E[t, u, k]
                 s += 1
             score[i, b] = path
+
+# %% ../nbs/09_tdt.ipynb #tdtq-kbest
+from .core import merge_top3
+
+@numba.njit(inline='always')
+def _kmax_list(S, E, t, u, Tb, table, kind, k, out):
+    "out[:k]: the k best scores into (t, u) by edge `kind` (its start's, plus the edge); all -inf if it cannot enter."
+    ts, us = t - table[kind, 2], u - table[kind, 1]
+    ok = kind >= 0 and ts >= 0 and us >= 0 and (table[kind, 1] == 0 or t < Tb)
+    for r in range(k): out[r] = S[ts, us, r] + E[ts, us, kind] if ok else -np.inf
+
+@numba.njit(cache=_CACHE)
+def _kmax_node(S, E, t, u, Tb, table, k, best, kinds, ranks, la, lb, merged, code, nk, nr):
+    """best[:k] the k best scores into node (t, u) (t = Tb: into the end, by blanks), sorted, and for each the edge kind
+    and the rank at its start it came from: the entering kinds' lists folded two at a time with the node's so far
+    (`merge_top3`, whose code 16 * list + rank says which)."""
+    for r in range(k): best[r] = -np.inf; kinds[r] = 0; ranks[r] = 0
+    K, pending = table.shape[0], -1
+    for kind in range(K + 1):
+        if kind < K:
+            ts, us = t - table[kind, 2], u - table[kind, 1]
+            if not (ts >= 0 and us >= 0 and (table[kind, 1] == 0 or t < Tb)): continue
+            if pending < 0:
+                pending = kind
+                continue
+        elif pending < 0: break
+        second = kind if kind < K else -1                 # (past the last kind: the pending one alone)
+        _kmax_list(S, E, t, u, Tb, table, pending, k, la)
+        _kmax_list(S, E, t, u, Tb, table, second, k, lb)
+        merge_top3(k, best, la, lb, merged, code)
+        for r in range(k):
+            c = code[r]
+            src, rank = c // 16, c % 16
+            nk[r] = kinds[rank] if src == 0 else (pending if src == 1 else second)
+            nr[r] = ranks[rank] if src == 0 else rank
+        for r in range(k): best[r] = merged[r]; kinds[r] = nk[r]; ranks[r] = nr[r]
+        pending = -1
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _tdt_kbest_cpu(x, y, Tl, Ul, V, D, table, sigmas, precise, k, taken, best, lo, hi):
+    """The k best paths of each sequence lo <= b < hi (`_kmax_node` at every node, then into the end), each rank's walked
+    back along its (kind, rank) pointers: its edges to taken[:, r, b, s] = (start t, start u, kind) as `_walk_back`
+    writes them, its score to best[r, b] (-inf, and taken left as it is, where fewer than k paths exist)."""
+    K = table.shape[0]
+    for b in range(lo, hi):
+        Tb, Ub = Tl[b], Ul[b]
+        E, lse = np.empty((Tb, Ub + 1, K)), np.empty((Tb, Ub + 1, 2))
+        _edge_scores(x, b, Tb, Ub, y[b], V, D, table, sigmas, 0.0, precise, E, lse, np.empty((Tb, Ub + 1)), False)
+        S = np.full((Tb, Ub + 1, k), -np.inf)
+        kinds, ranks = np.zeros((Tb, Ub + 1, k), np.int8), np.zeros((Tb, Ub + 1, k), np.int8)
+        la, lb, merged, fin = np.empty(k), np.empty(k), np.empty(k), np.empty(k)
+        code, nk, nr = np.empty(k, np.int8), np.empty(k, np.int8), np.empty(k, np.int8)
+        fk, fr = np.empty(k, np.int8), np.empty(k, np.int8)
+        S[0, 0, 0] = 0.0
+        for t in range(Tb):
+            for u in range(Ub + 1):
+                if t > 0 or u > 0:
+                    _kmax_node(S, E, t, u, Tb, table, k, S[t, u], kinds[t, u], ranks[t, u], la, lb, merged, code, nk, nr)
+        _kmax_node(S, E, Tb, Ub, Tb, table, k, fin, fk, fr, la, lb, merged, code, nk, nr)
+        for r in range(k):
+            best[r, b] = fin[r]
+            if fin[r] == -np.inf: continue
+            t, u, kind, rank, s = Tb, Ub, fk[r], fr[r], 0
+            while True:
+                t, u = t - table[kind, 2], u - table[kind, 1]
+                taken[0, r, b, s] = t; taken[1, r, b, s] = u; taken[2, r, b, s] = kind
+                s += 1
+                if t == 0 and u == 0: break
+                kind, rank = kinds[t, u, rank], ranks[t, u, rank]
 
 # %% ../nbs/09_tdt.ipynb #tdtanchor-code
 _LOG_ZERO = -1e30     # the anchor's finite log-zero: autograd through logaddexp(-inf, -inf) would give NaN

@@ -232,6 +232,20 @@ def test_kbest_equals_the_sorted_enumeration(lat, k):
     scores[0].masked_fill(torch.isinf(scores[0]), 0).sum().backward()
     torch.testing.assert_close(x.grad, grad, rtol=1e-12, atol=1e-12)
 
+@pytest.mark.parametrize('k', [1, 4, 16])
+@pytest.mark.parametrize('lat', LATTICES, ids=repr)
+def test_cpu_kbest_equals_the_reference(lat, k):
+    "The CPU kernel's k best paths (back-pointers) are the reference's (gradient marks), scores and their gradients too."
+    x, _, y, il, tl = batch(lat, 40 + k, scale=2.0)                         # random fp64: no ties
+    for differentiable in (False, True):
+        x = x.detach().requires_grad_(differentiable)
+        got, want = (lat.kbest(x, y, il, tl, k=k, backend=backend) for backend in ('cpu', 'reference'))
+        for a, b in zip(got[:3], want[:3]): assert torch.equal(a, b)
+        torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=1e-12)
+        assert got[3].requires_grad == differentiable
+    g_got, g_want = (torch.autograd.grad(weighted(s.masked_fill(torch.isinf(s), 0), k), x)[0] for s in (got[3], want[3]))
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
+
 def test_kbest_pads_when_there_are_fewer_paths():
     x = torch.randn(1, 2, 2, 6 + 3, dtype=torch.float64)
     frames, durations, blanks, scores = kbest_alignments(x, torch.tensor([[1]]), torch.tensor([2]), torch.tensor([1]),
@@ -406,7 +420,6 @@ def test_bad_inputs_are_clear_errors():
             expect(ValueError, r'target_lengths must be in', f, x_, y_, il, torch.tensor([4, 0, 2, 1, 2]))
             expect(TypeError, r'targets must hold integers', f, x_, y_.float(), il, tl)
             expect(ValueError, r'logits must have shape', f, x_[0], y_, il, tl)
-            if f is lat.kbest: expect(NotImplementedError, r"no 'cpu' backend yet", f, x_, y_, il, tl, backend='cpu')
             expect(NotImplementedError, r"no 'cuda' backend yet", f, x_, y_, il, tl, backend='cuda')
             expect(ValueError, r'backend must be', f, x_, y_, il, tl, backend='numba')
             bad = y_.clone(); bad[0, 0] = lat.blank % V
