@@ -10,7 +10,7 @@ __all__ = ['MAX_DURATIONS', 'tdt_op', 'tdt_divergence_op', 'TDT_SHAPES', 'check_
            'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_alignments',
            'multiblank_alignment_entropy', 'multiblank_alignment_kl', 'multiblank_alignment_cross_entropy',
            'multiblank_kbest_alignments', 'multiblank_sample_alignments', 'tdt_loss_pytorch', 'tdt_inputs_for',
-           'load_hf_tdt_loss', 'tdt_peak_extra_mb', 'bench_tdt', 'delay_offsets']
+           'load_hf_tdt_loss', 'tdt_peak_extra_mb', 'bench_tdt', 'bench_tdt_questions', 'delay_offsets']
 
 # %% ../nbs/09_tdt.ipynb #e1e4e656
 import math
@@ -1427,4 +1427,34 @@ def bench_tdt(quick=False, shapes=None, device='cpu', warmup=2, reps=7, memory=N
                        ratio=ms[k] / ms['tdt'], check=check)
             if memory: row.update(anchor_mb=mb[k], ours_mb=mb['tdt'])
             rows.append(row)
+    return rows
+
+# %% ../nbs/09_tdt.ipynb #tdtq-bench
+def bench_tdt_questions(B=8, T=200, U=50, V=128, D=5, warmup=2, reps=7):
+    """The TDT lattice questions on the CPU at the first shape of `TDT_SHAPES`, each timed alternately with its anchor from
+    the same family, with both peak memories (`peak_extra_mb`): entropy and KL fwd+bwd against `tdt_loss` fwd+bwd (one
+    or two models), 8 samples against one loss forward, k-best (k = 4) against `tdt_best_path`. ratio = anchor / ours,
+    as `seqdist.rnnt.bench_rnnt_questions`'."""
+    from .timing import paired_median_ms, peak_extra_mb
+    durations = tuple(range(D))
+    x, y, il, tl = tdt_inputs_for(B, T, U, V, D)
+    xq = tdt_inputs_for(B, T, U, V, D, seed=1)[0]
+    xd = x.detach()
+    loss = lambda z: tdt_loss(z, y, il, tl, durations, reduction='sum')
+    cases = [('alignment_entropy fwd+bwd', 'tdt_loss fwd+bwd',
+              lambda: torch.autograd.grad(loss(x), x),
+              lambda: torch.autograd.grad(alignment_entropy(x, y, il, tl, durations, reduction='sum'), x)),
+             ('alignment_kl fwd+bwd', 'tdt_loss fwd+bwd, both models',
+              lambda: torch.autograd.grad(loss(x) + loss(xq), (x, xq)),
+              lambda: torch.autograd.grad(alignment_kl(x, xq, y, il, tl, durations, reduction='sum'), (x, xq))),
+             ('sample_alignments n=8', 'tdt_loss forward',
+              lambda: tdt_loss(xd, y, il, tl, durations),
+              lambda: sample_alignments(xd, y, il, tl, durations, n=8, generator=torch.Generator().manual_seed(0))),
+             ('kbest_alignments k=4', 'tdt_best_path',
+              lambda: tdt_best_path(xd, y, il, tl, durations), lambda: kbest_alignments(xd, y, il, tl, durations, k=4))]
+    rows = []
+    for op, anchor, theirs, ours in cases:
+        t0, t1 = paired_median_ms(theirs, ours, warmup, reps)
+        rows.append(dict(op=op, shape=f"B={B} T={T} U={U} V={V} D={D}", anchor='seqdist ' + anchor, anchor_ms=t0,
+                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs), ours_mb=peak_extra_mb(ours), check='-'))
     return rows
