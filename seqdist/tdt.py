@@ -1003,7 +1003,7 @@ def _edge_grad(alg, a_p, a_q, h, s_p, s_q, w_p, w_q, w_h, zp, zq, total):
     mq = fast_exp(lmq) if lmq > -700.0 else 0.0
     return ((mp * (lmp - lmq + h + w_h - total)) if mp > 0.0 else 0.0), mq - mp
 
-@numba.njit(inline='always', fastmath={'contract'})
+@numba.njit(cache=_CACHE, fastmath={'reassoc', 'contract'})
 def _edge_grads_to_row(row, lse, yu, has_label, V, D, table, G, precise, Qd, out):
     """The gradient `out` w.r.t. one node's logits `row` from the gradients G[k] w.r.t. its edges' scores, as the loss's
     backward goes from posteriors to logits: an edge's score is its token's log-softmax plus its duration's, so
@@ -1037,8 +1037,8 @@ def _edge_grads_to_row(row, lse, yu, has_label, V, D, table, G, precise, Qd, out
 def _tdt_alg_cpu(alg, xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad, grad_p, grad_q, out, lo, hi):
     """out[b] = (log Z_p, log Z_q, accumulator) of algebra `alg` for the sequences lo <= b < hi, over the edge scores of
     logits xp (and xq for KL); with `with_grad`, the accumulator's gradient w.r.t. the logits written into grad_p (and
-    grad_q) for the rows of each sequence's lattice (the others left as they are), none for a sequence without a path.
-    The backward recursion gives each node's edges their gradients as it passes, and the node's row of logits its own."""
+    grad_q), zero outside each sequence's lattice and for a sequence without a path. The backward recursion gives each
+    node's edges their gradients as it passes, and the node's row of logits its own."""
     literally(alg)
     K = table.shape[0]
     for b in range(lo, hi):
@@ -1056,7 +1056,14 @@ def _tdt_alg_cpu(alg, xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad
         zp, zq, total = _alg_alpha(alg, Ep, Eq, Tb, Ub, table, precise, P, Q, H, cp, cq, ch)
         if alg != ALG_KL: zq = zp
         out[b, 0] = zp; out[b, 1] = zq; out[b, 2] = total
-        if not with_grad or zp == -np.inf or zq == -np.inf: continue
+        if not with_grad: continue
+        ok = zp > -np.inf and zq > -np.inf
+        for t in range(grad_p.shape[1]):                  # the rows the recursion does not write
+            for u in range(grad_p.shape[2]):
+                if not ok or t >= Tb or u > Ub:
+                    grad_p[b, t, u, :] = 0.0
+                    if alg == ALG_KL: grad_q[b, t, u, :] = 0.0
+        if not ok: continue
         Pb, Hb = np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
         Qb = np.empty((Tb, Ub + 1)) if alg == ALG_KL else Pb
         G, Qd = np.empty((2, K)), np.empty(max(D, 1))
@@ -1118,8 +1125,8 @@ def _divergence_numba(s):
     g = 1, scaled in the backward), computed by the kernel's backward recursion in the same call."""
     xp, xq, kl = s.xp, s.xq, s.algebra == 'KL'
     none = xp.new_zeros(0, 0, 0, 0)
-    grad_p = torch.zeros_like(xp) if s.with_grad else none
-    grad_q = torch.zeros_like(xq) if s.with_grad and kl else grad_p          # (not written for Entropy)
+    grad_p = empty_gradient(xp) if s.with_grad else none                    # (the kernel writes every row)
+    grad_q = empty_gradient(xq) if s.with_grad and kl else grad_p           # (not written for Entropy)
     out = np.empty((xp.shape[0], 3))
     parallel_for(_DIVERGENCES[s.algebra][1], xp.shape[0], xp.numpy(), xq.numpy(), s.y.numpy(), s.il.numpy(),
                  s.tl.numpy(), s.V, s.D, s.table, np.array([s.sigma, 0.0]), s.precise, s.with_grad, grad_p.numpy(),
@@ -1143,8 +1150,9 @@ def _divergence_reference(s):
 def _divergence_backward(s, outputs, grads):
     "The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value."
     g = grads[0][:, None, None, None].to(s.xp.dtype)
-    out = {'logits_p': (outputs[3] * g).to(s.logits_p.dtype)}
-    if s.logits_q is not None: out['logits_q'] = (outputs[4] * g).to(s.logits_q.dtype)
+    scaled = lambda grad: torch.mul(grad, g, out=empty_gradient(grad))
+    out = {'logits_p': scaled(outputs[3]).to(s.logits_p.dtype)}
+    if s.logits_q is not None: out['logits_q'] = scaled(outputs[4]).to(s.logits_q.dtype)
     return out
 
 def _divergence_fake(a, backend):
