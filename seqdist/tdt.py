@@ -1038,7 +1038,7 @@ def _tdt_alg_cpu(alg, xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad
     """out[b] = (log Z_p, log Z_q, accumulator) of algebra `alg` for the sequences lo <= b < hi, over the edge scores of
     logits xp (and xq for KL); with `with_grad`, the accumulator's gradient w.r.t. the logits written into grad_p (and
     grad_q), zero outside each sequence's lattice and for a sequence without a path. The backward recursion gives each
-    node's edges their gradients as it passes, and the node's row of logits its own."""
+    node's edges their gradients as it passes; a pass in memory order then writes each node's row of logits."""
     literally(alg)
     K = table.shape[0]
     for b in range(lo, hi):
@@ -1058,16 +1058,10 @@ def _tdt_alg_cpu(alg, xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad
         out[b, 0] = zp; out[b, 1] = zq; out[b, 2] = total
         if not with_grad: continue
         ok = zp > -np.inf and zq > -np.inf
-        for t in range(grad_p.shape[1]):                  # the rows the recursion does not write
-            for u in range(grad_p.shape[2]):
-                if not ok or t >= Tb or u > Ub:
-                    grad_p[b, t, u, :] = 0.0
-                    if alg == ALG_KL: grad_q[b, t, u, :] = 0.0
-        if not ok: continue
         Pb, Hb = np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
         Qb = np.empty((Tb, Ub + 1)) if alg == ALG_KL else Pb
-        G, Qd = np.empty((2, K)), np.empty(max(D, 1))
-        for t in range(Tb - 1, -1, -1):
+        G, Qd = np.empty((2, Tb, Ub + 1, K)), np.empty(max(D, 1))
+        for t in range(Tb - 1 if ok else -1, -1, -1):
             for u in range(Ub, -1, -1):
                 n = 0
                 for k in range(K):                        # edge k leaves (t, u) for (t + d_k, u + label_k)
@@ -1076,19 +1070,25 @@ def _tdt_alg_cpu(alg, xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad
                     if uu <= Ub and tt < Tb: w0, w1, w2 = Pb[tt, uu], Qb[tt, uu], Hb[tt, uu]
                     elif table[k, 1] == 0 and tt == Tb and u == Ub: w0, w1, w2 = 0.0, 0.0, 0.0     # onto the end
                     else:
-                        G[0, k] = 0.0; G[1, k] = 0.0
+                        G[0, t, u, k] = 0.0; G[1, t, u, k] = 0.0
                         continue
-                    G[0, k], G[1, k] = _edge_grad(alg, P[t, u], Q[t, u], H[t, u], Ep[t, u, k], Eq[t, u, k], w0, w1, w2,
-                                                  zp, zq, total)
+                    G[0, t, u, k], G[1, t, u, k] = _edge_grad(alg, P[t, u], Q[t, u], H[t, u], Ep[t, u, k], Eq[t, u, k],
+                                                              w0, w1, w2, zp, zq, total)
                     cp[n] = w0 + Ep[t, u, k]; cq[n] = w1 + Eq[t, u, k]; ch[n] = w2
                     n += 1
                 a0, a1, a2 = _fold(alg, cp, cq, ch, n, precise)
                 Pb[t, u] = a0; Hb[t, u] = a2
                 if alg == ALG_KL: Qb[t, u] = a1
-                _edge_grads_to_row(xp[b, t, u], lse_p[t, u], yb[u], u < Ub, V, D, table, G[0], precise, Qd,
+        for t in range(grad_p.shape[1]):                  # then every row of logits in memory order (zero outside)
+            for u in range(grad_p.shape[2]):
+                if not ok or t >= Tb or u > Ub:
+                    grad_p[b, t, u, :] = 0.0
+                    if alg == ALG_KL: grad_q[b, t, u, :] = 0.0
+                    continue
+                _edge_grads_to_row(xp[b, t, u], lse_p[t, u], yb[u], u < Ub, V, D, table, G[0, t, u], precise, Qd,
                                    grad_p[b, t, u])
                 if alg == ALG_KL:
-                    _edge_grads_to_row(xq[b, t, u], lse_q[t, u], yb[u], u < Ub, V, D, table, G[1], precise, Qd,
+                    _edge_grads_to_row(xq[b, t, u], lse_q[t, u], yb[u], u < Ub, V, D, table, G[1, t, u], precise, Qd,
                                        grad_q[b, t, u])
 
 # One entry point per algebra, its id a constant (a Python int passed to a function that calls `literally` would go
