@@ -722,12 +722,6 @@ def _scores(c):
     return edge_scores(c.x[..., :c.V].log_softmax(-1), c.x[..., c.V:].log_softmax(-1) if c.D else None, c.y, c.table,
                        (c.sigma, 0.0))
 
-def _lattice_scores(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma):
-    """Check the inputs (`_checked`); return the edge scores (B, T, U+1, K), differentiable with respect to the logits
-    (computed in float32 or float64), the lattice's edge table and the lengths (B,) on the logits' device."""
-    c = _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
-    return _scores(c), c.table, c.il, c.tl
-
 def _divergence(algebra, lattice, logits_p, logits_q, targets, logit_lengths, target_lengths, blank, sigma, reduction,
                 backend, what):
     """The `algebra`'s value ('Entropy', 'KL' or 'CrossEntropy') over each sequence's paths, 0 where p or q has none,
