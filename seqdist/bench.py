@@ -312,7 +312,7 @@ def _families(quick, device, gpu=None):
     from seqdist.gru import bench_gru
     from seqdist.cross_entropy import bench_cross_entropy
     from seqdist.joint import bench_joint
-    from seqdist.tdt import bench_tdt
+    from seqdist.tdt import bench_tdt, bench_tdt_questions
     if gpu is None: gpu = torch.device(device).type != 'cpu'
     if not gpu and quick:
         q = dict(warmup=1, reps=3)
@@ -322,12 +322,14 @@ def _families(quick, device, gpu=None):
                 ('sparse', lambda: bench_sparse([(100, 4, 3)], **q)), ('ctc_crf', lambda: bench_ctc_crf(200, 4, 3, **q)),
                 ('rnnt', lambda: bench_rnnt(quick=True)), ('rnnt_questions', lambda: bench_rnnt_questions(2, 20, 5, 16, **q)),
                 ('joint', lambda: bench_joint(quick=True)),
-                ('tdt', lambda: bench_tdt(quick=True)), ('gru', lambda: bench_gru(quick=True)),
+                ('tdt', lambda: bench_tdt(quick=True)), ('tdt_questions', lambda: bench_tdt_questions(2, 20, 5, 16, warmup=1, reps=3)),
+                ('gru', lambda: bench_gru(quick=True)),
                 ('cross_entropy', lambda: bench_cross_entropy(quick=True))]
     if not gpu:
         return [('ctc', bench_ctc), ('forced_align', bench_forced_align), ('ctc_questions', bench_ctc_questions),
                 ('sparse', bench_sparse), ('ctc_crf', bench_ctc_crf),
                 ('rnnt', bench_rnnt), ('rnnt_questions', bench_rnnt_questions), ('joint', bench_joint), ('tdt', bench_tdt),
+                ('tdt_questions', bench_tdt_questions),
                 ('gru', bench_gru),
                 ('cross_entropy', bench_cross_entropy)]
     if quick:

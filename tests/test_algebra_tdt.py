@@ -164,6 +164,38 @@ def test_gradcheck_of_entropy_kl_and_cross_entropy(lat):
     assert torch.autograd.gradcheck(lambda x, q: lat.kl(x, q, y, il, tl), (x, xq), fast_mode=True)
     assert torch.autograd.gradcheck(lambda x, q: lat.ce(x, q, y, il, tl), (x, xq), fast_mode=True)
 
+def weighted(out, seed):
+    "A random weighting of the outputs: the gradient of their weighted sum tests the whole Jacobian's rows at once."
+    return (out * torch.rand(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)).sum()
+
+@pytest.mark.parametrize('lat', LATTICES, ids=repr)
+def test_cpu_kernels_equal_the_reference(lat):
+    """The CPU kernels (the backward in closed form, in the same call) against the reference (autograd through the
+    recursion): values and gradients, fp64, variable lengths and a sequence with no path."""
+    for seed in range(2):
+        x, xq, y, il, tl = batch(lat, 20 + seed)
+        x, xq = x.requires_grad_(), xq.requires_grad_()
+        cases = [('entropy', lat.entropy, (x,)), ('KL', lat.kl, (x, xq)), ('cross-entropy', lat.ce, (x, xq))]
+        for name, f, args in cases:
+            got, want = (f(*args, y, il, tl, backend=backend) for backend in ('cpu', 'reference'))
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
+            g_got = torch.autograd.grad(weighted(got, seed), args)
+            g_want = torch.autograd.grad(weighted(want, seed), args)
+            for a, b in zip(g_got, g_want): torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name} grad: {m}")
+            assert got.abs().gt(0.1).sum() >= 3                                   # not a test of zeros
+
+@pytest.mark.parametrize('lat', LATTICES, ids=repr)
+def test_gradcheck_of_the_cpu_kernels(lat):
+    "The CPU path's closed-form gradients against finite differences on a tiny case (two sequences, one label)."
+    g = torch.Generator().manual_seed(14)
+    W = 3 + len(lat.spec) if lat.tdt else 2 + len(lat.spec)
+    x = torch.randn(2, 3, 2, W, generator=g, dtype=torch.float64).requires_grad_()
+    y, il, tl = torch.full((2, 1), 1 if lat.tdt else 0), torch.tensor([3, 2]), torch.tensor([1, 0])
+    xq = torch.randn(2, 3, 2, W, generator=g, dtype=torch.float64).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: lat.entropy(x, y, il, tl, backend='cpu'), (x,))
+    assert torch.autograd.gradcheck(lambda x, q: lat.kl(x, q, y, il, tl, backend='cpu'), (x, xq))
+    assert torch.autograd.gradcheck(lambda x, q: lat.ce(x, q, y, il, tl, backend='cpu'), (x, xq), fast_mode=True)
+
 def test_no_path_gives_zero_and_a_zero_gradient():
     x, xq, y, il, tl = batch(TDT_NO_ZERO, 5)
     x = x.detach().requires_grad_()
@@ -199,6 +231,20 @@ def test_kbest_equals_the_sorted_enumeration(lat, k):
     # the scores are differentiable: the best score's gradient is that of its path's enumerated score
     scores[0].masked_fill(torch.isinf(scores[0]), 0).sum().backward()
     torch.testing.assert_close(x.grad, grad, rtol=1e-12, atol=1e-12)
+
+@pytest.mark.parametrize('k', [1, 4, 16])
+@pytest.mark.parametrize('lat', LATTICES, ids=repr)
+def test_cpu_kbest_equals_the_reference(lat, k):
+    "The CPU kernel's k best paths (back-pointers) are the reference's (gradient marks), scores and their gradients too."
+    x, _, y, il, tl = batch(lat, 40 + k, scale=2.0)                         # random fp64: no ties
+    for differentiable in (False, True):
+        x = x.detach().requires_grad_(differentiable)
+        got, want = (lat.kbest(x, y, il, tl, k=k, backend=backend) for backend in ('cpu', 'reference'))
+        for a, b in zip(got[:3], want[:3]): assert torch.equal(a, b)
+        torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=1e-12)
+        assert got[3].requires_grad == differentiable
+    g_got, g_want = (torch.autograd.grad(weighted(s.masked_fill(torch.isinf(s), 0), k), x)[0] for s in (got[3], want[3]))
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-12)
 
 def test_kbest_pads_when_there_are_fewer_paths():
     x = torch.randn(1, 2, 2, 6 + 3, dtype=torch.float64)
@@ -260,6 +306,21 @@ def test_samples_match_the_exact_path_probabilities(lat):
         assert ((f - p).abs() <= 5 * (p * (1 - p) / n).sqrt() + 1e-12).all()
         assert (p > 0.05).sum() > 10                                          # not a test of zeros
 
+@pytest.mark.parametrize('lat', LATTICES, ids=repr)
+def test_cpu_sampler_draws_the_reference_samples(lat):
+    "The same generator gives the CPU kernel and the reference the same samples; their log-probabilities and gradients agree."
+    for seed in range(2):
+        x, _, y, il, tl = batch(lat, 30 + seed)
+        for differentiable in (False, True):
+            x = x.detach().requires_grad_(differentiable)
+            got, want = (lat.sample(x, y, il, tl, n=100, generator=torch.Generator().manual_seed(seed), backend=backend)
+                         for backend in ('cpu', 'reference'))
+            for a, b in zip(got[:3], want[:3]): assert torch.equal(a, b)
+            torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=1e-12)
+            assert got[3].requires_grad == differentiable and torch.isfinite(got[3]).sum() >= 300
+        g_got, g_want = (torch.autograd.grad(weighted(l.masked_fill(torch.isinf(l), 0), seed), x)[0] for l in (got[3], want[3]))
+        torch.testing.assert_close(g_got, g_want, rtol=1e-9, atol=1e-12)
+
 @pytest.mark.parametrize('lat', [TDT, MULTIBLANK], ids=repr)
 def test_samples_are_reproducible_from_the_generator(lat):
     x, _, y, il, tl = batch(lat, 8)
@@ -309,8 +370,9 @@ def entropy_high_precision(lat, x, y, T_b, U_b, digits=60):
         logz = m + sum(((s - m).exp() for s in scores), Dec(0)).ln()
         return float(-sum((s - logz).exp() * (s - logz) for s in scores))
 
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
 @pytest.mark.parametrize('lat', [TDT, MULTIBLANK], ids=repr)
-def test_entropy_of_a_peaky_model_is_accurate(lat):
+def test_entropy_of_a_peaky_model_is_accurate(lat, backend):
     x, _, y, il, tl = batch(lat, 10)
     T_b, U_b = 5, 3
     x, y, il, tl = x[:1], y[:1], il[:1], tl[:1]
@@ -319,7 +381,7 @@ def test_entropy_of_a_peaky_model_is_accurate(lat):
     for t, u, label, i in best:
         x[0, t, u, y[0, u] if label else (lat.blank % V if lat.tdt or i == 0 else lat.blank % V - i)] += 34.0
         if lat.tdt: x[0, t, u, V + i] += 34.0
-    h = lat.entropy(x, y, il, tl)[0].item()
+    h = lat.entropy(x, y, il, tl, backend=backend)[0].item()
     want = entropy_high_precision(lat, x[0], y[0].tolist(), T_b, U_b)
     assert 1e-13 < want < 1e-11 and abs(h - want) <= 1e-10 * want, (h, want)
     # log Z - E[score], the same sum in fp64 without the semiring, loses digits: it misses even a 1e-6 bound
@@ -358,14 +420,13 @@ def test_bad_inputs_are_clear_errors():
             expect(ValueError, r'target_lengths must be in', f, x_, y_, il, torch.tensor([4, 0, 2, 1, 2]))
             expect(TypeError, r'targets must hold integers', f, x_, y_.float(), il, tl)
             expect(ValueError, r'logits must have shape', f, x_[0], y_, il, tl)
-            expect(NotImplementedError, r"no 'cpu' backend yet", f, x_, y_, il, tl, backend='cpu')
             expect(NotImplementedError, r"no 'cuda' backend yet", f, x_, y_, il, tl, backend='cuda')
             expect(ValueError, r'backend must be', f, x_, y_, il, tl, backend='numba')
             bad = y_.clone(); bad[0, 0] = lat.blank % V
             expect(ValueError, r'blank', f, x_, bad, il, tl)
         for f in (lat.kl, lat.ce):
             expect(ValueError, r'same shape', f, x_, x_[:4], y_, il, tl)
-            expect(NotImplementedError, r"no 'cpu' backend yet", f, x_, x_, y_, il, tl, backend='cpu')
+            expect(NotImplementedError, r"no 'cuda' backend yet", f, x_, x_, y_, il, tl, backend='cuda')
         expect(ValueError, r'reduction must be', lat.entropy, x_, y_, il, tl, reduction='mean_batch')
         for k in (0, 17, 2.0, True): expect(ValueError, r'k must be an int in \[1, 16\]', lat.kbest, x_, y_, il, tl, k=k)
         for n in (0, -1, 1.5): expect(ValueError, r'n must be a positive int', lat.sample, x_, y_, il, tl, n=n)

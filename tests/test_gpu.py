@@ -336,6 +336,26 @@ def _rnnt_divergence_case(size, dtype, device, seed=0):
     return Case('rnnt alignment_entropy, alignment_kl', x, f,
                 bound=lambda: 400 * B * T * (U + 1) * V * 8 + (1 << 20))      # the reference's autograd graph
 
+def _tdt_divergence_case(size, dtype, device, seed=0):
+    """TDT's entropy and KL, multi-blank's entropy (op tdt_divergence): the reference on a GPU so far, the numba kernel on
+    the CPU."""
+    from seqdist.tdt import alignment_entropy, alignment_kl, multiblank_alignment_entropy
+    B, T, U, V = dict(small=(3, 12, 5, 8), long=(2, 40, 20, 16))[size]
+    g = _gen(seed)
+    x = torch.randn(B, T, U + 1, V + 5, generator=g, dtype=torch.float64).to(device, dtype)     # durations 0..4
+    q = torch.randn(B, T, U + 1, V + 5, generator=g, dtype=torch.float64).to(device, dtype)
+    targets = torch.randint(0, V - 3, (B, U), generator=g, dtype=torch.int32).to(device)     # (below blank V-1 and 2 big blanks)
+    ll = torch.randint(T // 2, T + 1, (B,), generator=g, dtype=torch.int32); ll[0] = T
+    tl = torch.randint(U // 2, U + 1, (B,), generator=g, dtype=torch.int32); tl[0] = U
+    ll, tl = ll.to(device), tl.to(device)
+    def f(x):
+        h = alignment_entropy(x, targets, ll, tl, (0, 1, 2, 3, 4), sigma=0.05)
+        kl = alignment_kl(x, q, targets, ll, tl, (0, 1, 2, 3, 4), sigma=0.05)
+        hm = multiblank_alignment_entropy(x[..., :V], targets, ll, tl, (2, 3))
+        return h.sum() + kl.sum() + hm.sum(), h, kl, hm
+    return Case('tdt alignment_entropy, alignment_kl, multiblank_alignment_entropy', x, f,
+                bound=lambda: 800 * B * T * (U + 1) * (V + 5) * 8 + (1 << 20))      # the reference's autograd graph
+
 def _crf_divergence_case(size, dtype, device, seed=0):
     "CTC_CRF's entropy and KL over paths (op crf_divergence): the reference on a GPU so far, the numba kernel on the CPU."
     crf, scores, targets, lengths = _crf_parts(size, seed)
@@ -350,8 +370,9 @@ FAMILIES = {'ctc': _ctc_case, 'forced_align': _forced_align_case, 'ctc_simple': 
             'linear_cross_entropy': _linear_cross_entropy_case, 'linear_token_stats': _linear_token_stats_case,
             'tdt': _tdt_case, 'multiblank': _multiblank_case,
             'joint': _joint_case, 'ctc_divergence': _ctc_divergence_case, 'rnnt_divergence': _rnnt_divergence_case,
+            'tdt_divergence': _tdt_divergence_case,
             'crf_divergence': _crf_divergence_case}
-REFERENCE_ON_GPU = {'rnnt_divergence', 'crf_divergence'}   # PyTorch on a GPU so far: its host reads and Python loop are not yet sync-free
+REFERENCE_ON_GPU = {'rnnt_divergence', 'tdt_divergence', 'crf_divergence'}   # PyTorch on a GPU so far: its host reads and Python loop are not yet sync-free
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
 def _outputs(case, x=None):
@@ -477,10 +498,12 @@ OP_FAMILY = {'seqdist::ctc': 'ctc', 'seqdist::ctc_backward': 'ctc', 'seqdist::ct
              'seqdist::linear_token_stats': 'linear_token_stats', 'seqdist::linear_token_stats_backward': 'linear_token_stats',
              'seqdist::ctc_divergence': 'ctc_divergence', 'seqdist::ctc_divergence_backward': 'ctc_divergence',
              'seqdist::rnnt_divergence': 'rnnt_divergence', 'seqdist::rnnt_divergence_backward': 'rnnt_divergence',
-             'seqdist::crf_divergence': 'crf_divergence', 'seqdist::crf_divergence_backward': 'crf_divergence'}
+             'seqdist::crf_divergence': 'crf_divergence', 'seqdist::crf_divergence_backward': 'crf_divergence',
+             'seqdist::tdt_divergence': 'tdt_divergence', 'seqdist::tdt_divergence_backward': 'tdt_divergence'}
 PUBLIC = ['ctc_loss', 'forced_align', 'ctc_simple.logZ', 'sparse.logZ', 'CTC_CRF.ctc_loss', 'rnnt_loss', 'GRU',
           'cross_entropy', 'linear_cross_entropy', 'tdt_loss', 'multiblank_rnnt_loss', 'tdt_alignments', 'tdt_best_path',
-          'multiblank_alignments', 'joint_rnnt_loss', 'JointRNNTLoss', 'linear_token_stats', 'alignment_entropy', 'alignment_kl']
+          'multiblank_alignments', 'joint_rnnt_loss', 'JointRNNTLoss', 'linear_token_stats', 'alignment_entropy', 'alignment_kl',
+          'multiblank_alignment_entropy']
 
 @pytest.mark.parametrize('size', ['small', 'long'])
 def test_gpu_tdt_alignments_agree_with_cpu(size, record):
