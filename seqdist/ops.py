@@ -65,7 +65,7 @@ def parallel_for(kernel, n, *args, work):
         return
     cuts = [round(i * n / (4 * threads)) for i in range(4 * threads + 1)]
     slices = iter([(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo])
-    if tuple(kernel.typeof_pyval(a) for a in (*args, 0, n)) not in kernel.overloads:
+    if hasattr(kernel, 'overloads') and tuple(kernel.typeof_pyval(a) for a in (*args, 0, n)) not in kernel.overloads:
         kernel(*args, *next(slices))   # the first call compiles, here: numba compiling in a pool thread made glibc mmap
                                        # and munmap each large block (3.6M pairs, measured: 122 s against 34 s)
     lock = threading.Lock()
