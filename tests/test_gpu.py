@@ -33,7 +33,7 @@ def test_bonito_style_call_with_cpu_idx_and_cuda_scores():
     v = Ms.new_zeros(N, crf.n_states)
     assert crf.idx.device.type == 'cpu'
     z, g = _grad(lambda x: sparse.logZ(x, crf.idx, v, v, Log, K=1).sum(), Ms)
-    z_cpu, g_cpu = _grad(lambda x: sparse.logZ(x, crf.idx, v.cpu(), v.cpu(), Log, K=1).sum(), Ms.cpu().double())
+    z_cpu, g_cpu = _grad(lambda x: sparse.logZ(x, crf.idx, v.cpu().double(), v.cpu().double(), Log, K=1).sum(), Ms.cpu().double())
     torch.testing.assert_close(z.cpu().double(), z_cpu, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(g.cpu().double(), g_cpu, rtol=1e-4, atol=1e-4)
 
