@@ -159,3 +159,16 @@ def test_install_as_koi_gives_seqdists_decode(monkeypatch):
         with pytest.raises(NotImplementedError, match='koi.lstm'): lstm.update_graph(None)
     finally:
         for name in ('koi', 'koi.ctc', 'koi.lstm', 'koi.decode'): sys.modules.pop(name, None)
+
+@pytest.mark.gpu
+def test_gpu_scores_decode_on_a_cpu_copy():
+    "Scores on a GPU (bonito's fp16 or fp32) decode as their CPU copy; the results come back on the scores' device."
+    scores = torch.randn(3, 30, 64, generator=torch.Generator().manual_seed(5))
+    for dtype in (torch.float16, torch.float32):
+        x = scores.to(dtype).cuda()
+        copy = x.clone()
+        out = decode.beam_search(x, return_scores=True)
+        assert all(o.device == x.device for o in out) and torch.equal(x, copy)
+        cpu = decode.beam_search(x.cpu(), return_scores=True)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(out, cpu))
+        assert decode.to_str(out[0][0]) == decode.to_str(cpu[0][0])
