@@ -54,7 +54,7 @@ def expected_quality(post, first, bases, moves, scale=1.0, offset=0.0):
 
 def rows(x): return [decode.to_str(r) for r in x]
 
-@pytest.mark.parametrize('state_len, T', [(1, 5), (2, 4)])
+@pytest.mark.parametrize('state_len, T', [(1, 5), (2, 4), (1, 1), (2, 2)])
 def test_wide_beam_finds_the_brute_force_maximum(state_len, T):
     C = 4 ** state_len
     scores = torch.randn(2, T, 4 * C, dtype=torch.float64, generator=torch.Generator().manual_seed(state_len))
@@ -67,6 +67,8 @@ def test_wide_beam_finds_the_brute_force_maximum(state_len, T):
         assert abs(float(best[n]) - top) < 1e-9, (float(best[n]), top)
         assert decode.to_str(seq[n]) == 'ACGT'[first % 4] + ''.join('ACGT'[b] for b in bases)
         assert decode.to_str(qs[n]) == expected_quality(post, first, bases, moves[n].tolist())
+        _, q2, m2 = decode.beam_search(scores[n:n + 1], beam_width=width, beam_cut=math.inf, scale=1.5, offset=-2.0)
+        assert torch.equal(m2[0], moves[n]) and decode.to_str(q2[0]) == expected_quality(post, first, bases, moves[n].tolist(), 1.5, -2.0)
         # narrower beams (and a cut) never beat it; the score they return sums the alignments that survived pruning,
         # so it is at most the full log-sum-exp of the sequence they return
         for w, cut in ((1, 100.0), (3, 100.0), (16, 10.0), (64, math.inf)):
