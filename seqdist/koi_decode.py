@@ -165,12 +165,12 @@ def beam_search(scores, beam_width=32, beam_cut=100.0, scale=1.0, offset=0.0, bl
     and four moves; candidates that spell the same bases into the same state merge; they are ranked by score plus the
     backward score of the state reached (the log-sum-exp of all futures), and at most `beam_width` (1..4096) survive,
     none more than log(beam_cut) below the best (beam_cut=inf: no cut). The best final hypothesis is traced back.
-    Frame 0 is always a move: its base is the newest base of the first state (so `moves.sum(1)` counts every base
-    written, as with koi's move_pad=True; move_pad=False is accepted and changes nothing). A base's quality comes from
+    Frame 0 is always a move: its base is the newest base of the first state, so `moves.sum(1)` counts every base
+    written (`move_pad` is taken for koi's signature and must be a bool; it changes nothing here). A base's quality comes from
     the CRF's posterior p of the state it moved into, averaged over the frames until the next move:
     scale * -10 log10(1 - p) + offset, rounded, clamped to 1..50.
 
-    Unlike koi, the scores are left unmodified (koi normalises them in place). The search runs on the CPU in float64
+    Unlike koi's, which overwrites its input, this search leaves the scores unmodified. The search runs on the CPU in float64
     (numba, threads over the reads); scores on a GPU are copied to the CPU and the results returned on their device
     (seqdist has no CUDA beam search yet). `return_scores=True` also returns the best hypotheses' scores (N,) (float64,
     the unnormalised log-sum-exp over their alignments). `return_hp_probs=True` (koi's homopolymer probabilities)
