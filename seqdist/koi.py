@@ -10,6 +10,7 @@ import importlib, sys, types
 import torch
 from .core import SequenceDist, semiring, Log, Max
 from . import sparse, ctc_simple
+from . import koi_decode as decode   # koi.decode's beam_search and to_str: seqdist.koi.decode
 
 _all_ = ['SequenceDist', 'Max', 'Log', 'semiring']     # koi.ctc's names, which are seqdist.core's
 
@@ -56,23 +57,23 @@ class _NotProvided(types.ModuleType):
         if name.startswith('__'): raise AttributeError(name)
         def missing(*args, **kwargs):
             raise NotImplementedError(f"{self.__name__}.{name} is ONT's closed CUDA code, which seqdist does not provide "
-                                      "(seqdist.koi stands in for koi.ctc only)")
+                                      "(seqdist.koi stands in for koi.ctc and koi.decode)")
         return missing
 
 def install_as_koi():
     """Make `import koi.ctc` and `from koi.ctc import ...` give `seqdist.koi`; call it before importing bonito. Where
-    ONT's koi is installed, only its `ctc` module is replaced (its LSTM and beam search, `koi.lstm` and `koi.decode`,
-    stay); where it is not, a stand-in `koi` package is registered whose `lstm` and `decode` modules import (bonito's
-    CRF model imports them) and raise NotImplementedError when one of their functions is called."""
+    ONT's koi is installed, only its `ctc` module is replaced (its LSTM and its CUDA beam search, `koi.lstm` and
+    `koi.decode`, stay); where it is not, a stand-in `koi` package is registered whose `decode` is seqdist's
+    (`seqdist.koi.decode`: `beam_search` and `to_str`, on the CPU) and whose `lstm` module imports (bonito's CRF model
+    imports it) and raises NotImplementedError when one of its functions is called."""
     this = importlib.import_module("seqdist.koi")
     try:
         import koi
     except (ImportError, OSError):
         koi = types.ModuleType('koi', "A stand-in for ONT's koi: its `ctc` module is seqdist.koi (seqdist.koi.install_as_koi).")
         koi.__path__ = []
-        for name in ('lstm', 'decode'):
-            sys.modules[f'koi.{name}'] = module = _NotProvided(f'koi.{name}')
-            setattr(koi, name, module)
+        sys.modules['koi.lstm'] = koi.lstm = _NotProvided('koi.lstm')
+        sys.modules['koi.decode'] = koi.decode = decode
         sys.modules['koi'] = koi
     sys.modules['koi.ctc'] = koi.ctc = this
     return this

@@ -198,8 +198,10 @@ def test_bonito_koi_era_ctc_crf_equals_ctc_crf(koi_ctc, dtype):
 
 def test_install_as_koi_stand_in(koi_ctc):
     import koi.lstm as lstm, koi.decode as decode     # bonito's CRF model and basecaller import these
-    from koi.decode import beam_search
-    with pytest.raises(NotImplementedError, match='koi.decode.beam_search'): beam_search(None)
+    from koi.decode import beam_search, to_str        # seqdist's (tests/test_koi_decode.py checks them)
+    assert decode is koi.decode and (beam_search, to_str) == (koi.decode.beam_search, koi.decode.to_str)
+    from koi.lstm import update_graph
+    with pytest.raises(NotImplementedError, match='koi.lstm.update_graph'): update_graph(None)
     with pytest.raises(AttributeError): lstm.__wrapped__
     assert sys.modules['koi'].ctc is koi_ctc and koi.install_as_koi() is koi_ctc     # idempotent
 
