@@ -12,7 +12,7 @@ __all__ = ['CTC_SHAPES', 'GPU_CTC_SHAPES', 'GPU_SPARSE_SHAPES', 'GPU_SIMPLE_SHAP
            'first_call_seconds', 'first_call_json', 'first_call_table']
 
 # %% ../nbs/10_bench.ipynb #2e89983f
-import argparse, json, os, sys, time
+import argparse, itertools, json, os, sys, time
 from pathlib import Path
 import numpy as np
 import torch
@@ -405,7 +405,7 @@ def plot_speedups(rows, path=None, device='cpu', title=None):
     devices = sorted({r['device'] for r in rows})
     family = lambda r: r.get('family') or r['op'].split()[0].split('.')[0]
     families = list(dict.fromkeys(map(family, rows)))
-    colours = dict(zip(families, TABLEAU_COLORS.values()))
+    colours = dict(zip(families, itertools.cycle(TABLEAU_COLORS.values())))   # (more families than colours: reused)
     panels = [('ratio', "speed-up: anchor time / seqdist time")]
     if any('anchor_mb' in r and 'ours_mb' in r for r in rows):
         for r in rows: r['mem_ratio'] = r['anchor_mb'] / r['ours_mb'] if r.get('ours_mb') else float('nan')
