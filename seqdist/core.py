@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['ZERO_BELOW', 'Log', 'Max', 'SEMIRINGS', 'LOG2E', 'LN2_HI', 'LN2_LO', 'Entropy', 'CrossEntropy', 'KL', 'LN2',
-           'ALG_LOG', 'ALG_ENTROPY', 'ALG_KL', 'ALGEBRAS', 'max_grad', 'compute_dtype', 'semiring', 'bits_as_float64',
-           'float64_as_bits', 'pow2', 'semiring_sum2', 'fast_exp', 'fast_exp8', 'fast_logsumexp', 'grad',
-           'SequenceDist', 'log_softmax_parts', 'KMax', 'choose_index', 'reference_only', 'fast_log1p', 'alg_plus3',
-           'question_backend', 'pick3', 'merge_top3']
+           'ALG_LOG', 'ALG_ENTROPY', 'ALG_KL', 'ALGEBRAS', 'NO_PATH', 'NO_PATH_BELOW', 'max_grad', 'compute_dtype',
+           'semiring', 'bits_as_float64', 'float64_as_bits', 'pow2', 'semiring_sum2', 'fast_exp', 'fast_exp8',
+           'fast_logsumexp', 'grad', 'SequenceDist', 'log_softmax_parts', 'KMax', 'choose_index', 'reference_only',
+           'fast_log1p', 'alg_plus3', 'question_backend', 'pick3', 'merge_top3', 'pack_code', 'unpack_code',
+           'sort_bitonic_rows']
 
 # %% ../nbs/00_core.ipynb #7d448610
 import math
@@ -378,3 +379,49 @@ def merge_top3(k, a, b, c, out, code):
             out[r] = vb; code[r] = 16 + j; j += 1
         else:
             out[r] = vc; code[r] = 32 + l; l += 1
+
+# The vectorised k-best kernels carry each candidate's code in its value: a compare-exchange is then a max and a min,
+# which vectorise across states, where merge_top3's branches (taken at random) cost most of a kernel's time.
+NO_PATH = -1e300        # their "no path": -inf cannot carry a code (low mantissa bits make it a NaN)
+NO_PATH_BELOW = -1e29   # a value at or below this is no path: emissions are clamped to -1e30 first, so log 0 lands here
+
+@numba.njit(inline='always')
+def pack_code(v, code):
+    """v with its 6 lowest mantissa bits replaced by `code` (< 64): of two values equal but for those bits, the one with
+    the lower code is the larger (for v < 0 the bits count up in magnitude, so they hold code; for v >= 0, 63 - code), so
+    a max keeps merge_top3's order, ties to the lower code. The value moves by under 2^-46 of itself."""
+    b = float64_as_bits(v)
+    return bits_as_float64((b & ~63) | (code ^ (~(b >> 63) & 63)))
+
+@numba.njit(inline='always')
+def unpack_code(x):
+    "`pack_code`'s inverse: (the value with its low bits cleared, the code)."
+    b = float64_as_bits(x)
+    return bits_as_float64(b & ~63), (b & 63) ^ (~(b >> 63) & 63)
+
+@numba.njit(inline='always')
+def _exchange(u, v): return max(u, v), min(u, v)
+
+@numba.njit(inline='always')
+def sort_bitonic_rows(K, m, w):
+    """Sort descending, in each column j < w, the K (a power of 2) rows of m, which hold a bitonic sequence there (as the
+    elementwise max of one sorted list and another reversed does: the K largest of the two). Compare-exchanges, the larger
+    to the lower row: strides K/2 down to 4 a loop per pair of rows, strides 2 and 1 one loop per four rows (in registers).
+    Each loop runs over the columns of 1-D rows from 0, so it vectorises."""
+    d = K // 2
+    while d >= 4:
+        for i in range(K):
+            if i & d: continue
+            x, y = m[i][:w], m[i + d][:w]
+            for j in range(w): x[j], y[j] = _exchange(x[j], y[j])
+        d //= 2
+    if K == 2:
+        x, y = m[0][:w], m[1][:w]
+        for j in range(w): x[j], y[j] = _exchange(x[j], y[j])
+    for i in range(0, K - 3, 4):
+        x0, x1, x2, x3 = m[i][:w], m[i + 1][:w], m[i + 2][:w], m[i + 3][:w]
+        for j in range(w):
+            u0, u2 = _exchange(x0[j], x2[j])
+            u1, u3 = _exchange(x1[j], x3[j])
+            x0[j], x1[j] = _exchange(u0, u1)
+            x2[j], x3[j] = _exchange(u2, u3)

@@ -18,7 +18,7 @@ import numba
 import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp, fast_exp8
-from .core import question_backend, pick3, merge_top3, ALGEBRAS
+from .core import question_backend, pick3, merge_top3, ALGEBRAS, pack_code, unpack_code, sort_bitonic_rows, NO_PATH, NO_PATH_BELOW
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import to_device, on_host, require, check_labels
 from .compile_check import resource_budget
@@ -1109,7 +1109,13 @@ def _ctc_alg_cpu(alg, precise, lp, lq, ext, input_lengths, target_lengths, blank
     empty, g[n] times the accumulator's gradient added to grad_p (and grad_q). `precise`: float64 precision (else
     `alg_plus3`'s float32 arithmetic, a third less)."""
     literally(alg); literally(precise)
-    C = lp.shape[2]
+    T_max, C, S_max = lp.shape[0], lp.shape[2], ext.shape[1]
+    # the buffers, once for the slice: allocating them per sequence cost a page fault per page (the pool's threads
+    # return large blocks to the system), and the two threads ran at 1.5x one instead of 2x
+    size = T_max * (S_max + 4)
+    buf_P, buf_H = np.empty(size), np.empty(size)
+    buf_Q = np.empty(size) if alg == ALG_KL else buf_P
+    buf_E, buf_R, buf_G = np.empty(2 * S_max), np.empty(6 * (S_max + 4)), np.empty(2 * S_max)
     for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
         n_states = 2 * L + 1
@@ -1123,14 +1129,15 @@ def _ctc_alg_cpu(alg, precise, lp, lq, ext, input_lengths, target_lengths, blank
         skipneg = np.full(n_states + 2, -np.inf)          # 0 where a state may be entered from two states back
         for s in range(2, n_states):
             if e[s] != blank and e[s] != e[s - 2]: skipneg[s] = 0.0
-        P, H = np.empty((T, n_states + 4)), np.empty((T, n_states + 4))
-        Q = np.empty((T, n_states + 4)) if alg == ALG_KL else P
-        E = np.empty((2, n_states))
+        W = n_states + 4
+        P, H = buf_P[:T * W].reshape((T, W)), buf_H[:T * W].reshape((T, W))
+        Q = buf_Q[:T * W].reshape((T, W))
+        E = buf_E[:2 * n_states].reshape((2, n_states))
         zp, zq, total = _alg_alpha(alg, precise, lp, lq, n, T, n_states, e, skipneg, P, Q, H, E)
         out[n, 0] = zp; out[n, 1] = zq; out[n, 2] = total
         if g.shape[0] > 0 and g[n] != 0.0 and zp > -np.inf:
-            _alg_beta_grad(alg, precise, lp, lq, n, T, n_states, e, skipneg, P, Q, H, np.empty((6, n_states + 4)), E, zp, zq, total,
-                           g[n], np.empty((2, n_states)), grad_p, grad_q)
+            _alg_beta_grad(alg, precise, lp, lq, n, T, n_states, e, skipneg, P, Q, H, buf_R[:6 * W].reshape((6, W)), E, zp, zq,
+                           total, g[n], buf_G[:2 * n_states].reshape((2, n_states)), grad_p, grad_q)
 
 # One kernel per algebra and precision (float64 scores, float32 scores), each calling the generic one with constants:
 # numba specialises it at compile time, and a call from Python has no literal argument to dispatch on (a literal
@@ -1199,10 +1206,20 @@ def _ctc_sample_cpu(lp, ext, input_lengths, target_lengths, blank, u, states, lo
 @numba.njit(nogil=True, cache=_CACHE)
 def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, best, lo, hi):
     """The k best paths of each sequence lo <= n < hi: the KMax(k) recursion in log space (each state the k best scores
-    into it, sorted), keeping for each (frame, state, rank) which predecessor and which of its ranks it came from
-    (`merge_top3`'s code, int8); then each rank's path is walked back from the final states. states[r, n, t] gets the
-    r-th path's state at frame t and best[r, n] its score (-inf, states left as they are, where fewer than k paths exist)."""
+    into it, sorted), keeping for each (frame, rank, state) which predecessor and which of its ranks it came from (the
+    code of `merge_top3`, int8); then each rank's path is walked back from the final states. states[r, n, t] gets the
+    r-th path's state at frame t and best[r, n] its score (-inf, states left as they are, where fewer than k paths exist).
+
+    Vectorised across states: K >= k (a power of 2) rows of values, rank-major, each candidate's code packed into its low
+    bits (`pack_code`), so the K best of stay and move is their elementwise max with move's ranks reversed (a bitonic
+    sequence), sorted by `sort_bitonic_rows`; then the same against skip. The same paths and ties as `merge_top3` would
+    give, except between scores within 2^-46 of each other; emissions below -1e30 count as log 0 (`NO_PATH_BELOW`)."""
     T_max, N, C = lp.shape
+    K = 1
+    while K < k: K *= 2
+    # the buffers, once for the slice (allocating per sequence cost a page fault per page in pool threads)
+    buf_V, buf_m = np.empty((2, K, ext.shape[1] + 2)), np.empty((K, ext.shape[1] + 2))
+    buf_skip, buf_emit, buf_back = np.empty(ext.shape[1] + 2), np.empty(ext.shape[1] + 2), np.empty(T_max * K * ext.shape[1], np.int8)
     for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
         n_states = 2 * L + 1
@@ -1212,22 +1229,51 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
             best[0, n] = 0.0
             continue
         e = ext[n]
-        V = np.full((2, n_states + 2, k), -np.inf)          # two frames of values; index s + 2 is state s
-        back = np.zeros((T, n_states, k), np.int8)
-        none = np.full(k, -np.inf)
-        for s in range(min(2, n_states)): V[0, s + 2, 0] = lp[0, n, e[s]]
+        W = n_states + 2
+        V = buf_V[:, :, :W]                             # two frames of values, rank-major; column s + 2 is state s
+        V[:] = NO_PATH
+        m = buf_m[:, :W]                                # the merged candidates of the band's states, from column 0
+        skip = buf_skip[:W]                             # 0 where state s may be entered from s - 2 (column s + 2)
+        skip[:] = NO_PATH
+        for s in range(2, n_states):
+            if e[s] != blank and e[s] != e[s - 2]: skip[s + 2] = 0.0
+        back = buf_back[:T * K * n_states].reshape((T, K, n_states))   # (written before it is read: the walk back reads
+        emit = buf_emit                                                  # only codes of paths that exist)
+        for s in range(min(2, n_states)): V[0, 0, s + 2] = max(lp[0, n, e[s]], -1e30)
         for t in range(1, T):
             prev, cur = V[(t - 1) % 2], V[t % 2]
             lo_s, hi_s = _band(t, T, n_states)
-            for s in range(n_states + 2): cur[s, :] = -np.inf
-            for s in range(lo_s, hi_s + 1):
-                skip = s >= 2 and e[s] != blank and e[s] != e[s - 2]
-                merge_top3(k, prev[s + 2], prev[s + 1], prev[s] if skip else none, cur[s + 2], back[t, s])
-                x = lp[t, n, e[s]]
-                for r in range(k): cur[s + 2, r] += x
+            a0, a1 = lo_s + 2, hi_s + 3                 # the band's columns
+            w = a1 - a0
+            em, lpt, es = emit[:w], lp[t, n], e[lo_s:hi_s + 1]
+            for j in range(w):                          # (a gather: one state at a time)
+                x = lpt[es[j]]
+                em[j] = x if x > -1e30 else -1e30
+            for i in range(K):                          # stay (list 0) against move (list 1) reversed: the K best, bitonic
+                x, y, o = prev[i][a0:a1], prev[K - 1 - i][a0 - 1:a1 - 1], m[i][:w]
+                cx, cy = i, 16 + K - 1 - i
+                for j in range(w): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
+            sort_bitonic_rows(K, m, w)
+            for i in range(K):                          # then against skip (list 2) reversed
+                y, sk, o = prev[K - 1 - i][a0 - 2:a1 - 2], skip[a0:a1], m[i][:w]
+                cy = 32 + K - 1 - i
+                for j in range(w): o[j] = max(o[j], pack_code(y[j] + sk[j], cy))
+            sort_bitonic_rows(K, m, w)
+            for i in range(K):                          # codes out; values plus the emission (never below NO_PATH)
+                o, c, b = m[i][:w], cur[i], back[t, i][lo_s:hi_s + 1]
+                c[:a0] = NO_PATH
+                c[a1:] = NO_PATH
+                y = c[a0:a1]
+                for j in range(w):
+                    v, b[j] = unpack_code(o[j])
+                    y[j] = max(v + em[j], NO_PATH)
         last = V[(T - 1) % 2]
+        fa, fb, none = np.full(k, -np.inf), np.full(k, -np.inf), np.full(k, -np.inf)   # the final states: last, one before
+        for r in range(k):
+            if last[r, n_states + 1] > NO_PATH_BELOW: fa[r] = last[r, n_states + 1]
+            if n_states > 1 and last[r, n_states] > NO_PATH_BELOW: fb[r] = last[r, n_states]
         finals, code = np.empty(k), np.empty(k, np.int8)
-        merge_top3(k, last[n_states + 1], last[n_states] if n_states > 1 else none, none, finals, code)
+        merge_top3(k, fa, fb, none, finals, code)
         for r in range(k):
             if finals[r] == -np.inf: break
             best[r, n] = finals[r]
@@ -1235,7 +1281,7 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
             for t in range(T - 1, -1, -1):
                 states[r, n, t] = s
                 if t > 0:
-                    c = back[t, s, rank]
+                    c = back[t, rank, s]
                     s, rank = s - c // 16, c % 16
 
 # %% ../nbs/02_ctc.ipynb #a19e0c01
