@@ -621,6 +621,27 @@ linear_cross_entropy_op = Op(f'{_OPS}::linear_cross_entropy',
                              backward={'cpu': _lce_backward, 'cuda': _lce_backward, 'reference': AUTOGRAD}, fake=_lce_fake,
                              differentiable=('hidden', 'weight', 'bias'), residuals=('lse', 'dh', 'dw', 'db'))
 
+# %% ../nbs/08_cross_entropy.ipynb #e94642a1
+def _local_head(linear_weight, linear_bias, group, what):
+    """(weight, bias, group) of this rank: a DTensor head sharded on dimension 0 of a 1-D mesh gives its local rows and
+    its mesh's group (its bias, if a DTensor, its local part); a plain tensor is this rank's shard of `group`."""
+    try: from torch.distributed.tensor import DTensor, Shard
+    except ImportError: return linear_weight, linear_bias, group
+    if not isinstance(linear_weight, DTensor):
+        if isinstance(linear_bias, DTensor): raise TypeError(f"{what}: linear_bias is a DTensor but linear_weight is not")
+        return linear_weight, linear_bias, group
+    mesh, placements = linear_weight.device_mesh, linear_weight.placements
+    if mesh.ndim != 1 or tuple(placements) != (Shard(0),):
+        raise ValueError(f"{what}: a DTensor linear_weight must be sharded Shard(0) on a 1-D mesh, got {placements} on a "
+                         f"{mesh.ndim}-D mesh")
+    mesh_group = mesh.get_group()
+    if group is not None and group is not mesh_group:
+        raise ValueError(f"{what}: group is not the process group of linear_weight's device mesh")
+    if isinstance(linear_bias, DTensor):
+        if tuple(linear_bias.placements) != (Shard(0),): raise ValueError(f"{what}: a DTensor linear_bias must be sharded Shard(0), got {linear_bias.placements}")
+        linear_bias = linear_bias.to_local()
+    return linear_weight.to_local(), linear_bias, mesh_group
+
 # %% ../nbs/08_cross_entropy.ipynb #79d6397b
 class _LinearArgs(NamedTuple):
     "linear_cross_entropy's arguments, checked once and shaped for the op."
@@ -706,16 +727,25 @@ def _check_linear(input, linear_weight, target, linear_bias, weight, ignore_inde
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction='mean',
                          ignore_index=None, label_smoothing=0.0, options=None, z_loss=0.0, softcap=None,
-                         return_lse=False, return_z_loss=False, chunk_size=None, backend='auto', bias=None, ce_weight=None):
+                         return_lse=False, return_z_loss=False, chunk_size=None, backend='auto', bias=None, ce_weight=None,
+                         group=None, vocab_start=None):
     """`torch.nn.functional.linear_cross_entropy` (PyTorch 2.13: the same arguments and result), always on the
     memory-lean path: `F.cross_entropy(F.linear(input, linear_weight, linear_bias), target, weight, ...)` without ever
     building the (N, C) logits. input (N, H) or (H,) (also (..., H)), linear_weight (C, H) or (C, d1, ..., dK, H),
     class-index or probability targets; ignore_index=None means -100. `options` is accepted: its batch_chunk_size,
     if set, is the chunk size, nothing else of it applies. Besides: z_loss, softcap, chunk_size (rows per chunk;
     default 64 MB of float32 logits), backend, and the outputs of `cross_entropy` (return_z_loss, return_lse: lse not
-    differentiable). `bias=` and `ce_weight=` are seqdist's earlier names of linear_bias and weight."""
+    differentiable). `bias=` and `ce_weight=` are seqdist's earlier names of linear_bias and weight. `group`,
+    `vocab_start`: a head sharded over the vocabulary, as `linear_token_stats`'s (class-index targets; `weight` then the
+    whole vocabulary's (V,); no label smoothing, no K-dimensional loss)."""
     linear_bias = _alias(linear_bias, bias, 'linear_bias', 'bias')
     weight = _alias(weight, ce_weight, 'weight', 'ce_weight')
+    linear_weight, linear_bias, group = _local_head(linear_weight, linear_bias, group, 'linear_cross_entropy')
+    if group is not None:
+        return _sharded_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                             label_smoothing, options, z_loss, softcap, return_lse, return_z_loss,
+                                             chunk_size, backend, group, vocab_start)
+    if vocab_start is not None: raise ValueError("vocab_start places a shard of the head: it needs group=")
     a = _check_linear(input, linear_weight, target, linear_bias, weight, ignore_index, reduction, label_smoothing,
                       z_loss, softcap, options, chunk_size)
     precompute_grads = reduction != 'none' and torch.is_grad_enabled() and any(
@@ -992,18 +1022,28 @@ def _check_token_stats(input, linear_weight, target, linear_bias, temperature, i
     return input.reshape(N, H), target.reshape(N).long(), batch
 
 def linear_token_stats(input, linear_weight, target, *, linear_bias=None, temperature=1.0, ignore_index=-100,
-                       softcap=None, group=None, chunk_size=None, backend='auto'):
+                       softcap=None, group=None, vocab_start=None, chunk_size=None, backend='auto'):
     """Per-token `(log_probs, entropy)` of the logits `softcap(input @ linear_weight.T + linear_bias) / temperature`
     (the soft-cap `softcap * tanh(x / softcap)` on the head's output, as in `linear_cross_entropy`, then the
     temperature), without building them: input (..., H), linear_weight (V, H), linear_bias (V,), target (...) class
     indices; both outputs have the target's shape, are 0 where the target is `ignore_index`, and are differentiable
     with respect to input, linear_weight and linear_bias in any weighted combination. Rows go in chunks (`chunk_size`
     rows; default a 64 MB float32 buffer); float32 accumulation (float64 for float64), float32 outputs for
-    float16/bfloat16 inputs. `group` (a vocabulary sharded over a process group) is not supported yet."""
-    if group is not None: raise NotImplementedError("linear_token_stats: group= (a vocabulary sharded over ranks) is not implemented yet")
+    float16/bfloat16 inputs. `group`: the process group over which the head's rows (the vocabulary) are sharded —
+    linear_weight and linear_bias are then this rank's rows, of any number, input and target the same on every rank —
+    and every rank gets the single-process result ("Hidden states against a sharded head"); a DTensor linear_weight
+    sharded Shard(0) brings its mesh's group. `vocab_start`: this rank's first class (default: the shards in rank order)."""
+    linear_weight, linear_bias, group = _local_head(linear_weight, linear_bias, group, 'linear_token_stats')
     hidden, t, batch = _check_token_stats(input, linear_weight, target, linear_bias, temperature, ignore_index, softcap, chunk_size)
-    logp, ent, _ = linear_token_stats_op(hidden, linear_weight, linear_bias, t, int(ignore_index), float(temperature),
-                                         float(softcap or 0.0), int(chunk_size or 0), backend=backend)
+    if group is None:
+        if vocab_start is not None: raise ValueError("vocab_start places a shard of the head: it needs group=")
+        logp, ent, _ = linear_token_stats_op(hidden, linear_weight, linear_bias, t, int(ignore_index), float(temperature),
+                                             float(softcap or 0.0), int(chunk_size or 0), backend=backend)
+    else:
+        start, V = _shard_layout(group, linear_weight.shape[0], hidden, t, vocab_start, 'linear_token_stats')
+        _check_targets(t, V, ignore_index)
+        logp, ent, _ = _sharded_token_stats(hidden, linear_weight, linear_bias, t, ignore_index, temperature, softcap,
+                                            chunk_size, group, start, backend)
     return logp.reshape(batch), ent.reshape(batch)
 
 # %% ../nbs/08_cross_entropy.ipynb #2c40beb2
@@ -1043,26 +1083,148 @@ class _VocabParallelCE(torch.autograd.Function):
         return grad.to(logits.dtype), None, None, None, None, None, None, None
 
 def vocab_parallel_cross_entropy(logits, target, group=None, ignore_index=-100, reduction='mean', label_smoothing=0.0,
-                                 *, z_loss=0.0, softcap=None, return_lse=False):
+                                 *, z_loss=0.0, softcap=None, return_lse=False, vocab_start=None):
     """Cross-entropy of logits sharded over the vocabulary across the ranks of `group` (torch.distributed): logits
-    (..., V_local) are this rank's classes [rank * V_local, (rank + 1) * V_local) of V = world_size * V_local; the
-    targets (...) are global class indices, the same on every rank. Megatron's scheme: all-reduces of the max, the
-    sum of exponentials and the target logit. Every rank gets the same loss; the gradient is its own slice's."""
+    (..., V_r) are this rank's classes, V_r of any number: the shards in rank order, or from `vocab_start` (this rank's
+    first class) given on every rank; V is their sum. The targets (...) are global class indices, the same on every
+    rank. Megatron's scheme: all-reduces of the max, the sum of exponentials and the target logit, after one
+    all-gather of the shards' sizes (which also checks that every rank has the same targets). Every rank gets the same
+    loss; the gradient is its own slice's."""
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("vocab_parallel_cross_entropy needs an initialised torch.distributed process group")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1: raise TypeError("logits must be a tensor (..., V_local)")
+    if not isinstance(target, torch.Tensor): raise TypeError(f"target must be a tensor, got {type(target).__name__}")
     Vl = logits.shape[-1]
     x2 = logits.reshape(-1, Vl)
-    _check_inputs(x2.new_empty(1, Vl * world).expand(x2.shape[0], -1), target.reshape(-1), None, ignore_index, reduction,
-                  label_smoothing, z_loss, softcap)
+    _check_inputs(x2, target.reshape(-1), None, ignore_index, reduction, label_smoothing, z_loss, softcap)
     t1 = target.reshape(-1).long()
-    _check_targets(t1, Vl * world, ignore_index)
-    ce, lse = _VocabParallelCE.apply(x2, t1, group, int(ignore_index), float(label_smoothing), softcap, rank * Vl, Vl * world)
+    start, V = _shard_layout(group, Vl, None, t1, vocab_start, 'vocab_parallel_cross_entropy')
+    _check_targets(t1, V, ignore_index)
+    ce, lse = _VocabParallelCE.apply(x2, t1, group, int(ignore_index), float(label_smoothing), softcap, start, V)
     keep = t1 != ignore_index
     loss = _reduce(ce, lse, keep, keep.to(ce.dtype), reduction, z_loss, target.shape)
     return (loss, lse.reshape(target.shape)) if return_lse else loss
+
+# %% ../nbs/08_cross_entropy.ipynb #0ec62544
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce SUM over `group`, with the identity as backward: every rank holds the same sums and back-propagates
+    the same loss of them, so each rank's addend gets that loss's gradient once (Megatron's reduction out of the
+    tensor-parallel region)."""
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g): return g, None
+
+class _ReplicatedInput(torch.autograd.Function):
+    """The identity, with the gradient summed over `group` in the backward: each rank's rows of the head give their part
+    of the gradient of the hidden states, which every rank holds whole (Megatron's copy into the region)."""
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+def _checksum(x):
+    "An int64 fingerprint of a tensor's values (equal tensors, equal fingerprints), computed where the tensor is."
+    if x.is_floating_point(): return x.double().sum().view(torch.int64) if x.numel() else x.new_zeros((), dtype=torch.int64)
+    x = x.reshape(-1).long()
+    return ((x + 7) * (torch.arange(x.numel(), device=x.device) % 65521 + 1)).sum()
+
+def _shard_layout(group, shard_size, hidden, target, vocab_start, what):
+    """(this rank's first class, V) of a vocabulary sharded over `group`, from one all-gather of each rank's (shard size,
+    rows, hidden size, fingerprints of the targets and hidden states, vocab_start or -1): every rank reads the same table,
+    so a mismatch raises the same error on every rank before any other collective (no rank waits for one that left).
+    Shards are in rank order unless every rank gives vocab_start; either way they must tile [0, V). One host read."""
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what}: group= needs an initialised torch.distributed process group")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    dev = target.device
+    n_rows, width = hidden.shape if hidden is not None else (target.numel(), 0)
+    mine = torch.stack([torch.tensor(v, device=dev) for v in (shard_size, n_rows, width)] +
+                       [_checksum(target).to(dev), (_checksum(hidden) if hidden is not None else torch.zeros((), dtype=torch.int64)).to(dev),
+                        torch.tensor(-1 if vocab_start is None else int(vocab_start), device=dev)])
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    sizes, rows, widths, tsum, hsum, starts = torch.stack(parts).cpu().unbind(1)
+    if (rows != rows[0]).any() or (widths != widths[0]).any():
+        raise ValueError(f"{what}: every rank of group needs the same rows; got (rows, hidden size) "
+                         f"{list(zip(rows.tolist(), widths.tolist()))} by rank")
+    if (tsum != tsum[0]).any(): raise ValueError(f"{what}: target differs across the ranks of group (it must be the same on every rank)")
+    if (hsum != hsum[0]).any(): raise ValueError(f"{what}: input (the hidden states) differs across the ranks of group (it must be the same on every rank)")
+    V = int(sizes.sum())
+    if (starts < 0).all(): return int(sizes[:rank].sum()), V
+    if (starts < 0).any(): raise ValueError(f"{what}: vocab_start given on some ranks of group and not on others: {starts.tolist()}")
+    order = starts.argsort()
+    tiled = torch.cat([torch.zeros(1, dtype=torch.int64), sizes[order].cumsum(0)[:-1]])
+    if not torch.equal(starts[order], tiled):
+        raise ValueError(f"{what}: the shards (vocab_start, size) {list(zip(starts.tolist(), sizes.tolist()))} do not tile [0, {V})")
+    return int(starts[rank]), V
+
+def _sharded_token_stats(hidden, weight, bias, t, ignore_index, temperature, softcap, chunk_size, group, start, backend):
+    """(log_probs, entropy, lse) (N,) over the whole vocabulary from this rank's rows [start, start + V_r) of the head:
+    the one-device op on the shard, then the shards combined by the grouping rule of entropy (above)."""
+    import torch.distributed as dist
+    keep = t != ignore_index
+    here = keep & (t >= start) & (t < start + weight.shape[0])
+    cls = torch.where(here, t - start, 0)                       # the target's class in the shard, else the first
+    h = _ReplicatedInput.apply(hidden, group)
+    logp_r, ent_r, _ = linear_token_stats_op(h, weight, bias, torch.where(keep, cls, ignore_index), int(ignore_index),
+                                             float(temperature), float(softcap or 0.0), int(chunk_size or 0), backend=backend)
+    dt = logp_r.dtype
+    y = (h.to(dt) * weight[cls].to(dt)).sum(-1)                # the logit of `cls`, by autograd (one row of W a token)
+    if bias is not None: y = y + bias[cls].to(dt)
+    x = softcap_logits(y, softcap) / temperature
+    lse_r = torch.where(keep, x - logp_r, 0)                   # the shard's log-normaliser, differentiable
+    m = lse_r.detach().clone()
+    dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
+    a = torch.exp(lse_r - m)
+    s, s_ent, s_log, xt = _SumOverRanks.apply(torch.stack([a, a * ent_r, a * (lse_r - m), torch.where(here, x, 0)]), group)
+    lse = m + torch.log(s)
+    ent = s_ent / s + torch.log(s) - s_log / s
+    return torch.where(keep, xt - lse, 0), torch.where(keep, ent, 0), lse
+
+def _sharded_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                                  label_smoothing, options, z_loss, softcap, return_lse, return_z_loss, chunk_size,
+                                  backend, group, vocab_start):
+    "`linear_cross_entropy` over a head sharded on `group`: -log p(target) of `_sharded_token_stats`, reduced as usual."
+    what = 'linear_cross_entropy'
+    if isinstance(target, torch.Tensor) and target.is_floating_point():
+        raise NotImplementedError(f"{what}: probability targets with group= are not supported (class indices only)")
+    if label_smoothing: raise NotImplementedError(f"{what}: label_smoothing with group= is not supported yet")
+    if isinstance(linear_weight, torch.Tensor) and linear_weight.dim() != 2:
+        raise NotImplementedError(f"{what}: a K-dimensional loss (linear_weight {tuple(linear_weight.shape)}) with group= is not supported")
+    ignore_index = -100 if ignore_index is None else ignore_index
+    chunk_size = _options_chunk(options, chunk_size)
+    hidden, t, batch = _check_token_stats(input, linear_weight, target, linear_bias, 1.0, ignore_index, softcap, chunk_size)
+    _check_options(linear_weight.shape[0], None, ignore_index, reduction, 0.0, z_loss, softcap)
+    start, V = _shard_layout(group, linear_weight.shape[0], hidden, t, vocab_start, what)
+    _check_targets(t, V, ignore_index)
+    if weight is not None and (not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (V,)):
+        raise ValueError(f"{what}: weight (the class weights) must have the whole vocabulary's shape ({V},) with group=, "
+                         f"got {tuple(getattr(weight, 'shape', ()))}")
+    logp, _, lse = _sharded_token_stats(hidden, linear_weight, linear_bias, t, ignore_index, 1.0, softcap, chunk_size,
+                                        group, start, backend)
+    keep = t != ignore_index
+    wt = keep.to(logp.dtype) if weight is None else torch.where(keep, weight.to(logp.dtype)[torch.where(keep, t, 0)], 0)
+    loss = _reduce(-logp * wt, lse, keep, wt, reduction, z_loss, batch)
+    lse = lse.detach().reshape(batch)
+    z = _z_term(lse, keep.reshape(batch), z_loss, reduction, batch) if return_z_loss else None
+    if input.dtype in (torch.float32, torch.float64):
+        loss, z = loss.to(input.dtype), (z.to(input.dtype) if z is not None else None)
+    return _outputs(loss, z, lse, return_z_loss, return_lse)
 
 # %% ../nbs/08_cross_entropy.ipynb #5a382261
 CE_SHAPES = [(4096, 32768), (2048, 131072)]          # N, V
