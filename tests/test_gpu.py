@@ -582,3 +582,29 @@ def test_gpu_ctc_kbest_equals_the_cpu_kernel_without_a_host_sync(dtype, record):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5 if dtype == torch.float32 else 1e-12)
     record('ctc_kbest')
+
+def test_gpu_linear_token_stats_over_a_group_of_one(record):
+    """linear_token_stats and linear_cross_entropy with group= on CUDA tensors (NCCL, one rank): the layout all-gather
+    and the all-reduces on the GPU give the call without a group, values and gradients."""
+    import tempfile
+    import torch.distributed as dist
+    from seqdist.cross_entropy import linear_token_stats, linear_cross_entropy
+    if dist.is_initialized(): pytest.skip("a process group is already initialised in this process")
+    if not dist.is_nccl_available(): pytest.skip("this torch has no NCCL")
+    g = _gen(3)
+    h, W, b = (torch.randn(*s, generator=g, dtype=torch.float64).cuda() for s in ((37, 24), (300, 24), (300,)))
+    t = torch.randint(0, 300, (37,), generator=g).cuda()
+    t[3] = -100
+    outs = []
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group('nccl', init_method=f'file://{d}/init', rank=0, world_size=1)
+        try:
+            for group in (None, dist.group.WORLD):
+                hh, WW, bb = (v.clone().requires_grad_() for v in (h, W, b))
+                lp, ent = linear_token_stats(hh, WW, t, linear_bias=bb, temperature=0.8, group=group)
+                ce = linear_cross_entropy(hh, WW, t, linear_bias=bb, z_loss=0.01, group=group)
+                outs.append([lp, ent, ce] + list(torch.autograd.grad((0.3 * lp + ent).sum() + ce, [hh, WW, bb])))
+        finally:
+            dist.destroy_process_group()
+    for i, (u, v) in enumerate(zip(*outs)): torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-10, msg=lambda m: f"output {i}: {m}")
+    record('linear_token_stats')
