@@ -1,7 +1,8 @@
 """A vocabulary sharded over a process group: linear_token_stats and linear_cross_entropy with group= (plain tensors,
-uneven shards, vocab_start, a DTensor head) and vocab_parallel_cross_entropy with uneven shards, in 2 and 3 CPU
-processes on gloo, against the single-process calls on the whole head: values and every gradient, float64 to 1e-10
-and float32; mismatched inputs raise the same error on every rank (and no rank hangs)."""
+uneven shards, vocab_start, a DTensor head), a module under FSDP2, and vocab_parallel_cross_entropy with uneven
+shards, in 2 and 3 CPU processes on gloo (a spawn costs most of each test's 8-14 s), against the single-process calls
+on the whole head: values and every gradient, float64 to 1e-10 and float32; mismatched inputs raise the same error on
+every rank (and no rank hangs)."""
 import os, tempfile
 import pytest, torch
 import torch.nn.functional as F
@@ -36,6 +37,28 @@ def _error(f):
     except (ValueError, RuntimeError) as e: return f"{type(e).__name__}: {e}"
     return None
 
+class _Head(torch.nn.Module):
+    "A projection and an LM head whose loss is a weighted sum of linear_token_stats' outputs (no group: the plain call)."
+    def __init__(self, V):
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.proj = torch.nn.Parameter(torch.randn(H, H, generator=g, dtype=torch.float64) / H ** 0.5)
+        self.head = torch.nn.Parameter(torch.randn(V, H, generator=g, dtype=torch.float64))
+
+    def forward(self, h, t, c):
+        lp, ent = linear_token_stats(torch.tanh(h @ self.proj.T), self.head, t, temperature=0.9)
+        return (c[0] * lp + c[1] * ent).sum()
+
+def _fsdp2_loss_and_grad(mesh, V):
+    "The loss and the head's gradient of `_Head` wrapped by FSDP2's fully_shard (its parameters DTensors, gathered per call)."
+    from torch.distributed.fsdp import fully_shard
+    m = _Head(V)
+    fully_shard(m, mesh=mesh)
+    h, W, b, t, c, w, x = _data(V, torch.float64)
+    loss = m(h, t, c)
+    loss.backward()
+    return [loss.detach(), m.head.grad.full_tensor()]
+
 def _worker(rank, world, sizes, starts, init_file, out_dir):
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -65,6 +88,7 @@ def _worker(rank, world, sizes, starts, init_file, out_dir):
         lp, ent = linear_token_stats(h, Wd, t)
         (c[0] * lp + c[1] * ent).sum().backward()
         res['dtensor'] = [lp.detach(), ent.detach(), Wd.grad.full_tensor()]
+        res['fsdp2'] = _fsdp2_loss_and_grad(mesh, V)
     h, W, b, t, c, w, x = _data(V, torch.float64)
     Wl = W[lo:lo + sizes[rank]]
     vs = None if starts is None else lo
@@ -125,6 +149,12 @@ def _check(res, sizes, starts):
         assert out['err_range'] and f'[0, {V})' in out['err_range'], (r, out['err_range'])
         assert out['err_smoothing'] and 'label_smoothing' in out['err_smoothing'], (r, out['err_smoothing'])
         _close(out['after_errors'], linear_token_stats(h, W, t)[0], torch.float64, f"rank {r} after the errors")
+        if 'fsdp2' in out:                                  # FSDP2 averages the ranks' gradients of the same batch
+            m = _Head(V)
+            loss = m(h, t, c)
+            loss.backward()
+            _close(out['fsdp2'][0], loss.detach(), torch.float64, f"rank {r} FSDP2 loss")
+            _close(out['fsdp2'][1], m.head.grad, torch.float64, f"rank {r} FSDP2 d head")
         if 'dtensor' in out:
             hh, WW = h, W.clone().requires_grad_()
             lp, ent = linear_token_stats(hh, WW, t)
@@ -132,9 +162,10 @@ def _check(res, sizes, starts):
             for got, want, name in zip(out['dtensor'], [lp.detach(), ent.detach(), WW.grad], ['log_probs', 'entropy', 'd weight']):
                 _close(got, want, torch.float64, f"rank {r} DTensor head {name}")
 
-def test_two_ranks_uneven_shards_and_a_dtensor_head():
-    """Two gloo processes with 13 and 8 classes in rank order, and a DTensor head (torch.chunk's 11 and 10): every
-    output and gradient equals the single-process call's."""
+def test_two_ranks_uneven_shards_a_dtensor_head_and_fsdp2():
+    """Two gloo processes with 13 and 8 classes in rank order, a DTensor head (torch.chunk's 11 and 10), and a module
+    wrapped by FSDP2's fully_shard that calls linear_token_stats without a group: every output and gradient equals the
+    single-process one."""
     _check(_run([13, 8]), [13, 8], None)
 
 def test_three_ranks_placed_by_vocab_start():
