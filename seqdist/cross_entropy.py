@@ -1138,7 +1138,7 @@ class _ReplicatedInput(torch.autograd.Function):
 
 def _checksum(x):
     "An int64 fingerprint of a tensor's values (equal tensors, equal fingerprints), computed where the tensor is."
-    if x.is_floating_point(): return x.double().sum().view(torch.int64) if x.numel() else x.new_zeros((), dtype=torch.int64)
+    if x.is_floating_point(): return x.sum(dtype=torch.float64).view(torch.int64)      # (no float64 copy of x)
     x = x.reshape(-1).long()
     return ((x + 7) * (torch.arange(x.numel(), device=x.device) % 65521 + 1)).sum()
 
