@@ -7,7 +7,8 @@ __all__ = ['rnnt_op', 'rnnt_edges_op', 'rnnt_divergence_op', 'RNNT_SHAPES', 'edg
            'logz_brute_force', 'row_offsets', 'rnnt_inputs', 'check_targets', 'clean_targets', 'grad_from_edges',
            'rnnt_loss', 'RNNTLoss', 'posteriors', 'viterbi_alignments', 'best_path', 'alignment_entropy',
            'alignment_kl', 'alignment_cross_entropy', 'alignment_scores', 'kbest_alignments', 'sample_frames',
-           'sample_alignments', 'rnnt_inputs_for', 'bench_rnnt', 'bench_rnnt_questions', 'rnnt_peak_mb', 'sweep_rnnt']
+           'sample_alignments', 'RNNTAlignments', 'rnnt_inputs_for', 'bench_rnnt', 'bench_rnnt_questions',
+           'rnnt_peak_mb', 'sweep_rnnt']
 
 # %% ../nbs/06_rnnt.ipynb #f11e832e
 import math
@@ -946,6 +947,69 @@ def sample_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, 
     none = Log.is_zero(logz)
     logp = torch.where(none, -math.inf, path - torch.where(none, 0.0, logz))
     return torch.where(none[:, None], -1, frames), logp
+
+# %% ../nbs/06_rnnt.ipynb #6466d94a
+class RNNTAlignments:
+    """The posterior distribution over the alignments of each sequence's targets, as `torch.distributions` names things,
+    built on the functions above (rnnt_loss's arguments; logits (B, T, U+1, V)). An alignment is `best_path`'s frames
+    (B, U): the frame from which each label is emitted, -1 past the target length."""
+    def __init__(self, logits, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True, *, backend='auto'):
+        self.logits, self.targets, self.blank, self.backend = logits, targets, blank, backend
+        self.logit_lengths, self.target_lengths, self.fused_log_softmax = logit_lengths, target_lengths, fused_log_softmax
+        self._args = (targets, logit_lengths, target_lengths, blank, fused_log_softmax)
+
+    @property
+    def log_partition(self):
+        "log Z (B,): the log-probability of the targets, -rnnt_loss (differentiable)."
+        return -rnnt_loss(self.logits, *self._args[:4], reduction='none', fused_log_softmax=self.fused_log_softmax)
+
+    @property
+    def marginals(self):
+        "The posterior probability (B, T, U+1, 2) of the blank [..., 0] and the label [..., 1] edge leaving each node (`posteriors`)."
+        return posteriors(self.logits, *self._args[:4], fused_log_softmax=self.fused_log_softmax)
+
+    @property
+    def argmax(self):
+        "The most probable alignment (B, U) (`best_path`'s frames)."
+        return best_path(self.logits, *self._args)[0]
+
+    def entropy(self):
+        "The entropy (nats) of each sequence's alignment posterior (B,) (`alignment_entropy`)."
+        return alignment_entropy(self.logits, *self._args, backend=self.backend)
+
+    def kl(self, other):
+        "KL(self || other) (B,) for another `RNNTAlignments` of the same targets (`alignment_kl`)."
+        return alignment_kl(self.logits, other.logits, *self._args, backend=self.backend)
+
+    def cross_entropy(self, other):
+        "-E_self[log other(alignment)] (B,) (`alignment_cross_entropy`)."
+        return alignment_cross_entropy(self.logits, other.logits, *self._args, backend=self.backend)
+
+    def sample(self, sample_shape=(), generator=None):
+        "Exact samples (*sample_shape, B, U) (`sample_alignments`; one draw: (B, U))."
+        shape = torch.Size(sample_shape)
+        frames, _ = sample_alignments(self.logits, *self._args, n=max(1, shape.numel()), generator=generator,
+                                      backend=self.backend)
+        return frames.reshape(*shape, *frames.shape[1:])
+
+    def topk(self, k):
+        "The k most probable alignments, best first, and their summed log-probabilities (not normalised): (k, B, U), (k, B)."
+        return kbest_alignments(self.logits, *self._args, k=k, backend=self.backend)
+
+    def log_prob(self, value):
+        """The log-probability under the posterior of alignments `value` (..., B, U) in `best_path`'s format: their summed
+        log-probability minus log Z; -inf for frames that are not an alignment (outside [0, T_b), decreasing, or not -1
+        exactly past the target length)."""
+        bl, em, il, tl = _lattice_scores(self.logits, *self._args)
+        B, T, U1 = bl.shape
+        if value.shape[-2:] != (B, U1 - 1): raise ValueError(f"value must have shape (..., {B}, {U1 - 1}), got {tuple(value.shape)}")
+        frames = value.long()
+        label = torch.arange(U1 - 1, device=frames.device) < tl[:, None]                           # (B, U)
+        inside = (frames >= 0) & (frames < il[:, None])
+        rising = torch.nn.functional.pad((frames[..., 1:] >= frames[..., :-1]) | ~label[:, 1:], (0, 1), value=True)
+        ok = torch.where(label, inside & rising, frames == -1).all(-1)
+        score = alignment_scores(bl, em, torch.where(label, frames, -1), il, tl)
+        return torch.where(ok, score - self.log_partition, -math.inf)
 
 # %% ../nbs/06_rnnt.ipynb #929b1a8f
 RNNT_SHAPES = [(8, 200, 50, 128), (4, 300, 80, 1024), (16, 100, 30, 29)]   # B, T, U, V

@@ -417,3 +417,37 @@ def test_compiled_entropy_on_the_cpu_equals_eager():
     eager, compiled = f(xs[0]), torch.compile(f, backend='eager', fullgraph=True)(xs[1])
     close(compiled, eager)
     close(torch.autograd.grad(compiled.sum(), xs[1])[0], torch.autograd.grad(eager.sum(), xs[0])[0])
+
+# -- the distribution object ------------------------------------------------------------------------------------------
+
+def test_rnnt_alignments_object_against_enumeration_and_the_functions():
+    """RNNTAlignments: log_prob sums to 1 over every alignment (enumerated) and gives their entropy; frames that are not an
+    alignment get -inf; samples' log_prob is sample_alignments' log-probability; the other names are the functions'."""
+    from seqdist.rnnt import RNNTAlignments, best_path, sample_alignments
+    g = torch.Generator().manual_seed(4)
+    T, U = 5, 2
+    x = torch.randn(2, T, U + 1, 4, generator=g, dtype=torch.float64)
+    xq = torch.randn(2, T, U + 1, 4, generator=g, dtype=torch.float64)
+    y, il, tl = torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 4]), torch.tensor([2, 1])
+    d, dq = RNNTAlignments(x, y, il, tl, blank=0), RNNTAlignments(xq, y, il, tl, blank=0)
+    first = [[a, b] for a, b in itertools.combinations_with_replacement(range(5), 2)]
+    second = [[c, -1] for c in range(4)] + [[0, 0]] * 11
+    p = d.log_prob(torch.tensor([first, second]).transpose(0, 1)).exp()
+    close(p.sum(0), torch.ones(2, dtype=torch.float64))
+    close(d.entropy(), -(p * p.log()).nan_to_num().sum(0))
+    q = dq.log_prob(torch.tensor([first, second]).transpose(0, 1)).exp()
+    close(d.kl(dq), (p * (p.log() - q.log())).nan_to_num().sum(0))
+    close(d.cross_entropy(dq), -(p * q.log()).nan_to_num().sum(0))
+    bad = torch.tensor([[[2, 1], [0, -1]], [[0, 5], [0, -1]], [[0, 1], [4, -1]], [[0, 1], [1, 2]], [[-1, 1], [0, -1]]])
+    lp = d.log_prob(bad)
+    assert torch.isinf(lp[:, 0]).tolist() == [True, True, False, False, True]       # decreasing, past T, -, -, negative
+    assert torch.isinf(lp[:, 1]).tolist() == [False, False, True, True, False]      # -, -, frame 4 >= T_b = 4, not -1 past U_b
+    frames, logp = sample_alignments(x, y, il, tl, blank=0, n=6, generator=torch.Generator().manual_seed(3))
+    close(d.log_prob(frames), logp)
+    assert torch.equal(d.sample((2, 3), generator=torch.Generator().manual_seed(3)), frames.reshape(2, 3, 2, 2))
+    assert torch.equal(d.argmax, best_path(x, y, il, tl, blank=0)[0])
+    top, scores = d.topk(4)
+    close(d.log_prob(top), scores - d.log_partition)
+    close(d.marginals.sum((1, 2)), torch.tensor([[5.0, 2.0], [4.0, 1.0]], dtype=torch.float64))   # T_b blanks, U_b labels
+    with pytest.raises(ValueError, match='value must have shape'):
+        d.log_prob(torch.zeros(3, 2, 3, dtype=torch.long))
