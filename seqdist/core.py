@@ -8,7 +8,7 @@ __all__ = ['ZERO_BELOW', 'Log', 'Max', 'SEMIRINGS', 'LOG2E', 'LN2_HI', 'LN2_LO',
            'semiring', 'bits_as_float64', 'float64_as_bits', 'pow2', 'semiring_sum2', 'fast_exp', 'fast_exp8',
            'fast_logsumexp', 'grad', 'SequenceDist', 'log_softmax_parts', 'KMax', 'choose_index', 'reference_only',
            'fast_log1p', 'alg_plus3', 'question_backend', 'pick3', 'merge_top3', 'pack_code', 'unpack_code',
-           'sort_bitonic_rows']
+           'sort_bitonic_rows', 'AlignmentPosterior']
 
 # %% ../nbs/00_core.ipynb #7d448610
 import math
@@ -425,3 +425,38 @@ def sort_bitonic_rows(K, m, w):
             u1, u3 = _exchange(x1[j], x3[j])
             x0[j], x1[j] = _exchange(u0, u1)
             x2[j], x3[j] = _exchange(u2, u3)
+
+# %% ../nbs/00_core.ipynb #9090e840
+class AlignmentPosterior:
+    """The posterior distribution over a lattice's alignments, with `torch.distributions`' names: the base of each
+    family's object (`seqdist.ctc.CTCAlignments`, `seqdist.rnnt.RNNTAlignments`). A family gives its scores tensor
+    (`self.scores`), the rest of its functions' arguments (`self.args`) and, as class attributes, its functions of them;
+    the questions here are those functions, so an object costs a family nothing beyond `log_partition`, `marginals`,
+    `argmax` and `log_prob`, which read its own formats."""
+    entropy_fn = kl_fn = cross_entropy_fn = sample_fn = kbest_fn = None    # the family's functions (staticmethods)
+
+    def __init__(self, scores, *args, backend='auto'):
+        self.scores, self.args, self.backend = scores, args, backend
+
+    def entropy(self):
+        "The entropy (nats) of each sequence's alignment posterior, (N,) (the family's `alignment_entropy`)."
+        return self.entropy_fn(self.scores, *self.args, backend=self.backend)
+
+    def kl(self, other):
+        "KL(self || other) (N,) for another object of the same family and targets (`alignment_kl`)."
+        return self.kl_fn(self.scores, other.scores, *self.args, backend=self.backend)
+
+    def cross_entropy(self, other):
+        "-E_self[log other(alignment)] (N,) (`alignment_cross_entropy`)."
+        return self.cross_entropy_fn(self.scores, other.scores, *self.args, backend=self.backend)
+
+    def sample(self, sample_shape=(), generator=None):
+        "Exact samples (*sample_shape, ...) in the family's alignment format (`sample_alignments`; one draw: no sample dims)."
+        shape = torch.Size(sample_shape)
+        alignments, _ = self.sample_fn(self.scores, *self.args, n=max(1, shape.numel()), generator=generator,
+                                       backend=self.backend)
+        return alignments.reshape(*shape, *alignments.shape[1:])
+
+    def topk(self, k):
+        "The k most probable alignments, best first, and their summed log-probabilities (not normalised) (`kbest_alignments`)."
+        return self.kbest_fn(self.scores, *self.args, k=k, backend=self.backend)

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp, fast_exp8
 from .core import question_backend, pick3, merge_top3, ALGEBRAS, pack_code, unpack_code, sort_bitonic_rows, NO_PATH, NO_PATH_BELOW
+from .core import AlignmentPosterior
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .checks import to_device, on_host, require, check_labels
 from .compile_check import resource_budget
@@ -1573,14 +1574,19 @@ def sample_alignments(log_probs, targets, input_lengths, target_lengths, blank=0
     return (labels[:, 0], logp[:, 0]) if unbatched else (labels, logp)
 
 # %% ../nbs/02_ctc.ipynb #822f5189
-class CTCAlignments:
+class CTCAlignments(AlignmentPosterior):
     """The posterior distribution over the alignments of each sequence's targets, as `torch.distributions` names things,
     built on the functions above (ctc_loss's arguments; `log_probs` (T, N, C)). An alignment is a per-frame label
-    sequence (N, T) in `forced_align`'s format (the blank past each input length)."""
+    sequence (N, T) in `forced_align`'s format (the blank past each input length). entropy, kl, cross_entropy, sample
+    and topk: `seqdist.core.AlignmentPosterior`'s, on the functions above."""
+    entropy_fn, kl_fn, cross_entropy_fn = staticmethod(alignment_entropy), staticmethod(alignment_kl), staticmethod(alignment_cross_entropy)
+    sample_fn, kbest_fn = staticmethod(sample_alignments), staticmethod(kbest_alignments)
+
     def __init__(self, log_probs, targets, input_lengths, target_lengths, blank=0, *, backend='auto'):
-        self.log_probs, self.targets, self.blank, self.backend = log_probs, targets, blank, backend
+        super().__init__(log_probs, targets, input_lengths, target_lengths, blank, backend=backend)
+        self.log_probs, self.targets, self.blank = log_probs, targets, blank
         self.input_lengths, self.target_lengths = input_lengths, target_lengths
-        self._args = (targets, input_lengths, target_lengths, blank)
+        self._args = self.args
 
     @property
     def log_partition(self):
@@ -1597,29 +1603,6 @@ class CTCAlignments:
         "The most probable alignment (N, T) (`forced_align`'s labels; a ValueError where the targets cannot fit)."
         lp, tg, il, tl, _ = ctc_inputs(self.log_probs, *self._args)
         return forced_align(lp.transpose(0, 1), padded_targets(lp, tg, il, tl, self.blank), il, tl, self.blank)[0]
-
-    def entropy(self):
-        "The entropy (nats) of each sequence's alignment posterior (N,) (`alignment_entropy`)."
-        return alignment_entropy(self.log_probs, *self._args, backend=self.backend)
-
-    def kl(self, other):
-        "KL(self || other) (N,) for another `CTCAlignments` of the same targets (`alignment_kl`)."
-        return alignment_kl(self.log_probs, other.log_probs, *self._args, backend=self.backend)
-
-    def cross_entropy(self, other):
-        "-E_self[log other(alignment)] (N,) (`alignment_cross_entropy`)."
-        return alignment_cross_entropy(self.log_probs, other.log_probs, *self._args, backend=self.backend)
-
-    def sample(self, sample_shape=(), generator=None):
-        "Exact samples (*sample_shape, N, T) (`sample_alignments`; one draw: (N, T))."
-        shape = torch.Size(sample_shape)
-        labels, _ = sample_alignments(self.log_probs, *self._args, n=max(1, shape.numel()), generator=generator,
-                                      backend=self.backend)
-        return labels.reshape(*shape, *labels.shape[1:])
-
-    def topk(self, k):
-        "The k most probable alignments, best first, and their log-probabilities (not normalised): (k, N, T), (k, N)."
-        return kbest_alignments(self.log_probs, *self._args, k=k, backend=self.backend)
 
     def log_prob(self, value):
         """The log-probability under the posterior of alignments `value` (..., N, T): their summed log_probs minus log Z;

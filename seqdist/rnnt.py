@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
 from .core import SEMIRINGS, compute_dtype, fast_logsumexp, Entropy, KL, CrossEntropy, KMax, choose_index
-from .core import ALG_ENTROPY, ALG_KL, alg_plus3, question_backend, pick3, merge_top3
+from .core import ALG_ENTROPY, ALG_KL, alg_plus3, question_backend, pick3, merge_top3, AlignmentPosterior
 from .kernel import load_kernel
 from .memory import empty_gradient
 from .checks import on_host, require, to_device, check_labels, finite_real
@@ -949,14 +949,19 @@ def sample_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, 
     return torch.where(none[:, None], -1, frames), logp
 
 # %% ../nbs/06_rnnt.ipynb #6466d94a
-class RNNTAlignments:
+class RNNTAlignments(AlignmentPosterior):
     """The posterior distribution over the alignments of each sequence's targets, as `torch.distributions` names things,
     built on the functions above (rnnt_loss's arguments; logits (B, T, U+1, V)). An alignment is `best_path`'s frames
-    (B, U): the frame from which each label is emitted, -1 past the target length."""
+    (B, U): the frame from which each label is emitted, -1 past the target length. entropy, kl, cross_entropy, sample
+    and topk: `seqdist.core.AlignmentPosterior`'s, on the functions above."""
+    entropy_fn, kl_fn, cross_entropy_fn = staticmethod(alignment_entropy), staticmethod(alignment_kl), staticmethod(alignment_cross_entropy)
+    sample_fn, kbest_fn = staticmethod(sample_alignments), staticmethod(kbest_alignments)
+
     def __init__(self, logits, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True, *, backend='auto'):
-        self.logits, self.targets, self.blank, self.backend = logits, targets, blank, backend
+        super().__init__(logits, targets, logit_lengths, target_lengths, blank, fused_log_softmax, backend=backend)
+        self.logits, self.targets, self.blank = logits, targets, blank
         self.logit_lengths, self.target_lengths, self.fused_log_softmax = logit_lengths, target_lengths, fused_log_softmax
-        self._args = (targets, logit_lengths, target_lengths, blank, fused_log_softmax)
+        self._args = self.args
 
     @property
     def log_partition(self):
@@ -972,29 +977,6 @@ class RNNTAlignments:
     def argmax(self):
         "The most probable alignment (B, U) (`best_path`'s frames)."
         return best_path(self.logits, *self._args)[0]
-
-    def entropy(self):
-        "The entropy (nats) of each sequence's alignment posterior (B,) (`alignment_entropy`)."
-        return alignment_entropy(self.logits, *self._args, backend=self.backend)
-
-    def kl(self, other):
-        "KL(self || other) (B,) for another `RNNTAlignments` of the same targets (`alignment_kl`)."
-        return alignment_kl(self.logits, other.logits, *self._args, backend=self.backend)
-
-    def cross_entropy(self, other):
-        "-E_self[log other(alignment)] (B,) (`alignment_cross_entropy`)."
-        return alignment_cross_entropy(self.logits, other.logits, *self._args, backend=self.backend)
-
-    def sample(self, sample_shape=(), generator=None):
-        "Exact samples (*sample_shape, B, U) (`sample_alignments`; one draw: (B, U))."
-        shape = torch.Size(sample_shape)
-        frames, _ = sample_alignments(self.logits, *self._args, n=max(1, shape.numel()), generator=generator,
-                                      backend=self.backend)
-        return frames.reshape(*shape, *frames.shape[1:])
-
-    def topk(self, k):
-        "The k most probable alignments, best first, and their summed log-probabilities (not normalised): (k, B, U), (k, B)."
-        return kbest_alignments(self.logits, *self._args, k=k, backend=self.backend)
 
     def log_prob(self, value):
         """The log-probability under the posterior of alignments `value` (..., B, U) in `best_path`'s format: their summed
