@@ -42,11 +42,11 @@ test: install chromium $(SITE)/node_modules/.installed
 	@echo "== nbdev-clean: notebooks must be committed clean"
 	time tools/unchanged.sh nbs -- $(BIN)/nbdev-clean
 	@echo "== nbdev-test: every notebook on CPU (cells flagged 'cuda' need a GPU and are skipped)"
-	time tools/unchanged.sh cuda -- $(BIN)/nbdev-test --n-workers 2 --timing
+	time OMP_WAIT_POLICY=PASSIVE tools/unchanged.sh cuda -- $(BIN)/nbdev-test --n-workers 2 --timing
 	@echo "== README.md must be what nbs/index.ipynb renders to"
 	time tools/unchanged.sh README.md -- $(BIN)/python tools/docs.py readme
 	@echo "== docs: nbdev's doc processing of every notebook (the step of \`make docs\` that runs cells again)"
-	time $(BIN)/python tools/docs.py proc
+	time OMP_WAIT_POLICY=PASSIVE $(BIN)/python tools/docs.py proc
 	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
 	time $(BIN)/seqdist-compile-check
 	@echo "== pytest, on two workers (pytest-xdist), each test file on one of them"

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from seqdist.cross_entropy import linear_token_stats, linear_cross_entropy, vocab_parallel_cross_entropy
 
 N, H = 9, 6
+BACKEND = 'reference'   # the ranks' one-shard op: PyTorch, so that no spawned process compiles the CPU kernels (about 20 s
+                        # on a cold cache); the parent's single-process calls, which they are checked against, run them
 OPTS = [dict(), dict(temperature=0.7, softcap=3.0)]
 
 def _data(V, dtype):
@@ -46,7 +48,7 @@ class _Head(torch.nn.Module):
         self.head = torch.nn.Parameter(torch.randn(V, H, generator=g, dtype=torch.float64))
 
     def forward(self, h, t, c):
-        lp, ent = linear_token_stats(torch.tanh(h @ self.proj.T), self.head, t, temperature=0.9)
+        lp, ent = linear_token_stats(torch.tanh(h @ self.proj.T), self.head, t, temperature=0.9, backend=BACKEND)
         return (c[0] * lp + c[1] * ent).sum()
 
 def _fsdp2_loss_and_grad(mesh, V):
@@ -70,11 +72,11 @@ def _worker(rank, world, sizes, starts, init_file, out_dir):
         mine = lambda v: v[lo:lo + sizes[rank]].clone().requires_grad_()
         for i, kw in enumerate(OPTS):
             res[dtype, 'stats', i] = _stats_and_grads(h.clone().requires_grad_(), mine(W), mine(b), t, c, group=group,
-                                                      vocab_start=None if starts is None else lo, **kw)
+                                                      vocab_start=None if starts is None else lo, backend=BACKEND, **kw)
         for red in ('mean', 'none'):
             hh, Wl, bl = h.clone().requires_grad_(), mine(W), mine(b)
             loss = linear_cross_entropy(hh, Wl, t, linear_bias=bl, weight=w, z_loss=0.05, reduction=red, group=group,
-                                        vocab_start=None if starts is None else lo)
+                                        vocab_start=None if starts is None else lo, backend=BACKEND)
             res[dtype, 'ce', red] = [loss.detach()] + list(torch.autograd.grad((loss * c[0] if red == 'none' else loss).sum(), [hh, Wl, bl]))
         xl = x[:, lo:lo + sizes[rank]].clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(xl, t, group=group, z_loss=0.05, vocab_start=None if starts is None else lo)
@@ -85,7 +87,7 @@ def _worker(rank, world, sizes, starts, init_file, out_dir):
         mesh = init_device_mesh('cpu', (world,))
         h, W, b, t, c, w, x = _data(V, torch.float64)
         Wd = distribute_tensor(W, mesh, [Shard(0)]).requires_grad_()
-        lp, ent = linear_token_stats(h, Wd, t)
+        lp, ent = linear_token_stats(h, Wd, t, backend=BACKEND)
         (c[0] * lp + c[1] * ent).sum().backward()
         res['dtensor'] = [lp.detach(), ent.detach(), Wd.grad.full_tensor()]
         res['fsdp2'] = _fsdp2_loss_and_grad(mesh, V)
@@ -100,7 +102,7 @@ def _worker(rank, world, sizes, starts, init_file, out_dir):
     res['err_hidden'] = _error(lambda: linear_cross_entropy(h_bad, Wl, t, group=group, vocab_start=vs))
     res['err_range'] = _error(lambda: linear_token_stats(h, Wl, torch.full((N,), V), group=group, vocab_start=vs))
     res['err_smoothing'] = _error(lambda: linear_cross_entropy(h, Wl, t, group=group, label_smoothing=0.1, vocab_start=vs))
-    res['after_errors'] = linear_token_stats(h, Wl, t, group=group, vocab_start=vs)[0]   # the group still works
+    res['after_errors'] = linear_token_stats(h, Wl, t, group=group, vocab_start=vs, backend=BACKEND)[0]   # the group still works
     torch.save(res, os.path.join(out_dir, f'rank{rank}.pt'))
     dist.destroy_process_group()
 
