@@ -832,10 +832,11 @@ def _stats_forward_cpu(y, target, ignore_index, inv_t, cap, lse, ent, logp, lo, 
         logp[i] = (zt - m) - ls
 
 @numba.njit(nogil=True, fastmath=_FASTMATH, cache=_CACHE)
-def _stats_backward_cpu(y, target, ignore_index, inv_t, cap, lse, ent, g_logp, g_ent, lo, hi):
+def _stats_backward_cpu(y, target, ignore_index, inv_t, cap, lse, coef, g_logp, g_ent, lo, hi):
     """Rows lo <= i < hi of y (M, V), in place: the gradient with respect to y of sum_i g_logp[i] logp[i] +
-    g_ent[i] ent[i]. With w = log p = z - lse: dL/dz_v = a [v = t] - p_v (a + b H + b w_v), times
-    dz/dy = (1 - (softcap(y) / cap)^2) / T. An ignored row's gradient is 0."""
+    g_ent[i] ent[i] + g_lse[i] lse[i]. With w = log p = z - lse and coef[i] = a + b H - c (a, b, c the three upstream
+    gradients): dL/dz_v = a [v = t] - p_v (coef + b w_v), times dz/dy = (1 - (softcap(y) / cap)^2) / T. An ignored
+    row's gradient is 0."""
     M, V = y.shape
     for i in range(lo, hi):
         r = y[i]
@@ -845,7 +846,7 @@ def _stats_backward_cpu(y, target, ignore_index, inv_t, cap, lse, ent, g_logp, g
             continue
         it, z0 = r.dtype.type(inv_t), r.dtype.type(lse[i])
         a, b = r.dtype.type(g_logp[i]), r.dtype.type(g_ent[i])
-        k = a + b * r.dtype.type(ent[i])
+        k = r.dtype.type(coef[i])
         one = r.dtype.type(1.0)
         yt = r[t]                                           # read before the row is overwritten
         if cap > 0:
@@ -867,10 +868,10 @@ def _stats_rows_cpu(y, t, s, lse, ent, logp, tmp=None):
     parallel_for(_stats_forward_cpu, y.shape[0], y.numpy(), t.numpy(), s.ignore_index, s.inv_t, s.cap,
                  lse.numpy(), ent.numpy(), logp.numpy(), work=y.numel())
 
-def _stats_grad_cpu(y, t, s, lse, ent, g_logp, g_ent, tmp=None):
-    "The chunk y (M, V) turned into dL/dy in place (numba)."
+def _stats_grad_cpu(y, t, s, lse, coef, g_logp, g_ent, tmp=None):
+    "The chunk y (M, V) turned into dL/dy in place (numba); coef = g_logp + g_ent * entropy - g_lse per row."
     parallel_for(_stats_backward_cpu, y.shape[0], y.numpy(), t.numpy(), s.ignore_index, s.inv_t, s.cap, lse.numpy(),
-                 ent.numpy(), g_logp.numpy(), g_ent.numpy(), work=y.numel())
+                 coef.numpy(), g_logp.numpy(), g_ent.numpy(), work=y.numel())
 
 def _stats_rows_torch(y, t, s, lse, ent, logp, tmp):
     "As `_stats_rows_cpu` in PyTorch operations on any device; y is overwritten, tmp (M, V) is a scratch buffer."
@@ -888,13 +889,13 @@ def _stats_rows_torch(y, t, s, lse, ent, logp, tmp):
     ent.copy_(torch.where(keep, ls - u / sm, 0))
     logp.copy_(torch.where(keep, zt - ls, 0))
 
-def _stats_grad_torch(y, t, s, lse, ent, g_logp, g_ent, tmp):
+def _stats_grad_torch(y, t, s, lse, coef, g_logp, g_ent, tmp):
     """As `_stats_grad_cpu` in PyTorch operations, in two buffers: with a soft-cap, p (1 - tanh^2) is computed as
     exp(log p + log(1 - tanh^2)) (a saturated tanh gives exp(-inf) = 0, as it should)."""
     keep = t != s.ignore_index
     a, b = torch.where(keep, g_logp, 0), torch.where(keep, g_ent, 0)
     tk = torch.where(keep, t, 0)[:, None]
-    k = (a + b * ent)[:, None]
+    k = torch.where(keep, coef, 0)[:, None]
     if s.cap:
         y.div_(s.cap).tanh_()                               # tanh(y / s)
         dt_ = 1 - y.gather(1, tk) ** 2                      # 1 - tanh^2 at the target
@@ -913,8 +914,9 @@ _STATS_ROWS = {'cpu': (_stats_rows_cpu, _stats_grad_cpu, 1), 'cuda': (_stats_row
 
 def _lts_chunks(s, residuals=None):
     """Forward (residuals None): logp, ent, lse (N,) of the logits of hidden (N, H) against weight (V, H), bias (V,),
-    chunk by chunk. Backward (residuals = lse, ent, g_logp, g_ent): the gradients (dh, dw, db) of
-    sum_i g_logp[i] logp[i] + g_ent[i] ent[i], the logits recomputed chunk by chunk (those in `s.grad_wanted`)."""
+    chunk by chunk. Backward (residuals = lse, ent, g_logp, g_ent, g_lse): the gradients (dh, dw, db) of
+    sum_i g_logp[i] logp[i] + g_ent[i] ent[i] + g_lse[i] lse[i], the logits recomputed chunk by chunk (those in
+    `s.grad_wanted`)."""
     hidden, weight, bias, target = s.hidden, s.weight, s.bias, s.target
     N, H = hidden.shape
     V = weight.shape[0]
@@ -925,7 +927,8 @@ def _lts_chunks(s, residuals=None):
     if residuals is None:
         logp, ent, lse = (hidden.new_empty(N, dtype=dt) for _ in range(3))
     else:
-        lse, ent, g_logp, g_ent = (r.to(dt).contiguous() for r in residuals)
+        lse, ent, g_logp, g_ent, g_lse = (r.to(dt).contiguous() for r in residuals)
+        coef = g_logp + g_ent * ent - g_lse                 # the per-row coefficient of p in dL/dz
         want = getattr(s, 'grad_wanted', ('hidden', 'weight', 'bias'))
         dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if 'hidden' in want else None
         dw = weight.new_zeros(weight.shape, dtype=dt) if 'weight' in want else None
@@ -941,7 +944,7 @@ def _lts_chunks(s, residuals=None):
         if residuals is None:
             rows(y, target[i:j], s, lse[i:j], ent[i:j], logp[i:j], tmp)
             continue
-        rows_grad(y, target[i:j], s, lse[i:j], ent[i:j], g_logp[i:j], g_ent[i:j], tmp)
+        rows_grad(y, target[i:j], s, lse[i:j], coef[i:j], g_logp[i:j], g_ent[i:j], tmp)
         if dh is not None: torch.mm(y.to(hidden.dtype) if low else y, weight, out=dh[i:j])
         if dw is not None: dw.addmm_(y.T, h.to(dt) if low else h)
         if db is not None: db += y.sum(0)
@@ -953,13 +956,19 @@ def linear_token_stats_reference(input, linear_weight, target, *, linear_bias=No
                                  ignore_index=-100, softcap=None):
     """`linear_token_stats` in plain PyTorch (autograd does the backward): the logits softcap(F.linear(...)) / T,
     `log_softmax`, the target's log-probability and the entropy -sum p log p; 0 and 0 for ignored targets."""
+    return _token_stats_of_logits(input, linear_weight, target, linear_bias, temperature, ignore_index, softcap)[:2]
+
+def _token_stats_of_logits(input, linear_weight, target, linear_bias, temperature, ignore_index, softcap):
+    "The reference's (log_probs, entropy, lse): lse = logsumexp of the logits, for every row (ignored ones too)."
     y = F.linear(input, linear_weight, linear_bias)
     if y.dtype in (torch.float16, torch.bfloat16): y = y.float()
-    logp = (softcap_logits(y, softcap) / temperature).log_softmax(-1)          # (..., V)
+    z = softcap_logits(y, softcap) / temperature
+    lse = z.logsumexp(-1)
+    logp = z - lse[..., None]                                                   # (..., V)
     keep = target != ignore_index
     lp = logp.gather(-1, torch.where(keep, target, 0)[..., None].long())[..., 0]
     ent = -(logp.exp() * logp).sum(-1)
-    return torch.where(keep, lp, 0), torch.where(keep, ent, 0)
+    return torch.where(keep, lp, 0), torch.where(keep, ent, 0), lse
 
 def _lts_prepare(a, backend, check):
     "The state of a call: targets checked; for the chunked paths, the arithmetic dtype, 1/T, the soft-cap (0: none)."
@@ -969,14 +978,12 @@ def _lts_prepare(a, backend, check):
 def _lts_forward(s): return _lts_chunks(s)
 
 def _lts_backward(s, outputs, grads):
-    (logp, ent, lse), (g_logp, g_ent) = outputs, grads[:2]
-    dh, dw, db = _lts_chunks(s, (lse, ent, g_logp, g_ent))
+    (logp, ent, lse), (g_logp, g_ent, g_lse) = outputs, grads
+    dh, dw, db = _lts_chunks(s, (lse, ent, g_logp, g_ent, g_lse))
     return {'hidden': dh, 'weight': dw, 'bias': db}
 
 def _lts_reference(s):
-    logp, ent = linear_token_stats_reference(s.hidden, s.weight, s.target, linear_bias=s.bias, temperature=s.temperature,
-                                             ignore_index=s.ignore_index, softcap=s.softcap or None)
-    return logp, ent, logp.new_zeros(logp.shape)           # (the reference keeps no log-normaliser)
+    return _token_stats_of_logits(s.hidden, s.weight, s.target, s.bias, s.temperature, s.ignore_index, s.softcap or None)
 
 def _lts_fake(a, backend):
     dt, N = _compute_dtype(a.hidden.dtype), a.hidden.shape[0]
@@ -987,7 +994,7 @@ linear_token_stats_op = Op(f'{_OPS}::linear_token_stats',
                            'float softcap, int chunk_size) -> (Tensor log_probs, Tensor entropy, Tensor lse)',
                            prepare=_lts_prepare, forward={'cpu': _lts_forward, 'cuda': _lts_forward, 'reference': _lts_reference},
                            backward={'cpu': _lts_backward, 'cuda': _lts_backward, 'reference': AUTOGRAD}, fake=_lts_fake,
-                           differentiable=('hidden', 'weight', 'bias'), residuals=('lse',))
+                           differentiable=('hidden', 'weight', 'bias'))
 
 def _check_token_stats(input, linear_weight, target, linear_bias, temperature, ignore_index, softcap, chunk_size):
     "Shapes, dtypes and options of linear_token_stats's arguments; returns (hidden (N, H), targets (N,), their shape)."
@@ -1181,13 +1188,10 @@ def _sharded_token_stats(hidden, weight, bias, t, ignore_index, temperature, sof
     here = keep & (t >= start) & (t < start + weight.shape[0])
     cls = torch.where(here, t - start, 0)                       # the target's class in the shard, else the first
     h = _ReplicatedInput.apply(hidden, group)
-    logp_r, ent_r, _ = linear_token_stats_op(h, weight, bias, torch.where(keep, cls, ignore_index), int(ignore_index),
-                                             float(temperature), float(softcap or 0.0), int(chunk_size or 0), backend=backend)
-    dt = logp_r.dtype
-    y = (h.to(dt) * weight[cls].to(dt)).sum(-1)                # the logit of `cls`, by autograd (one row of W a token)
-    if bias is not None: y = y + bias[cls].to(dt)
-    x = softcap_logits(y, softcap) / temperature
-    lse_r = torch.where(keep, x - logp_r, 0)                   # the shard's log-normaliser, differentiable
+    logp_r, ent_r, lse_r = linear_token_stats_op(h, weight, bias, torch.where(keep, cls, ignore_index), int(ignore_index),
+                                                 float(temperature), float(softcap or 0.0), int(chunk_size or 0), backend=backend)
+    lse_r = torch.where(keep, lse_r, 0)                         # the shard's log-normaliser (differentiable)
+    x = logp_r + lse_r                                          # the logit of the target where this shard holds it
     m = lse_r.detach().clone()
     dist.all_reduce(m, dist.ReduceOp.MAX, group=group)
     a = torch.exp(lse_r - m)

@@ -71,6 +71,24 @@ def test_gradcheck_weighted_combination(backend):
         assert torch.autograd.gradcheck(f, (h, W, b))
         assert torch.autograd.gradcheck(lambda h, W, b: linear_token_stats(h, W, t, linear_bias=b, backend=backend, **opts), (h, W, b))
 
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
+def test_op_log_normaliser_is_logsumexp_and_differentiable(backend):
+    "The op's third output (what the sharded call builds on): logsumexp of the logits, gradchecked with the other two."
+    from seqdist.cross_entropy import linear_token_stats_op
+    g = torch.Generator().manual_seed(5)
+    h, W, b = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True) for s in ((5, 3), (7, 3), (7,)))
+    t = torch.tensor([0, 6, -100, 2, 2])
+    wa, wb, wc = (torch.randn(5, generator=g, dtype=torch.float64) for _ in range(3))
+    for T, cap in ((1.0, 0.0), (0.6, 1.5)):
+        lse = linear_token_stats_op(h, W, b, t, -100, T, cap, 2, backend=backend)[2]
+        z = (cap * torch.tanh((h @ W.T + b) / cap) if cap else h @ W.T + b) / T
+        keep = t != -100
+        assert (lse[keep] - z.logsumexp(-1)[keep]).abs().max() < 1e-12
+        def f(h, W, b):
+            lp, ent, lse = linear_token_stats_op(h, W, b, t, -100, T, cap, 2, backend=backend)
+            return (wa * lp).sum() + (wb * ent).sum() + (wc * torch.where(keep, lse, 0)).sum()
+        assert torch.autograd.gradcheck(f, (h, W, b))
+
 @pytest.mark.parametrize('backend', ['cpu', 'cuda'])
 def test_ignored_rows_give_zero_and_no_gradient_and_inputs_unmodified(backend):
     g = torch.Generator().manual_seed(3)
