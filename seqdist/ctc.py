@@ -17,7 +17,7 @@ import numpy as np
 import numba
 import torch
 import torch.nn as nn
-from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, fast_exp, fast_exp8
+from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, alg_plus3_inline, fast_exp, fast_exp8
 from .core import question_backend, pick3, merge_top3, ALGEBRAS, pack_code, unpack_code, sort_bitonic_rows, NO_PATH, NO_PATH_BELOW
 from .core import AlignmentPosterior
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
@@ -1015,13 +1015,13 @@ def _alg_row(alg, precise, p, q, h, skipneg, ep, eq, lo, hi, op, oq, oh, step):
     loop vectorises. (numba vectorises a loop only if it can prove its indices non-negative, as a negative index wraps
     around; `range(lo, hi + 1)` with a runtime `lo` hides that, and ran one state at a time, 3x slower. So each of the
     three predecessors is read through a view that starts at the first state it is read for.) `precise` (a literal): as
-    `alg_plus3`'s."""
+    `alg_plus3`'s; its IR-inlined form, as the loop must have no call to vectorise."""
     literally(alg); literally(precise)
     i, j, k = lo + 2, lo + 2 + step, lo + 2 + 2 * step
     p0, q0, h0, p1, q1, h1, p2, q2, h2 = p[i:], q[i:], h[i:], p[j:], q[j:], h[j:], p[k:], q[k:], h[k:]
     skip, ep, eq, op, oq, oh = skipneg[lo:], ep[lo:], eq[lo:], op[i:], oq[i:], oh[i:]
     for s in range(hi + 1 - lo):
-        a, b, c = alg_plus3(alg, p0[s], q0[s], h0[s], p1[s], q1[s], h1[s], p2[s] + skip[s], q2[s] + skip[s], h2[s], precise)
+        a, b, c = alg_plus3_inline(alg, p0[s], q0[s], h0[s], p1[s], q1[s], h1[s], p2[s] + skip[s], q2[s] + skip[s], h2[s], precise)
         op[s] = a + ep[s]; oh[s] = c
         if alg == ALG_KL: oq[s] = b + eq[s]
 
