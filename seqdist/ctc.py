@@ -1048,7 +1048,7 @@ def _alg_alpha(alg, precise, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, E):
         lo, hi = _band(t, T, n_states)
         _emissions(lp, t, n, ext, lo, hi, ep)
         if alg == ALG_KL: _emissions(lq, t, n, ext, lo, hi, eq)
-        _alg_row(alg, precise, P[t - 1], Q[t - 1], H[t - 1], skipneg, ep, eq, lo, hi, P[t], Q[t], H[t], -1)
+        _alg_row(alg, precise, P[t - 1], Q[t - 1], H[t - 1], skipneg, ep, eq, lo, hi, P[t], Q[t], H[t], np.int64(-1))
     f = n_states + 1
     if n_states == 1: return P[T - 1, f], Q[T - 1, f], H[T - 1, f]
     return alg_plus3(alg, P[T - 1, f], Q[T - 1, f], H[T - 1, f], P[T - 1, f - 1], Q[T - 1, f - 1], H[T - 1, f - 1],
@@ -1076,7 +1076,7 @@ def _alg_beta_grad(alg, precise, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, 
             if alg == ALG_KL:
                 for s in range(n_states + 4): cQ[s] = -np.inf
             for s in range(lo, hi + 1): ep[s] = 0.0; eq[s] = 0.0
-            _alg_row(alg, precise, nP, nQ, nH, skipneg[2:], ep, eq, lo, hi, cP, cQ, cH, 1)
+            _alg_row(alg, precise, nP, nQ, nH, skipneg[2:], ep, eq, lo, hi, cP, cQ, cH, np.int64(1))   # (a literal step would compile the row twice)
         fP, fQ, fH, bP, bQ, bH, gpv, gqv = P[t, lo + 2:], Q[t, lo + 2:], H[t, lo + 2:], cP[lo + 2:], cQ[lo + 2:], cH[lo + 2:], \
             gp[lo:], gq[lo:]                                # (views from lo: see `_alg_row`)
         for s in range(hi + 1 - lo):                       # the gradient at each node of the frame
