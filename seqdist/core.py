@@ -440,7 +440,8 @@ def sort_bitonic_rows(K, m, w):
 # %% ../nbs/00_core.ipynb #9090e840
 class AlignmentPosterior:
     """The posterior distribution over a lattice's alignments, with `torch.distributions`' names: the base of each
-    family's object (`seqdist.ctc.CTCAlignments`, `seqdist.rnnt.RNNTAlignments`). A family gives its scores tensor
+    family's object (`seqdist.ctc.CTCAlignments`, `seqdist.rnnt.RNNTAlignments`, `seqdist.tdt.TDTAlignments` and
+    `MultiblankAlignments`). A family gives its scores tensor
     (`self.scores`), the rest of its functions' arguments (`self.args`) and, as class attributes, its functions of them;
     the questions here are those functions, so an object costs a family nothing beyond `log_partition`, `marginals`,
     `argmax` and `log_prob`, which read its own formats."""
@@ -462,11 +463,13 @@ class AlignmentPosterior:
         return self.cross_entropy_fn(self.scores, other.scores, *self.args, backend=self.backend)
 
     def sample(self, sample_shape=(), generator=None):
-        "Exact samples (*sample_shape, ...) in the family's alignment format (`sample_alignments`; one draw: no sample dims)."
+        """Exact samples (*sample_shape, ...) in the family's alignment format (`sample_alignments`; one draw: no sample
+        dims): a tensor, or a tuple of tensors where the family's alignment is several (TDT's frames, durations, blanks)."""
         shape = torch.Size(sample_shape)
-        alignments, _ = self.sample_fn(self.scores, *self.args, n=max(1, shape.numel()), generator=generator,
+        *alignment, _ = self.sample_fn(self.scores, *self.args, n=max(1, shape.numel()), generator=generator,
                                        backend=self.backend)
-        return alignments.reshape(*shape, *alignments.shape[1:])
+        alignment = tuple(a.reshape(*shape, *a.shape[1:]) for a in alignment)
+        return alignment[0] if len(alignment) == 1 else alignment
 
     def topk(self, k):
         "The k most probable alignments, best first, and their summed log-probabilities (not normalised) (`kbest_alignments`)."

@@ -9,8 +9,9 @@ __all__ = ['MAX_DURATIONS', 'tdt_op', 'tdt_divergence_op', 'TDT_SHAPES', 'check_
            'MultiblankRNNTLoss', 'lattice_edges', 'tdt_alignments', 'multiblank_alignments', 'tdt_best_path',
            'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_alignments',
            'multiblank_alignment_entropy', 'multiblank_alignment_kl', 'multiblank_alignment_cross_entropy',
-           'multiblank_kbest_alignments', 'multiblank_sample_alignments', 'tdt_loss_pytorch', 'tdt_inputs_for',
-           'load_hf_tdt_loss', 'tdt_peak_extra_mb', 'bench_tdt', 'bench_tdt_questions', 'delay_offsets']
+           'multiblank_kbest_alignments', 'multiblank_sample_alignments', 'TDTAlignments', 'MultiblankAlignments',
+           'tdt_loss_pytorch', 'tdt_inputs_for', 'load_hf_tdt_loss', 'tdt_peak_extra_mb', 'bench_tdt',
+           'bench_tdt_questions', 'delay_offsets']
 
 # %% ../nbs/09_tdt.ipynb #e1e4e656
 import math
@@ -1278,6 +1279,108 @@ def _tdt_kbest_cpu(x, y, Tl, Ul, V, D, table, sigmas, precise, k, taken, best, l
                 s += 1
                 if t == 0 and u == 0: break
                 kind, rank = kinds[t, u, rank], ranks[t, u, rank]
+
+# %% ../nbs/09_tdt.ipynb #tdtq-obj
+from .core import AlignmentPosterior
+
+def _walk_forward(frames, durations, blanks, table, il, tl):
+    """The edges (3, m, B, steps) (start t, u and kind, -1 past the end, as `_walk_back`'s) of the paths whose timestamps
+    are (frames, durations, blanks) (m, B, U), (m, B, U), (m, B, T), walked from (0, 0): at node (t, u) label u if it is
+    emitted at frame t, with its duration, else the blank that leaves frame t; and whether each walk reached (T_b, U_b)
+    along edges of the lattice (a label ends before frame T_b, no edge lands past it)."""
+    m, B, U = frames.shape
+    T, dev = blanks.shape[-1], il.device
+    label, d = (torch.as_tensor(table[:, c], device=dev) for c in (1, 2))
+    kind = torch.full((2, int(d.max()) + 1), -1, dtype=torch.long, device=dev)
+    kind[label, d] = torch.arange(len(table), device=dev)              # (label?, duration) -> the edge kind
+    steps = T + U
+    taken = torch.full((3, m, B, steps), -1, dtype=torch.long, device=dev)
+    t, u = (torch.zeros(m, B, dtype=torch.long, device=dev) for _ in range(2))
+    ok = torch.ones(m, B, dtype=torch.bool, device=dev)
+    at = lambda x, i, n: x.gather(-1, i.clamp(0, max(n - 1, 0))[..., None])[..., 0] if n else torch.full_like(i, -1)
+    for s in range(steps):
+        on = ok & ~((t == il) & (u == tl))
+        is_label = (u < tl) & (at(frames, u, U) == t)
+        dur = torch.where(is_label, at(durations, u, U), at(blanks, t, T))
+        k = kind[is_label.long(), dur.clamp(0, kind.shape[1] - 1)]
+        step_ok = (k >= 0) & (dur >= 0) & (dur < kind.shape[1]) & (t < il) & (t + dur <= il) & (~is_label | (t + dur < il))
+        ok = ok & (~on | step_ok)
+        go = on & step_ok
+        for i, v in enumerate((t, u, k)): taken[i, ..., s] = torch.where(go, v, -1)
+        t, u = torch.where(go, t + dur, t), torch.where(go & is_label, u + 1, u)
+    return taken, ok & (t == il) & (u == tl)
+
+class TDTAlignments(AlignmentPosterior):
+    """The posterior distribution over the TDT alignments of each sequence's targets, with `torch.distributions`' names,
+    on `tdt_loss`'s arguments (logits (B, T, U+1, V + D)). An alignment is `kbest_alignments`' timestamps, a tuple
+    (frames, durations, blanks): the frame and duration of each label (B, U), -1 past the target length, and the
+    duration of the blank leaving each frame (B, T), 0 where none does, -1 past the input length. entropy, kl,
+    cross_entropy, sample and topk: `seqdist.core.AlignmentPosterior`'s, on this lattice's functions."""
+    entropy_fn, kl_fn, cross_entropy_fn = staticmethod(alignment_entropy), staticmethod(alignment_kl), staticmethod(alignment_cross_entropy)
+    sample_fn, kbest_fn = staticmethod(sample_alignments), staticmethod(kbest_alignments)
+    kind = 'tdt'
+
+    def __init__(self, logits, targets, logit_lengths, target_lengths, durations=(0, 1, 2, 3, 4), blank=-1, sigma=0.0, *,
+                 backend='auto'):
+        super().__init__(logits, targets, logit_lengths, target_lengths, durations, blank, sigma, backend=backend)
+        self.logits, self.spec, self.blank, self.sigma = logits, durations, blank, sigma
+
+    def _loss(self): return tdt_loss(self.logits, *self.args[:3], self.spec, self.blank, self.sigma, reduction='none')
+
+    @property
+    def log_partition(self):
+        "log Z (B,): the log-probability of the targets, minus the loss (differentiable; -inf where there is no path)."
+        return -self._loss()
+
+    @property
+    def marginals(self):
+        "The posterior probability of each edge leaving each node (`tdt_alignments`: (B, T, U+1, 2, D))."
+        return tdt_alignments(self.logits, *self.args)
+
+    @property
+    def argmax(self):
+        "The most probable alignment (frames, durations, blanks) (`kbest_alignments` with k = 1)."
+        return tuple(a[0] for a in self.topk(1)[:3])
+
+    def log_prob(self, value):
+        """The log-probability under the posterior of alignments `value` = (frames, durations, blanks), (..., B, U),
+        (..., B, U), (..., B, T) in `kbest_alignments`' format: their summed log-probability minus log Z; -inf for
+        timestamps that are not an alignment of the lattice (or written otherwise than `kbest_alignments` writes it)."""
+        c = _checked((self.kind, self.spec), self.logits, *self.args[:3], self.blank, self.sigma)
+        B, T, U1, _ = c.x.shape
+        if not (isinstance(value, (tuple, list)) and len(value) == 3):
+            raise ValueError("value must be a tuple (frames, durations, blanks), as kbest_alignments and sample gives")
+        frames, durations, blanks = (torch.as_tensor(v, device=c.il.device).long() for v in value)
+        batch = frames.shape[:-2]
+        for name, v, n in (('frames', frames, U1 - 1), ('durations', durations, U1 - 1), ('blanks', blanks, T)):
+            if v.shape != (*batch, B, n): raise ValueError(f"value's {name} must have shape (..., {B}, {n}), got {tuple(v.shape)}")
+        flat = [v.reshape(-1, B, v.shape[-1]) for v in (frames, durations, blanks)]
+        taken, reached = _walk_forward(*flat, c.table, c.il, c.tl)
+        again = _timestamps(taken, c.table, c.il, T, U1 - 1)
+        same = reached & torch.stack([(a == v).all(-1) for a, v in zip(again, flat)]).all(0)
+        logz = self.log_partition
+        score = _path_scores(_scores(c), taken) - logz
+        return torch.where(same & ~torch.isinf(logz), score, -math.inf).reshape(*batch, B)
+
+class MultiblankAlignments(TDTAlignments):
+    """`TDTAlignments` on the multi-blank lattice (`multiblank_rnnt_loss`'s arguments): label durations are 0, and a
+    frame's blank duration is 1 (the blank) or big_blank_durations[i]."""
+    entropy_fn, kl_fn = staticmethod(multiblank_alignment_entropy), staticmethod(multiblank_alignment_kl)
+    cross_entropy_fn = staticmethod(multiblank_alignment_cross_entropy)
+    sample_fn, kbest_fn = staticmethod(multiblank_sample_alignments), staticmethod(multiblank_kbest_alignments)
+    kind = 'multiblank'
+
+    def __init__(self, logits, targets, logit_lengths, target_lengths, big_blank_durations, blank=-1, sigma=0.0, *,
+                 backend='auto'):
+        super().__init__(logits, targets, logit_lengths, target_lengths, big_blank_durations, blank, sigma, backend=backend)
+
+    def _loss(self): return multiblank_rnnt_loss(self.logits, *self.args[:3], self.spec, self.blank, self.sigma, reduction='none')
+
+    @property
+    def marginals(self):
+        "The posterior probability of each edge leaving each node (`multiblank_alignments`: (B, T, U+1, 2 + n_big))."
+        return multiblank_alignments(self.logits, *self.args)
+
 
 # %% ../nbs/09_tdt.ipynb #tdtanchor-code
 _LOG_ZERO = -1e30     # the anchor's finite log-zero: autograd through logaddexp(-inf, -inf) would give NaN

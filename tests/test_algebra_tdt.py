@@ -436,3 +436,49 @@ def test_bad_inputs_are_clear_errors():
     bad = ym.clone(); bad[0, 0] = MULTIBLANK.blank % 6 - 1                    # a big blank as a label
     expect(ValueError, r'targets contain big blanks', multiblank_alignment_entropy, xm, bad, il, tl, (2, 3))
     expect(ValueError, r'big_blank_durations must be >= 2', multiblank_kbest_alignments, xm, ym, il, tl, (1, 3))
+
+# -- the distribution objects ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('lat', LATTICES, ids=repr)
+def test_alignments_object_against_enumeration_and_the_functions(lat):
+    """TDTAlignments / MultiblankAlignments: log_prob of every enumerated path is its posterior log-probability (so they
+    sum to 1) and gives the entropy and KL; timestamps that are not an alignment get -inf; samples' log_prob is
+    sample_alignments' log-probability; argmax, topk, sample and marginals are the functions'."""
+    from seqdist.tdt import TDTAlignments, MultiblankAlignments
+    x, xq, y, il, tl = batch(lat, 11)
+    B, T, U = x.shape[0], x.shape[1], x.shape[2] - 1
+    cls = TDTAlignments if lat.tdt else MultiblankAlignments
+    d, dq = (cls(z, y, il, tl, lat.spec, blank=lat.blank, sigma=lat.sigma) for z in (x, xq))
+    ent, kl, logz = d.entropy(), d.kl(dq), d.log_partition
+    for b in range(B):
+        T_b, U_b = int(il[b]), int(tl[b])
+        paths = lat.paths(T_b, U_b)
+        if not paths:
+            assert torch.isinf(logz[b]) and ent[b] == 0; continue
+        value = [torch.full((len(paths), B, n), -1) for n in (U, U, T)]
+        for i, key in enumerate(lat.timestamps(p, T_b, U_b) for p in paths):
+            for v, k, n in zip(value, key, (U_b, U_b, T_b)): v[i, b, :n] = torch.tensor(k, dtype=torch.long)
+        lp, lq = d.log_prob(tuple(value))[:, b], dq.log_prob(tuple(value))[:, b]
+        close(lp, lat.scores(x[b], y[b], paths).log_softmax(0))
+        close(lp.exp().sum(), torch.tensor(1.0, dtype=torch.float64))
+        close(ent[b], -(lp.exp() * lp).sum()); close(kl[b], (lp.exp() * (lp - lq)).sum())
+        frames, durs, blanks = (v[:1].clone() for v in value)          # not alignments: each gets -inf
+        bad = []
+        for which, where, to in ((0, (0, b, 0), T_b), (2, (0, b, 0), 0), (0, (0, b, U - 1), 0) if U_b < U else (2, (0, b, T_b - 1), 7)):
+            v = [frames.clone(), durs.clone(), blanks.clone()]
+            v[which][where] = to
+            bad.append(d.log_prob(tuple(v))[0, b])
+        assert torch.isinf(torch.stack(bad)).all(), bad
+    *drawn, logp = lat.sample(x, y, il, tl, n=6, generator=torch.Generator().manual_seed(3))
+    close(d.log_prob(tuple(drawn)), logp)
+    again = d.sample((2, 3), generator=torch.Generator().manual_seed(3))
+    assert all(torch.equal(a, v.reshape(2, 3, *v.shape[1:])) for a, v in zip(again, drawn))
+    *top, scores = lat.kbest(x, y, il, tl, k=4)
+    assert all(torch.equal(a, v[0]) for a, v in zip(d.argmax, top))
+    assert all(torch.equal(a, v) for a, v in zip(d.topk(4), (*top, scores)))
+    have = ~torch.isinf(logz)
+    close(d.log_prob(tuple(top))[:, have], (scores - logz)[:, have])
+    labels = d.marginals[..., 1, :] if lat.tdt else d.marginals[..., -1]
+    close(labels.sum((1, 2, 3)) if lat.tdt else labels.sum((1, 2)), torch.where(have, tl, 0).double())
+    with pytest.raises(ValueError, match='value must be a tuple'):
+        d.log_prob(top[0])
