@@ -174,3 +174,10 @@ def test_gpu_scores_decode_on_a_cpu_copy():
         cpu = decode.beam_search(x.cpu(), return_scores=True)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(out, cpu))
         assert decode.to_str(out[0][0]) == decode.to_str(cpu[0][0])
+
+def test_bench_rows_at_a_tiny_shape():
+    "bench_beam_search (seqdist-bench's decoding rows) runs and reports a decode of every chunk."
+    from seqdist.koi_decode import bench_beam_search
+    (row,) = bench_beam_search([(3, 40, 2)], beam_width=4, warmup=0, reps=1)
+    assert row['shape'] == 'N=3 T=40 state_len=2 float16' and row['ours_ms'] > 0 and row['anchor_ms'] > 0
+    assert 'chunks/s' in row['check'] and row['ratio'] == row['anchor_ms'] / row['ours_ms']
