@@ -351,19 +351,9 @@ extern "C" __global__ void ctc_divergence(
 // Backward sampling over the forward states that ctc_divergence keeps (ALG_LOG: their p is log alpha): thread i * N + n
 // walks sample i of sequence n back from frame T - 1, picking a final state (the last blank, the last label) and then
 // at each frame a predecessor of the state after it (stay, move, skip) in proportion to exp(alpha), with the uniform
-// u[i, n, t], as `pick3` picks (the first whose cumulative weight exceeds u times the total, never one of weight 0):
-// the CPU kernel's candidates in its order, so the same uniforms give the same samples. states[i, n, t] gets the state;
-// nothing is written for a sequence with no path (log Z, out[3 n], -inf) or no frames.
-__device__ __forceinline__ int pick3(double w0, double w1, double w2, double u) {
-    const double c1 = w0 + w1, total = c1 + w2;
-    const int i = (w0 <= u * total ? 1 : 0) + (c1 <= u * total ? 1 : 0);
-    const int last = w2 > 0.0 ? 2 : (w1 > 0.0 ? 1 : 0);
-    return i < last ? i : last;
-}
-__device__ __forceinline__ int pick_log3(double a0, double a1, double a2, double u) {
-    const double m = max3(a0, a1, a2);
-    return pick3(a0 > -INFINITY ? exp(a0 - m) : 0.0, a1 > -INFINITY ? exp(a1 - m) : 0.0, a2 > -INFINITY ? exp(a2 - m) : 0.0, u);
-}
+// u[i, n, t], as `pick_log3` (semiring.cuh) picks: the CPU kernel's candidates in its order, so the same uniforms give
+// the same samples. states[i, n, t] gets the state; nothing is written for a sequence with no path (log Z, out[3 n],
+// -inf) or no frames.
 
 extern "C" __global__ void ctc_sample(
     const double* __restrict__ fwd, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
@@ -395,15 +385,6 @@ extern "C" __global__ void ctc_sample(
 // earlier list), and for each (frame, state, rank) a code 16 * list + rank of where it came from (`back`, int8,
 // N x T_max x S_max x k); two frames of values in `vals` (N x 2 x (S_max + 2) x k, index s + 2 is state s). Then thread
 // r < k walks rank r back from the final states: states[r, n, t] and best[r, n] (-inf where fewer than r + 1 exist).
-__device__ void merge_top3(int k, const double* a, const double* b, const double* c, double* out, signed char* code) {
-    int i = 0, j = 0, l = 0;
-    for (int r = 0; r < k; r++) {
-        const double va = i < k ? a[i] : -INFINITY, vb = j < k ? b[j] : -INFINITY, vc = l < k ? c[l] : -INFINITY;
-        if (va >= vb && va >= vc) { out[r] = va; code[r] = (signed char)i; i++; }
-        else if (vb >= vc) { out[r] = vb; code[r] = (signed char)(16 + j); j++; }
-        else { out[r] = vc; code[r] = (signed char)(32 + l); l++; }
-    }
-}
 
 extern "C" __global__ void ctc_kbest(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,

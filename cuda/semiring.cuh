@@ -75,3 +75,30 @@ template <int A> __device__ __forceinline__ AlgState alg_plus3(AlgState x, AlgSt
     for (int i = 0; i < 3; i++) r.c += w[i] > 0.0 ? w[i] * (c[i] + (m[i] - n[i])) : 0.0;
     return r;
 }
+
+// For the CUDA samplers: the index (0, 1 or 2) that the uniform u picks among weights w (linear, relative to their
+// largest), as the CPU kernels' `pick3` picks: the first whose cumulative weight exceeds u times the total, never one
+// of weight 0. `pick_log3` takes the weights' logs.
+__device__ __forceinline__ int pick3(double w0, double w1, double w2, double u) {
+    const double c1 = w0 + w1, total = c1 + w2;
+    const int i = (w0 <= u * total ? 1 : 0) + (c1 <= u * total ? 1 : 0);
+    const int last = w2 > 0.0 ? 2 : (w1 > 0.0 ? 1 : 0);
+    return i < last ? i : last;
+}
+__device__ __forceinline__ int pick_log3(double a0, double a1, double a2, double u) {
+    const double m = max3(a0, a1, a2);
+    return pick3(a0 > -INFINITY ? exp(a0 - m) : 0.0, a1 > -INFINITY ? exp(a1 - m) : 0.0, a2 > -INFINITY ? exp(a2 - m) : 0.0, u);
+}
+
+// For the CUDA k-best kernels (KMax(k)'s sum of three states), as the CPU kernels' `merge_top3`: the k largest of three
+// sorted (descending) lists a, b, c of length k, into out, and for each where it came from, `code` = 16 * list + rank
+// (ties: the earlier list first; a signed char holds it for k <= 16). -inf past the values that exist.
+__device__ void merge_top3(int k, const double* a, const double* b, const double* c, double* out, signed char* code) {
+    int i = 0, j = 0, l = 0;
+    for (int r = 0; r < k; r++) {
+        const double va = i < k ? a[i] : -INFINITY, vb = j < k ? b[j] : -INFINITY, vc = l < k ? c[l] : -INFINITY;
+        if (va >= vb && va >= vc) { out[r] = va; code[r] = (signed char)i; i++; }
+        else if (vb >= vc) { out[r] = vb; code[r] = (signed char)(16 + j); j++; }
+        else { out[r] = vc; code[r] = (signed char)(32 + l); l++; }
+    }
+}

@@ -1423,9 +1423,9 @@ def _divergence(algebra, log_probs_p, log_probs_q, targets, input_lengths, targe
 
 def alignment_entropy(log_probs, targets, input_lengths, target_lengths, blank=0, reduction='none', *, backend='auto'):
     """The entropy (nats) of the posterior distribution over the alignments of each sequence, ctc_loss's arguments and
-    `reduction`: (N,) for 'none'. Differentiable (a closed-form backward on the CPU). 0 for a sequence whose targets
+    `reduction`: (N,) for 'none'. Differentiable (a closed-form backward in the kernels). 0 for a sequence whose targets
     cannot fit its frames (log Z = -inf). Accurate when tiny (the `Entropy` algebra adds only non-negative terms).
-    `backend`: 'auto' (the CPU kernel on CPU tensors, the reference on a GPU), 'cpu' or 'reference'."""
+    `backend`: 'auto' (the CPU kernel on CPU tensors, the CUDA kernel on a GPU), 'cpu', 'cuda' or 'reference'."""
     return _divergence('Entropy', log_probs, None, targets, input_lengths, target_lengths, blank, reduction, backend,
                        'alignment_entropy')
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
 from .core import SEMIRINGS, compute_dtype, fast_logsumexp, Entropy, KL, CrossEntropy, KMax, choose_index
-from .core import ALG_ENTROPY, ALG_KL, alg_plus3, question_backend, pick3, merge_top3, AlignmentPosterior
+from .core import ALG_ENTROPY, ALG_KL, ALGEBRAS, alg_plus3, question_backend, pick3, merge_top3, AlignmentPosterior
 from .kernel import load_kernel
 from .memory import empty_gradient
 from .checks import on_host, require, to_device, check_labels, finite_real
@@ -702,6 +702,76 @@ def _rnnt_kbest_cpu(x, y, Tl, Ul, blank, fused, precise, k, frames, best, lo, hi
                 else: t -= 1
                 rank = c % 16
 
+# %% ../nbs/06_rnnt.ipynb #cf2da79d
+_DIVERGENCE_BLOCK = 256          # rnnt_divergence's block: an anti-diagonal's nodes loop over its threads
+_divergence_kernels = {(dtype, algebra): load_kernel('rnnt.cu', 'rnnt_divergence', ALG=ALGEBRAS[algebra], **Log.cuda_macros(dtype))
+                       for dtype in (torch.float32, torch.float64) for algebra in ('Entropy', 'KL')}
+_divergence_grad_kernels = {dtype: load_kernel('rnnt.cu', 'rnnt_divergence_grad', **Log.cuda_macros(dtype))
+                            for dtype in (torch.float32, torch.float64)}
+
+def _cuda_lse(x, il, tl, fused):
+    "Each node's log-sum-exp (B, T, U+1) in float64 (0 outside the lattice, or if not `fused`), by rnnt_lse."
+    B, T, U1, V = x.shape
+    lse = x.new_empty(B, T, U1, dtype=torch.float64)
+    _rnnt_kernels[(x.dtype, Log, 'rnnt_lse')]((B * T * U1,), (min(256, _threads(V)),), logits=x, logit_lengths=il,
+                                              target_lengths=tl, lse=lse, T=T, U1=U1, V=V, fused=int(fused))
+    return lse
+
+def _divergence_cuda(s):
+    """The CUDA kernels: rnnt_lse, rnnt_divergence (both recursions, one block per sequence) and, with `with_grad`,
+    rnnt_divergence_grad per side: the CPU kernel's values and closed-form gradients (for g = 1, scaled in the backward).
+    No host reads: sync-free."""
+    xp, kl = s.xp.detach().contiguous(), s.algebra == 'KL'
+    xq = s.xq.detach().contiguous() if kl else xp
+    B, T, U1, V = xp.shape
+    f64, fused = torch.float64, bool(s.fused_log_softmax)
+    lse_p = _cuda_lse(xp, s.il, s.tl, fused)
+    lse_q = _cuda_lse(xq, s.il, s.tl, fused) if kl else lse_p
+    nodes = (B, T, U1) if s.with_grad else (1,)
+    out, gedge = xp.new_zeros(B, 3, dtype=f64), xp.new_zeros(4, *nodes, dtype=f64)
+    _divergence_kernels[(xp.dtype, s.algebra)](
+        (B,), (min(_DIVERGENCE_BLOCK, _threads(U1)),), xp=xp, xq=xq, lse_p=lse_p, lse_q=lse_q, targets=s.y,
+        logit_lengths=s.il, target_lengths=s.tl, fwd=xp.new_empty(3, B, T, U1, dtype=f64),
+        bwd=xp.new_empty(3, *nodes, dtype=f64), gedge=gedge, out=out, B=B, T=T, U1=U1, V=V, blank=s.blank,
+        with_grad=int(s.with_grad))
+    def grad(x, lse, gb, ge):
+        g = torch.empty_like(x)
+        _divergence_grad_kernels[x.dtype]((B * T * U1,), (min(256, _threads(V)),), logits=x, lse=lse, targets=s.y,
+                                          logit_lengths=s.il, target_lengths=s.tl, gb=gb, ge=ge, grad=g, T=T, U1=U1,
+                                          V=V, blank=s.blank, fused=int(fused))
+        return g
+    empty = xp.new_empty(0)
+    grad_p = grad(xp, lse_p, gedge[0], gedge[1]) if s.with_grad else empty
+    grad_q = grad(xq, lse_q, gedge[2], gedge[3]) if s.with_grad and kl else empty
+    value, logz_p, logz_q = (out[:, j].to(xp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
+    return value, logz_p, logz_q, grad_p, grad_q
+
+_sample_kernels = {dtype: load_kernel('rnnt.cu', 'rnnt_sample', **Log.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
+_kbest_kernels = {dtype: load_kernel('rnnt.cu', 'rnnt_kbest', **Log.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
+
+def _sample_cuda(x, y, il, tl, blank, fused, u, frames):
+    """`_rnnt_sample_cpu` on the GPU: the loss's forward (`_cuda_forward`, Log: alpha at every node), then rnnt_sample,
+    a thread per sample and sequence. Fills frames (n, B, U); returns log Z (B,) and the samples' scores (n, B), float64."""
+    n, (B, T, U1, V) = u.shape[0], x.shape
+    lattice, logz = _cuda_forward(x, y, il, tl, blank, fused, 0.0, Log)
+    score = x.new_zeros(n, B, dtype=torch.float64)
+    _sample_kernels[x.dtype]((math.ceil(n * B / 256),), (256,), logits=x, lse=lattice[0], targets=y, logit_lengths=il,
+                             target_lengths=tl, alpha=lattice[1], logz=logz, u=u.contiguous(), frames=frames, score=score,
+                             n_samples=n, B=B, T=T, U1=U1, V=V, blank=blank)
+    return logz, score
+
+def _kbest_cuda(x, y, il, tl, blank, fused, k, frames):
+    """`_rnnt_kbest_cpu` on the GPU: rnnt_lse, then rnnt_kbest (one block per sequence: the KMax(k) recursion with
+    back-pointers, then a thread per rank walks back). Fills frames (k, B, U); returns the scores (k, B), float64."""
+    B, T, U1, V = x.shape
+    best = x.new_empty(k, B, dtype=torch.float64)
+    _kbest_kernels[x.dtype]((B,), (min(_DIVERGENCE_BLOCK, _threads(U1)),), logits=x, lse=_cuda_lse(x, il, tl, fused),
+                            targets=y, logit_lengths=il, target_lengths=tl,
+                            vals=x.new_empty(B, T, U1, k, dtype=torch.float64),
+                            back=x.new_empty(B, T, U1, k, dtype=torch.int8), best=best, frames=frames, B=B, T=T, U1=U1,
+                            V=V, blank=blank, k=k)
+    return best
+
 # %% ../nbs/06_rnnt.ipynb #b7e1a0c1
 def _check_reduction(reduction):
     if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
@@ -783,8 +853,10 @@ def _divergence_fake(a, backend):
 rnnt_divergence_op = Op(f'{_OPS}::rnnt_divergence', "(Tensor logits_p, Tensor? logits_q, Tensor targets, "
                         "Tensor logit_lengths, Tensor target_lengths, int blank, bool fused_log_softmax, str algebra, "
                         "bool with_grad) -> (Tensor value, Tensor logz_p, Tensor logz_q, Tensor grad_p, Tensor grad_q)",
-                        prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'reference': _divergence_reference},
-                        backward={'cpu': _divergence_backward, 'reference': AUTOGRAD}, fake=_divergence_fake,
+                        prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'cuda': _divergence_cuda,
+                                                             'reference': _divergence_reference},
+                        backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
+                        fake=_divergence_fake,
                         differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'))
 
 def _divergence(algebra, logits_p, logits_q, targets, logit_lengths, target_lengths, blank, fused_log_softmax, reduction,
@@ -797,8 +869,8 @@ def _divergence(algebra, logits_p, logits_q, targets, logit_lengths, target_leng
                          f"{tuple(getattr(logits_p, 'shape', ()))} and {tuple(getattr(logits_q, 'shape', ()))}")
     blank = rnnt_inputs(logits_p, targets, logit_lengths, target_lengths, blank)
     if logits_q is not None: rnnt_inputs(logits_q, targets, logit_lengths, target_lengths, blank)
-    backend = question_backend(backend, logits_p, what, 'logits')
-    if algebra == 'CrossEntropy' and backend == 'cpu':      # H(p) + KL(p || q): two kernels, each with its own gradient
+    backend = question_backend(backend, logits_p, what, 'logits', cuda=True)
+    if algebra == 'CrossEntropy' and backend in ('cpu', 'cuda'):   # H(p) + KL(p || q): two kernels, each its own gradient
         return sum(_divergence(a, logits_p, q, targets, logit_lengths, target_lengths, blank, fused_log_softmax, reduction,
                                backend, what) for a, q in (('Entropy', None), ('KL', logits_q)))
     with_grad = torch.is_grad_enabled() and (logits_p.requires_grad or (logits_q is not None and logits_q.requires_grad))
@@ -809,10 +881,10 @@ def _divergence(algebra, logits_p, logits_q, targets, logit_lengths, target_leng
 def alignment_entropy(logits, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True, reduction='none',
                       *, backend='auto'):
     """The entropy (nats) of the posterior distribution over the alignments of each sequence, with rnnt_loss's arguments
-    and `reduction`: (B,) for 'none'. Differentiable (a closed-form backward on the CPU). 0 for a sequence with one
+    and `reduction`: (B,) for 'none'. Differentiable (a closed-form backward in the kernels). 0 for a sequence with one
     alignment (no labels) or none (log Z = -inf, possible only with -inf scores). Accurate when tiny (the `Entropy`
-    algebra adds only non-negative terms). `backend`: 'auto' (the CPU kernel on CPU tensors, the reference on a GPU),
-    'cpu' or 'reference'."""
+    algebra adds only non-negative terms). `backend`: 'auto' (the CPU kernel on CPU tensors, the CUDA kernel on a GPU),
+    'cpu', 'cuda' or 'reference'."""
     return _divergence('Entropy', logits, None, targets, logit_lengths, target_lengths, blank, fused_log_softmax,
                        reduction, backend, 'alignment_entropy')
 
@@ -851,21 +923,25 @@ def kbest_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, f
     label, -1 past the target length) and their scores (k, B), the summed log-probability of each (differentiable).
     Where fewer than k alignments exist, the rest are frames -1 and score -inf. The `KMax(k)` semiring gives the scores;
     the gradient of the j-th score with respect to the label edges marks its path (as Max's gradient marks the best).
-    `backend`: 'auto' (on CPU tensors a kernel that keeps, per node and rank, which predecessor and rank it came from and
-    walks each path back; the reference on a GPU), 'cpu' or 'reference'."""
+    `backend`: 'auto' (a kernel that keeps, per node and rank, which predecessor and rank it came from and walks each
+    path back: the CPU kernel on CPU tensors, the CUDA kernel on a GPU), 'cpu', 'cuda' or 'reference'."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     x, y, il, tl, blank = _lattice_inputs(logits, targets, logit_lengths, target_lengths, blank)
-    backend, k = question_backend(backend, x, 'kbest_alignments', 'logits'), int(k)
+    backend, k = question_backend(backend, x, 'kbest_alignments', 'logits', cuda=True), int(k)
     differentiable = torch.is_grad_enabled() and x.requires_grad
     B, T, U1 = x.shape[:3]
-    if backend == 'cpu':                 # the KMax(k) kernel's paths and scores (differentiable: summed again by autograd)
-        frames, best = torch.full((k, B, U1 - 1), -1, dtype=torch.long), np.empty((k, B))
-        parallel_for(_rnnt_kbest_cpu, B, x.detach().contiguous().numpy(), y.numpy(), il.numpy(), tl.numpy(), blank,
-                     bool(fused_log_softmax), x.dtype == torch.float64, k, frames.numpy(), best,
-                     work=x.numel() + 4 * k * B * T * U1)
-        none = torch.from_numpy(best) == -math.inf
-        scores = torch.from_numpy(best).to(x.dtype)
+    if backend in ('cpu', 'cuda'):       # the KMax(k) kernel's paths and scores (differentiable: summed again by autograd)
+        frames = torch.full((k, B, U1 - 1), -1, dtype=torch.long, device=x.device)
+        if backend == 'cpu':
+            best = np.empty((k, B))
+            parallel_for(_rnnt_kbest_cpu, B, x.detach().contiguous().numpy(), y.numpy(), il.numpy(), tl.numpy(), blank,
+                         bool(fused_log_softmax), x.dtype == torch.float64, k, frames.numpy(), best,
+                         work=x.numel() + 4 * k * B * T * U1)
+            best = torch.from_numpy(best)
+        else: best = _kbest_cuda(x.detach().contiguous(), y, il, tl, blank, bool(fused_log_softmax), k, frames)
+        none = best == -math.inf
+        scores = best.to(x.dtype)
         if differentiable:
             bl, em = edge_log_probs(x, y, blank, bool(fused_log_softmax))
             scores = torch.where(none, -math.inf, alignment_scores(bl, em, frames, il, tl))
@@ -917,25 +993,29 @@ def sample_alignments(logits, targets, logit_lengths, target_lengths, blank=-1, 
     generator's device (the CPU by default), logits (B, T, U+1, V): one per step back through the lattice, so a generator
     with a given seed gives the same samples on every backend. A sequence with no alignment (log Z = -inf, possible only
     with -inf scores) gives frames -1 and log-probability -inf. `backend`: 'auto' (the CPU kernel on CPU tensors, the
-    reference on a GPU), 'cpu' or 'reference'."""
+    CUDA kernels on a GPU), 'cpu', 'cuda' or 'reference'."""
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     x, y, il, tl, blank = _lattice_inputs(logits, targets, logit_lengths, target_lengths, blank)
-    backend = question_backend(backend, x, 'sample_alignments', 'logits')
+    backend = question_backend(backend, x, 'sample_alignments', 'logits', cuda=True)
     B, T, U1 = x.shape[:3]
     u = torch.rand((int(n), B, T + U1 - 2), generator=generator, dtype=torch.float64,
                    device=generator.device if generator is not None else 'cpu').to(x.device)
     differentiable = torch.is_grad_enabled() and x.requires_grad
-    if backend == 'cpu':                 # the loss's forward keeps alpha; the kernel walks back with the same uniforms
-        frames, logz, path = torch.full((int(n), B, U1 - 1), -1, dtype=torch.long), np.empty(B), np.empty((int(n), B))
-        parallel_for(_rnnt_sample_cpu, B, x.detach().contiguous().numpy(), y.numpy(), il.numpy(), tl.numpy(), blank,
-                     bool(fused_log_softmax), x.dtype == torch.float64, u.numpy(), frames.numpy(), logz, path,
-                     work=x.numel() + 4 * int(n) * B * T * U1)
-        logz, path = torch.from_numpy(logz).to(x.dtype), torch.from_numpy(path).to(x.dtype)
+    if backend in ('cpu', 'cuda'):       # the loss's forward keeps alpha; the kernel walks back with the same uniforms
+        frames = torch.full((int(n), B, U1 - 1), -1, dtype=torch.long, device=x.device)
+        if backend == 'cpu':
+            logz, path = np.empty(B), np.empty((int(n), B))
+            parallel_for(_rnnt_sample_cpu, B, x.detach().contiguous().numpy(), y.numpy(), il.numpy(), tl.numpy(), blank,
+                         bool(fused_log_softmax), x.dtype == torch.float64, u.numpy(), frames.numpy(), logz, path,
+                         work=x.numel() + 4 * int(n) * B * T * U1)
+            logz, path = torch.from_numpy(logz), torch.from_numpy(path)
+        else: logz, path = _sample_cuda(x.detach().contiguous(), y, il, tl, blank, bool(fused_log_softmax), u, frames)
+        logz, path = logz.to(x.dtype), path.to(x.dtype)
         if differentiable:               # the path scores through autograd, and log Z's gradient: the loss's backward
             costs, _ = rnnt_op(logits, targets, logit_lengths, target_lengths, blank, bool(fused_log_softmax), -1.0, 0.0,
-                               0.0, backend='cpu', check=False)
+                               0.0, backend=backend, check=False)
             logz = -costs.to(x.dtype)
             path = alignment_scores(*edge_log_probs(x, y, blank, bool(fused_log_softmax)), frames, il, tl)
         # (else no log-softmax of every logit in PyTorch: the kernel summed each path's edges as it walked)
@@ -1028,15 +1108,17 @@ def bench_rnnt(quick=False, shapes=None, device='cpu'):
     return rows
 
 # %% ../nbs/06_rnnt.ipynb #b9e5a0c2
-def bench_rnnt_questions(B=8, T=200, U=50, V=128, warmup=2, reps=7):
-    """The RNN-T lattice questions on the CPU at the first shape of `RNNT_SHAPES`, each timed alternately with its anchor
-    from the same family, with both peak memories (`peak_extra_mb`): entropy and KL fwd+bwd against `rnnt_loss` fwd+bwd
+def bench_rnnt_questions(B=8, T=200, U=50, V=128, warmup=2, reps=7, device='cpu'):
+    """The RNN-T lattice questions at the first shape of `RNNT_SHAPES`, on the CPU or on `device`'s CUDA kernels, each
+    timed alternately with its anchor from the same family (a GPU synchronised around each call), with both peak
+    memories (`peak_extra_mb` on the CPU, `peak_gpu_mb` on a GPU): entropy and KL fwd+bwd against `rnnt_loss` fwd+bwd
     (one or two models), 8 samples against one loss forward, k-best (k = 4) against `best_path`. ratio = anchor / ours,
     as in `seqdist.bench.bench_ctc_questions`."""
-    from .timing import peak_extra_mb
-    x, y, il, tl = rnnt_inputs_for(B, T, U, V)
-    xq = rnnt_inputs_for(B, T, U, V, seed=1)[0]
+    from .timing import peak_extra_mb, peak_gpu_mb
+    x, y, il, tl = rnnt_inputs_for(B, T, U, V, device)
+    xq = rnnt_inputs_for(B, T, U, V, device, seed=1)[0]
     xd = x.detach()
+    peak = peak_extra_mb if torch.device(device).type == 'cpu' else lambda f: peak_gpu_mb(f, device)
     loss = lambda z: rnnt_loss(z, y, il, tl, blank=0, reduction='sum')
     cases = [('alignment_entropy fwd+bwd', 'rnnt_loss fwd+bwd (target: ratio >= 0.67)',
               lambda: torch.autograd.grad(loss(x), x),
@@ -1046,14 +1128,14 @@ def bench_rnnt_questions(B=8, T=200, U=50, V=128, warmup=2, reps=7):
               lambda: torch.autograd.grad(alignment_kl(x, xq, y, il, tl, blank=0, reduction='sum'), (x, xq))),
              ('sample_alignments n=8', 'rnnt_loss forward (target: ratio >= 0.67)',
               lambda: rnnt_loss(xd, y, il, tl, blank=0),
-              lambda: sample_alignments(xd, y, il, tl, blank=0, n=8, generator=torch.Generator().manual_seed(0))),
+              lambda: sample_alignments(xd, y, il, tl, blank=0, n=8, generator=torch.Generator(device).manual_seed(0))),
              ('kbest_alignments k=4', 'best_path (target: ratio >= 0.5)',
               lambda: best_path(xd, y, il, tl, blank=0), lambda: kbest_alignments(xd, y, il, tl, blank=0, k=4))]
     rows = []
     for op, anchor, theirs, ours in cases:
         t0, t1 = paired_median_ms(theirs, ours, warmup, reps)
         rows.append(dict(op=op, shape=f"B={B} T={T} U={U} V={V}", anchor='seqdist ' + anchor, anchor_ms=t0, ours_ms=t1,
-                         ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs), ours_mb=peak_extra_mb(ours), check='-'))
+                         ratio=t0 / t1, anchor_mb=peak(theirs), ours_mb=peak(ours), check='-'))
     return rows
 
 
@@ -1098,3 +1180,8 @@ resource_budget(_named('rnnt_backtrack'), block=32, min_threads=32,
                 why="one thread per utterance walks its best path back: B threads in all, more residency cannot help")
 resource_budget(_named('rnnt_row_offsets'), block=32, min_threads=32,
                 why="the tests' check of the 64-bit offsets, on no op's path")
+resource_budget(list(_divergence_kernels.values()) + list(_kbest_kernels.values()), block=_DIVERGENCE_BLOCK,
+                min_threads=_DIVERGENCE_BLOCK, why="the lattice questions: one block per sequence, float64 states in global memory")
+resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024,
+                why="a memory-bound pass over the logits' rows: half the SM's threads in flight")
+resource_budget(list(_sample_kernels.values()), block=256, min_threads=1024, why="one thread per sample and sequence, walking back")

@@ -68,7 +68,7 @@ def test_logz_reference_in_every_semiring_equals_brute_force(S):
     logz = logz_reference(bp, ep, il, tl, Log)
     close(got[0], logz) if not S.name.startswith('KMax') else close(got[0], logz_reference(bp, ep, il, tl, Max))
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 @pytest.mark.parametrize('seed,blank', [(0, -1), (1, 0), (2, 2)])
 def test_entropy_kl_cross_entropy_equal_enumeration(seed, blank, backend):
     x, z, targets, il, tl = batch(seed, blank=blank)
@@ -91,14 +91,14 @@ def test_entropy_kl_cross_entropy_equal_enumeration(seed, blank, backend):
     loss = rnnt_loss(x, targets, il.int(), tl.int(), blank, reduction='none')
     close(rnnt_loss(x, targets, il.int(), tl.int(), blank, reduction='mean'), loss.mean())
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_uniform_model_has_the_entropy_of_a_uniform_choice(backend):
     x = torch.zeros(2, 7, 4, 5, dtype=torch.float64)                 # every edge alike: every alignment alike
     h = alignment_entropy(x, torch.tensor([[1, 2, 3], [1, 1, 1]]), torch.tensor([7, 4]), torch.tensor([3, 2]),
                           backend=backend)
     close(h, torch.tensor([math.log(math.comb(9, 3)), math.log(math.comb(5, 2))], dtype=torch.float64))
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_without_log_softmax_and_float32(backend):
     x, z, targets, il, tl = batch(3)
     lp = x.log_softmax(-1)
@@ -110,7 +110,7 @@ def test_without_log_softmax_and_float32(backend):
     hh = H(x.half())                   # half precision: computed in float32
     assert hh.dtype == torch.float32
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_gradcheck_of_entropy_kl_and_cross_entropy(backend):
     x, z, targets, il, tl = batch(1, T=3, U=2, V=3)
     x, z, targets, il, tl = x[:2].requires_grad_(), z[:2].requires_grad_(), targets[:2], il[:2], tl[:2]
@@ -121,7 +121,7 @@ def test_gradcheck_of_entropy_kl_and_cross_entropy(backend):
 
 # -- k-best -------------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 @pytest.mark.parametrize('k', [1, 4, 16])
 @pytest.mark.parametrize('seed', range(2))
 def test_kbest_equals_the_sorted_enumeration(seed, k, backend):
@@ -152,7 +152,7 @@ def test_kbest_equals_the_sorted_enumeration(seed, k, backend):
         want[b] = torch.autograd.grad(s, lp)[0]
     close(xg.grad, want)
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_kbest_pads_and_does_not_track_gradients_it_was_not_asked_for(backend):
     x = torch.randn(1, 3, 3, 4, dtype=torch.float64)
     frames, scores = kbest_alignments(x, torch.tensor([[1, 2]]), torch.tensor([3]), torch.tensor([2]), k=16, backend=backend)
@@ -173,7 +173,7 @@ def edge_occupancy(frames, il, tl, T, U1):
     blanks = torch.nn.functional.one_hot(emitted, U1) * (t < il[:, None])[None, :, :, None]
     return torch.stack([blanks.double(), torch.nn.functional.pad(emits.double(), (0, U1 - U))], -1)
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_samples_match_the_exact_path_probabilities(backend):
     x, _, targets, il, tl = batch(5, T=5, U=3)
     x = 0.5 * x                                                         # a flatter posterior: more paths with counts
@@ -197,7 +197,7 @@ def test_samples_match_the_exact_path_probabilities(backend):
     assert ((freq - post).abs() <= 5 * sigma + 1e-12).all()
     assert (freq > 0).sum() > 40                                        # many edges tested, not only certain ones
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_samples_are_reproducible_from_the_generator(backend):
     x, _, targets, il, tl = batch(3)
     S = lambda **kw: sample_alignments(x, targets, il, tl, n=50, backend=backend, **kw)
@@ -214,7 +214,7 @@ def test_samples_are_reproducible_from_the_generator(backend):
     _, alphas = logz_reference(bl, em, il_, tl_, Log, all_nodes=True)
     assert torch.equal(sample_frames(alphas, bl, em, il_, tl_, u), a[0])
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_sample_log_probabilities_are_differentiable(backend):
     x, _, targets, il, tl = batch(4, T=3, U=2, V=3)
     x.requires_grad_()
@@ -238,7 +238,7 @@ def entropy_high_precision(x, targets, b, T_b, U_b, blank, digits=60):
         logz = m + sum(((s - m).exp() for s in scores), D(0)).ln()
         return float(-sum((s - logz).exp() * (s - logz) for s in scores))
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 @pytest.mark.parametrize('sharpness', [4.0, 8.0, 32.0])
 def test_entropy_of_a_peaky_model_is_accurate(sharpness, backend):
     g = torch.Generator().manual_seed(0)
@@ -253,7 +253,7 @@ def test_entropy_of_a_peaky_model_is_accurate(sharpness, backend):
     assert abs(h - want) <= 1e-10 * want, (sharpness, h, want)
     if sharpness == 32.0: assert 1e-20 < want < 1e-9                   # tiny: cancellation would lose every digit
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_entropy_of_a_two_path_lattice_in_closed_form(backend):
     # T = 2, one label: it leaves in frame 0 or in frame 1. With log-probabilities a (one path) and a - d (the other),
     # p = 1 / (1 + e^-d) and H = log(1 + e^-d) + d e^-d / (1 + e^-d), accurate by log1p for d large (H ~ 1e-12 at d ~ 31)
@@ -270,7 +270,7 @@ def test_entropy_of_a_two_path_lattice_in_closed_form(backend):
 
 # -- edge cases and bad inputs ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_no_labels_one_frame_and_no_alignment(backend):
     x = torch.randn(3, 4, 3, 4, dtype=torch.float64)
     targets, il, tl = torch.tensor([[1, 2], [1, 2], [1, 2]]), torch.tensor([4, 1, 4]), torch.tensor([0, 2, 2])
@@ -312,12 +312,10 @@ def test_bad_inputs_are_clear_errors():
         expect(ValueError, r'target_lengths must be in', f, x, tg, il, torch.tensor([3, 1]))
         expect(ValueError, r'logits must have shape', f, x[0], tg, il, tl)
         expect(TypeError, r'targets must hold integers', f, x, tg.float(), il, tl)
-        expect(NotImplementedError, r"no 'cuda' backend yet", f, x, tg, il, tl, backend='cuda')
         expect(ValueError, r"backend must be", f, x, tg, il, tl, backend='numba')
     for f in (alignment_kl, alignment_cross_entropy):
         expect(ValueError, r'same shape', f, x, x[:1], tg, il, tl)
         expect(ValueError, r'same shape', f, x, None, tg, il, tl)
-        expect(NotImplementedError, r"no 'cuda' backend yet", f, x, x, tg, il, tl, backend='cuda')
         expect(ValueError, r'labels', f, x, x, torch.tensor([[1, 7], [0, 1]]), il, tl)
         expect(ValueError, r'reduction must be', f, x, x, tg, il, tl, reduction='avg')
     expect(ValueError, r'reduction must be', alignment_entropy, x, tg, il, tl, reduction='avg')

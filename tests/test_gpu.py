@@ -326,7 +326,8 @@ def _ctc_divergence_case(size, dtype, device, seed=0):
                 bound=lambda: 400 * T * N * (2 * L + 1) * 8 + 8 * x.numel() * 8 + (1 << 20))   # the reference's autograd graph
 
 def _rnnt_divergence_case(size, dtype, device, seed=0):
-    "RNN-T's entropy and KL (op rnnt_divergence): the reference on a GPU so far, the numba kernel on the CPU."
+    """RNN-T's entropy and KL (op rnnt_divergence): on a GPU the CUDA kernels `rnnt_divergence` and
+    `rnnt_divergence_grad`, on the CPU the numba kernel."""
     from seqdist.rnnt import alignment_entropy, alignment_kl
     B, T, U, V = dict(small=(3, 12, 5, 8), long=(2, 60, 20, 16))[size]
     g = _gen(seed)
@@ -339,8 +340,8 @@ def _rnnt_divergence_case(size, dtype, device, seed=0):
     def f(x):
         h, kl = alignment_entropy(x, targets, ll, tl), alignment_kl(x, q, targets, ll, tl)
         return h.sum() + kl.sum(), h, kl
-    return Case('rnnt alignment_entropy, alignment_kl', x, f,
-                bound=lambda: 400 * B * T * (U + 1) * V * 8 + (1 << 20))      # the reference's autograd graph
+    return Case('rnnt alignment_entropy, alignment_kl', x, f,    # gradients (p's twice, q's) and their scaled copies;
+                bound=lambda: 6 * x.numel() * x.element_size() + 16 * 8 * B * T * (U + 1) + (1 << 20))  # 12 float64 a node
 
 def _tdt_divergence_case(size, dtype, device, seed=0):
     """TDT's entropy and KL, multi-blank's entropy (op tdt_divergence): the reference on a GPU so far, the numba kernel on
@@ -378,7 +379,7 @@ FAMILIES = {'ctc': _ctc_case, 'forced_align': _forced_align_case, 'ctc_simple': 
             'joint': _joint_case, 'ctc_divergence': _ctc_divergence_case, 'rnnt_divergence': _rnnt_divergence_case,
             'tdt_divergence': _tdt_divergence_case,
             'crf_divergence': _crf_divergence_case}
-REFERENCE_ON_GPU = {'rnnt_divergence', 'tdt_divergence', 'crf_divergence'}   # PyTorch on a GPU so far: its host reads and Python loop are not yet sync-free
+REFERENCE_ON_GPU = {'tdt_divergence', 'crf_divergence'}   # PyTorch on a GPU so far: its host reads and Python loop are not yet sync-free
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
 def _outputs(case, x=None):
@@ -582,6 +583,32 @@ def test_gpu_ctc_kbest_equals_the_cpu_kernel_without_a_host_sync(dtype, record):
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-5 if dtype == torch.float32 else 1e-12)
     record('ctc_kbest')
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_gpu_rnnt_samples_and_kbest_equal_the_reference_without_a_host_sync(dtype, record):
+    """RNN-T sample_alignments on the GPU (the loss's forward, rnnt_sample's walk): the reference's samples for the same
+    generator and its log-probabilities; kbest_alignments (rnnt_kbest): the CPU kernel's paths and scores, bitwise
+    repeatable. Neither makes a host sync."""
+    from seqdist.rnnt import sample_alignments, kbest_alignments
+    g = _gen(0)
+    B, T, U, V = 4, 30, 10, 8
+    x = torch.randn(B, T, U + 1, V, generator=g, dtype=torch.float64).to(dtype)
+    targets, il, tl = torch.randint(0, V - 1, (B, U), generator=g), torch.tensor([30, 21, 30, 7]), torch.tensor([10, 6, 0, 10])
+    args = [x.cuda()] + [a.cuda() for a in (targets, il, tl)]
+    gen = lambda: torch.Generator(device='cuda').manual_seed(1)
+    frames, logp = sample_alignments(*args, n=16, generator=gen())                  # (and a warm-up)
+    _no_sync(lambda: sample_alignments(*args, n=16, generator=gen()))
+    ref_frames, ref_logp = sample_alignments(*args, n=16, generator=gen(), backend='reference')
+    assert torch.equal(frames, ref_frames), "the CUDA kernels and the reference differ on the same uniforms"
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(logp, ref_logp, rtol=tol, atol=tol)
+    want = kbest_alignments(x, targets, il, tl, k=8, backend='cpu')
+    got = kbest_alignments(*args, k=8)
+    _no_sync(lambda: kbest_alignments(*args, k=8))
+    again = kbest_alignments(*args, k=8)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=tol, atol=tol)
+    record('rnnt_questions')
 
 def test_gpu_linear_token_stats_over_a_group_of_one(record):
     """linear_token_stats and linear_cross_entropy with group= on CUDA tensors (NCCL, one rank): the layout all-gather
