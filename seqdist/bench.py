@@ -314,6 +314,7 @@ def _families(quick, device, gpu=None):
     from seqdist.joint import bench_joint
     from seqdist.tdt import bench_tdt, bench_tdt_questions
     from seqdist.koi_decode import bench_beam_search
+    from seqdist.crf import bench_crf_questions
     if gpu is None: gpu = torch.device(device).type != 'cpu'
     if not gpu and quick:          # (the RNN-T and TDT questions only in the full run: compiling their kernels here cost
                                    # `make test` about two minutes, in the notebook that runs this list)
@@ -327,7 +328,7 @@ def _families(quick, device, gpu=None):
                 ('cross_entropy', lambda: bench_cross_entropy(quick=True))]
     if not gpu:
         return [('ctc', bench_ctc), ('forced_align', bench_forced_align), ('ctc_questions', bench_ctc_questions),
-                ('sparse', bench_sparse), ('ctc_crf', bench_ctc_crf),
+                ('sparse', bench_sparse), ('ctc_crf', bench_ctc_crf), ('crf_questions', bench_crf_questions),
                 ('beam_search', bench_beam_search),
                 ('rnnt', bench_rnnt), ('rnnt_questions', bench_rnnt_questions), ('joint', bench_joint), ('tdt', bench_tdt),
                 ('tdt_questions', bench_tdt_questions),

@@ -370,3 +370,62 @@ def test_bad_inputs_are_clear_errors():
     for f, error, message in cases:
         with pytest.raises(error, match=message): f()
     assert crf.entropy(scores, backend='reference').shape == (2,)
+
+def test_fast_entropy_vouches_only_where_it_cannot_have_cancelled():
+    """The expectation-semiring kernel (log Z - E[score]) keeps the sequences where its rounding bound is far below H and
+    hands a peaky one (H tiny beside E[score]) to the exact kernel; the mixed batch's entropies and gradients equal the
+    reference's, in float64 and float32."""
+    from seqdist.crf import _fast_entropy
+    crf, T, N = CTC_CRF(2, 'NACGT'), 20, 5
+    s = random_scores(crf, T, N, 30)
+    s[:, 2] *= 60                                          # sequence 2: one path almost certain
+    lat = crf._lattice(s, None, None)
+    value, logz, grad, good = _fast_entropy(lat.Ms, lat.idx, lat.v0, lat.vT, True)
+    assert good.tolist() == [True, True, False, True, True]
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        got = {}
+        for backend in ('cpu', 'reference'):
+            x = s.to(dtype).requires_grad_()
+            h = crf.entropy(x, backend=backend)
+            got[backend] = h.detach().double(), torch.autograd.grad((h * torch.arange(1.0, N + 1)).sum(), x)[0].double()
+        assert got['cpu'][0][2] < 1e-3 * got['cpu'][0][0]
+        for a, b in zip(got['cpu'], got['reference']): torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+def test_ctc_crf_alignments_object_against_enumeration():
+    """CTC_CRFAlignments, the paths' distribution and a read's alignments' posterior: log_prob and marginals equal the
+    enumeration's, -inf for what is not a path; argmax, topk, entropy, kl and samples as the CTC_CRF methods give them."""
+    from seqdist.crf import CTC_CRFAlignments
+    crf, T, N = CTC_CRF(1, 'NACGT'), 3, 2
+    cols, _ = all_paths(1, 4, T)
+    sp, sq = random_scores(crf, T, N, 40), random_scores(crf, T, N, 41)
+    d, e = CTC_CRFAlignments(crf, sp), CTC_CRFAlignments(crf, sq)
+    value = cols[:, :, None].expand(-1, -1, N)                       # every path, for both sequences: (P, T, N)
+    logp = d.log_prob(value)
+    for b in range(N):
+        want = path_scores(sp, b, cols).log_softmax(0)
+        close(logp[:, b], want)
+        occupancy = torch.zeros(T, crf.n_score(), dtype=torch.float64).index_put_(
+            (torch.arange(T).expand(len(cols), T), cols), want.exp()[:, None].expand(-1, T), accumulate=True)
+        close(d.marginals[:, b], occupancy)
+        assert torch.equal(d.argmax[:, b], cols[want.argmax()])
+    bad = value[:1].clone(); bad[0, 0], bad[0, 1] = 0, 5             # a stay in state 0, then a stay in state 1: no path
+    assert d.log_prob(bad).eq(-math.inf).all() and d.log_prob(value[:1] + 100).eq(-math.inf).all()
+    close(d.entropy(), crf.entropy(sp)); close(d.kl(e), crf.kl(sp, sq)); close(d.cross_entropy(e), crf.cross_entropy(sp, sq))
+    assert torch.equal(d.topk(3)[0], crf.kbest(sp, 3)[0])
+    x = d.sample((2, 3), generator=torch.Generator().manual_seed(0))
+    assert x.shape == (2, 3, T, N)
+    close(d.log_prob(x).flatten(0, 1), crf.sample(sp, 6, torch.Generator().manual_seed(0))[1])
+    # a read's alignments
+    target, tg, tl = [1, 3], torch.tensor([[1, 3], [1, 3]]), torch.tensor([2, 2])
+    acols, left = alignments_of(crf, T, target)
+    da = CTC_CRFAlignments(crf, sp, tg, tl)
+    onehot = torch.nn.functional.one_hot(left, 2).double()[:, :, None].expand(-1, -1, N, -1)    # (P, T, N, k-mers)
+    logp = da.log_prob(onehot)
+    for b in range(N):
+        want = path_scores(sp, b, acols).log_softmax(0)
+        close(logp[:, b], want)
+        close(da.marginals[:, b], (want.exp()[:, None, None] * onehot[:, :, b]).sum(0))
+    skip = onehot[:1].clone(); skip[0, 0] = torch.tensor([0.0, 1.0])  # starts in the second k-mer: not an alignment
+    assert da.log_prob(skip).eq(-math.inf).all()
+    close(da.entropy(), crf.entropy(sp, tg, tl))
+    close(da.log_partition, crf.ctc_loss(sp, tg, tl, reduction='none', normalise_scores=False) * -tl)
