@@ -13,6 +13,7 @@ __all__ = ['ctc_op', 'ctc_divergence_op', 'device', 'Prob', 'interleave_blanks',
 
 # %% ../nbs/02_ctc.ipynb #0da03c22
 import math
+from types import SimpleNamespace
 import numpy as np
 import numba
 import torch
@@ -1160,6 +1161,127 @@ def _ctc_kl32_cpu(lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, 
     _ctc_alg_cpu(ALG_KL, False, lp, lq, ext, input_lengths, target_lengths, blank, g, grad_p, grad_q, out, lo, hi)
 
 
+# %% ../nbs/02_ctc.ipynb #f487691e
+@numba.njit(nogil=True, cache=_CACHE, error_model='numpy')
+def _ctc_entropy_fast_cpu(lp, ext, input_lengths, target_lengths, blank, g, grad, out, ok, lo_n, hi_n):
+    """The entropy of the CTC lattice's alignments by the expectation semiring in the loss's scaled probability space
+    (`_forward_scaled`'s emissions, relative to each frame's best label of the target, and rescaling): with each
+    state's scaled forward weight A[t, s] goes R[t, s], the same paths' weights times their summed log-probabilities;
+    backward, b and sigma over the paths after a node (its own emission excluded). out[n] = (log Z, E[score]); with g
+    not empty, g[n] dH / d lp subtracted into grad[t, n, label]: at each node -mu (E[score | node] - E[score]), as
+    -(R b + A sigma - A b E[score]) / sum_s A b (no division per state). ok[n] is set where the scaled space holds
+    the sequence (the loss's test: no emission of a target label below _TINY of its frame's best, none of
+    probability 0) and has a path; the caller checks the cancellation of log Z - E[score]."""
+    T_max, C, S_max = lp.shape[0], lp.shape[2], ext.shape[1]
+    W = S_max + 4
+    A, R = np.empty((T_max, W)), np.empty((T_max, W))
+    emit, msc = np.empty((T_max, S_max)), np.empty((T_max, S_max))
+    b1, s1, b0, s0 = np.empty(W), np.empty(W), np.empty(W), np.empty(W)
+    eb, es, gl = np.empty(W), np.empty(W), np.empty(W)
+    for n in range(lo_n, hi_n):
+        T, L = input_lengths[n], target_lengths[n]
+        S = 2 * L + 1
+        ok[n] = False
+        if T == 0 or T < _frames_needed(ext[n], L): continue
+        U, slot, labels, offset, skipf = _lattice(ext[n], L, blank, C, 0.0)
+        log_scale, good = 0.0, True
+        for t in range(T):
+            m = -np.inf
+            for u in range(U): m = max(m, lp[t, n, labels[u]])
+            if m == -np.inf: good = False; break
+            log_scale += m
+            for u in range(U):
+                y = np.float64(lp[t, n, labels[u]])
+                x = y - m
+                e = np.exp(x)
+                if e < _TINY: good = False    # (an underflow, or a label of probability 0: the exact kernel's)
+                emit[t, u] = e
+                msc[t, u] = y
+        if not good: continue
+        for s in range(S + 4): A[0, s] = 0.0; R[0, s] = 0.0
+        A[0, 2] = emit[0, slot[0]]; R[0, 2] = A[0, 2] * msc[0, slot[0]]
+        if S > 1: A[0, 3] = emit[0, slot[1]]; R[0, 3] = A[0, 3] * msc[0, slot[1]]
+        c = max(A[0, 2], A[0, 3])
+        for t in range(1, T):
+            if c == 0.0: good = False; break
+            log_scale += np.log(c)
+            inv = 1.0 / c
+            lo, hi = _band(t, T, S)
+            A[t, lo] = 0.0; A[t, lo + 1] = 0.0; R[t, lo] = 0.0; R[t, lo + 1] = 0.0
+            c = 0.0
+            for s in range(lo, hi + 1):
+                u_ = A[t - 1, s + 2] + A[t - 1, s + 1] + skipf[s] * A[t - 1, s]
+                v_ = R[t - 1, s + 2] + R[t - 1, s + 1] + skipf[s] * R[t - 1, s]
+                e = emit[t, slot[s]] * inv
+                a = u_ * e
+                A[t, s + 2] = a
+                R[t, s + 2] = (v_ + u_ * msc[t, slot[s]]) * e
+                c = max(c, a)
+            if hi + 3 < S + 2: A[t, hi + 3] = 0.0; R[t, hi + 3] = 0.0
+            if hi + 4 < S + 2: A[t, hi + 4] = 0.0; R[t, hi + 4] = 0.0
+        if not good or c == 0.0: continue
+        z = A[T - 1, S + 1] + (A[T - 1, S] if S > 1 else 0.0)
+        ez = (R[T - 1, S + 1] + (R[T - 1, S] if S > 1 else 0.0)) / z
+        logz = np.log(z) + log_scale
+        out[n, 0] = logz; out[n, 1] = ez
+        ok[n] = True
+        if g.shape[0] == 0 or g[n] == 0.0: continue
+        # backward: b1 = frame t + 1's (without its emission), b0 = frame t's; index s + 2 is state s. One pass per frame
+        # computes frame t's row, its normaliser d = sum_s A b and its gradient, gathered by label in gl (the scale of
+        # the row cancels in the ratio); the next frame's pass scales the row by its largest value.
+        for s in range(S + 4): b1[s] = 0.0; s1[s] = 0.0
+        b1[S + 1] = 1.0
+        if S > 1: b1[S] = 1.0
+        inv = 1.0
+        for t in range(T - 1, -1, -1):
+            lo, hi = _band(t, T, S)
+            for u in range(U): gl[u] = 0.0
+            d, mx = 0.0, 0.0
+            if t == T - 1:
+                for s in range(lo, hi + 1):
+                    a, bb, r = A[t, s + 2], b1[s + 2], R[t, s + 2]
+                    d += a * bb
+                    gl[slot[s]] += r * bb - a * bb * ez
+            else:
+                lo1, hi1 = _band(t + 1, T, S)
+                for s in range(lo1, hi1 + 1):       # frame t + 1 times its emissions (and the last frame's scale);
+                    e = emit[t + 1, slot[s]] * inv  # frame t reads its states lo .. hi + 2, lo >= lo1 - 2 and hi <= hi1:
+                    eb[s + 2] = e * b1[s + 2]       # the two on each side of its band are 0
+                    es[s + 2] = e * (s1[s + 2] + b1[s + 2] * msc[t + 1, slot[s]])
+                eb[lo1] = 0.0; eb[lo1 + 1] = 0.0; es[lo1] = 0.0; es[lo1 + 1] = 0.0
+                eb[hi1 + 3] = 0.0; eb[hi1 + 4] = 0.0; es[hi1 + 3] = 0.0; es[hi1 + 4] = 0.0
+                for s in range(lo, hi + 1):
+                    k = skipf[s + 2]
+                    bv = eb[s + 2] + eb[s + 3] + k * eb[s + 4]
+                    sv = es[s + 2] + es[s + 3] + k * es[s + 4]
+                    b0[s + 2] = bv; s0[s + 2] = sv
+                    a = A[t, s + 2]
+                    d += a * bv
+                    gl[slot[s]] += R[t, s + 2] * bv + a * sv - a * bv * ez
+                    mx = max(mx, bv)
+                if mx == 0.0: break
+                inv = 1.0 / mx
+                b0, b1, s0, s1 = b1, b0, s1, s0
+            f = g[n] / d
+            for u in range(U): grad[t, n, labels[u]] -= f * gl[u]
+
+_CANCEL_TOL = {torch.float64: 1e-10, torch.float32: 1e-7}   # the relative error of H that the fast kernel may have
+
+def _fast_entropy(lp, ext, il, tl, blank, with_grad):
+    """The entropy (N,), log Z (N,) and, with `with_grad`, dH / d lp (T, N, C) by `_ctc_entropy_fast_cpu`, and which
+    sequences it did accurately: ok, and H = log Z - E[score] at least 1 / _CANCEL_TOL times the bound on its
+    rounding, (T + 1) 4 eps (|log Z| + |E[score]| + 1). Others (a peaky model whose H is far below |E[score]|,
+    an emission out of the scaled range, an empty target) go to the exact kernel."""
+    T, N, C = lp.shape
+    out, ok = np.zeros((N, 2)), np.zeros(N, np.bool_)
+    grad = torch.zeros(T, N, C, dtype=lp.dtype) if with_grad else lp.new_zeros(0, 0, 0)
+    parallel_for(_ctc_entropy_fast_cpu, N, lp.numpy(), ext.numpy(), il.numpy(), tl.numpy(), blank,
+                 np.ones(N) if with_grad else np.zeros(0), grad.numpy(), out, ok, work=_STATE_WORK * 2 * T * N * ext.shape[1])
+    logz, mean = torch.from_numpy(out[:, 0]), torch.from_numpy(out[:, 1])
+    value = logz - mean
+    bound = (il.double() + 1) * 4 * 2.3e-16 * (logz.abs() + mean.abs() + 1)
+    return value, logz, grad, torch.from_numpy(ok) & torch.isfinite(value) & (bound <= _CANCEL_TOL[lp.dtype] * value)
+
 # %% ../nbs/02_ctc.ipynb #58609b04
 @numba.njit(inline='always')
 def _weights3(a, b, c, scaled):
@@ -1322,8 +1444,25 @@ def _divergence_prepare(a, backend, check):
     return a
 
 def _divergence_numba(st):
-    """The CPU kernel: the value, log Z of p and of q and, with `with_grad`, the value's gradient w.r.t. each log_probs (for
-    g = 1, scaled in the backward), computed by the kernel's backward recursion in the same call."""
+    """The CPU kernels: the value, log Z of p and of q and, with `with_grad`, the value's gradient w.r.t. each log_probs
+    (for g = 1, scaled in the backward), computed by each kernel's backward recursion in the same call. The entropy by
+    `_fast_entropy` where it vouches for its answer, by the exact kernel (`_exact_divergence`) on the other sequences;
+    KL by the exact kernel."""
+    if st.algebra != 'Entropy': return _exact_divergence(st)
+    value, logz, grad, good = _fast_entropy(st.lp, st.ext, st.il, st.tl, st.blank, st.with_grad)
+    redo = (~good).nonzero()[:, 0]
+    if len(redo):
+        sub = SimpleNamespace(**vars(st))
+        sub.lp = sub.lq = st.lp[:, redo].contiguous()
+        sub.ext, sub.il, sub.tl = st.ext[redo].contiguous(), st.il[redo].contiguous(), st.tl[redo].contiguous()
+        v, z, _, g, _ = _exact_divergence(sub)
+        value[redo], logz[redo] = v.double(), z.double()
+        if st.with_grad: grad[:, redo] = g
+    dtype = st.lp.dtype
+    return value.to(dtype), logz.to(dtype), logz.to(dtype).clone(), grad if st.with_grad else st.lp.new_empty(0), st.lp.new_empty(0)
+
+def _exact_divergence(st):
+    "The exact kernel (`_ctc_alg_cpu`) on every sequence of `st`: `_divergence_numba`'s outputs."
     lp, lq = st.lp, st.lq
     T, N, C = lp.shape
     empty = lp.new_empty(0)

@@ -453,3 +453,24 @@ def test_cuda_sampler_gives_the_cpu_samples_and_gradients(dtype):
         assert torch.isfinite(got[backend][2]).all()
     torch.testing.assert_close(got['cuda'][2], got['cpu'][2], **tol)        # (the reference's float32 autograd: 2e-4 off)
     if dtype == torch.float64: torch.testing.assert_close(got['cpu'][2], got['reference'][2], **tol)
+
+def test_fast_entropy_vouches_only_where_it_cannot_have_cancelled():
+    """The expectation-semiring kernel (log Z - E[score]) keeps the sequences where its rounding bound is far below H and
+    hands a peaky one (H tiny beside E[score]) and an empty target (H = 0) to the exact kernel; the mixed batch's
+    entropies and gradients equal the reference's, in float64 and float32."""
+    from seqdist.ctc import _fast_entropy, interleave_blanks
+    g = torch.Generator().manual_seed(5)
+    T, N, C, L = 30, 5, 6, 8
+    lp = torch.randn(T, N, C, generator=g, dtype=torch.float64).log_softmax(-1)
+    lp[:, 3] = (lp[:, 3] * 200).log_softmax(-1)            # sequence 3: one alignment almost certain
+    tg, il, tl = torch.randint(1, C, (N, L), generator=g), torch.tensor([30, 25, 30, 30, 12]), torch.tensor([8, 5, 0, 8, 6])
+    _, _, _, good = _fast_entropy(lp, interleave_blanks(tg, 0), il, tl, 0, False)
+    assert good.tolist() == [True, True, False, False, True]
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        got = {}
+        for backend in ('cpu', 'reference'):
+            x = lp.to(dtype).requires_grad_()
+            h = alignment_entropy(x, tg, il, tl, backend=backend)
+            got[backend] = h.detach().double(), torch.autograd.grad((h * torch.arange(1.0, N + 1)).sum(), x)[0].double()
+        assert 0 < got['cpu'][0][3] < 1e-6 * got['cpu'][0][0]
+        for a, b in zip(got['cpu'], got['reference']): torch.testing.assert_close(a, b, rtol=tol, atol=tol)
