@@ -22,7 +22,7 @@ from .kernel import load_kernel
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, parallel_for, AUTOGRAD
 from .memory import empty_large, empty_gradient
-from .sparse import LANES, _bundle, _lane_rows, _frame_weights, _frame_scales, _positive_min, _SHARE_MIN
+from .sparse import LANES, bundle_lanes, lane_rows, frame_weights, frame_scales, positive_min, SHARE_MIN
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
 # %% ../nbs/05_crf.ipynb #05d4e5f6
@@ -506,12 +506,12 @@ def _bundle_entropy(Ms, shift, idx, out_edges, v0, vT, p0, pT, precise, with_gra
     (log Z, E[score]); with `with_grad`, grad[t, n, c, j] = dH / dMs = -mu_e (E[score | e] - E[score]) for each edge e,
     computed as -(w_e B_c R_s + A_s (w_e S_c + w_e B_c (m_e - E[score]))) / Z (no division per state). A and R of
     every frame live in AR[b] (float64). ok[n] is cleared where a scaled weight could underflow, as the loss's kernels
-    clear it (every score finite and within _W_RANGE of its frame's largest, no frame's paths below _SHARE_MIN):
+    clear it (every score finite and within _W_RANGE of its frame's largest, no frame's paths below SHARE_MIN):
     those sequences, and those whose log Z - E[score] may have cancelled, go to the exact kernel."""
     T, N, C, NZ = Ms.shape
     E, D = C * NZ, out_edges.shape[1]
     for b in range(lo, hi):
-        lane_n, nl = _bundle(b, N)
+        lane_n, nl = bundle_lanes(b, N)
         A, R = AR[b, 0], AR[b, 1]
         scale = np.ones((T + 1, LANES))
         w = np.empty((E + 1, LANES))
@@ -523,8 +523,8 @@ def _bundle_entropy(Ms, shift, idx, out_edges, v0, vT, p0, pT, precise, with_gra
                 A[0, c, l] = p
                 R[0, c, l] = p * v0[lane_n[l], c] if p > 0.0 else 0.0
         for t in range(T):
-            _frame_weights(Ms, shift, t, lane_n, w, precise, low)
-            x0, x1, x2, x3 = _lane_rows(Ms, t, lane_n)
+            frame_weights(Ms, shift, t, lane_n, w, precise, low)
+            x0, x1, x2, x3 = lane_rows(Ms, t, lane_n)
             a0, r0, a1, r1 = A[t], R[t], A[t + 1], R[t + 1]
             m0 = m1 = m2 = m3 = 0.0
             z0 = z1 = z2 = z3 = np.inf
@@ -544,8 +544,8 @@ def _bundle_entropy(Ms, shift, idx, out_edges, v0, vT, p0, pT, precise, with_gra
                 a1[c, 0] = u0; a1[c, 1] = u1; a1[c, 2] = u2; a1[c, 3] = u3
                 r1[c, 0] = h0; r1[c, 1] = h1; r1[c, 2] = h2; r1[c, 3] = h3
                 m0 = max(m0, u0); m1 = max(m1, u1); m2 = max(m2, u2); m3 = max(m3, u3)
-                z0 = _positive_min(z0, u0); z1 = _positive_min(z1, u1); z2 = _positive_min(z2, u2); z3 = _positive_min(z3, u3)
-            i0, i1, i2, i3 = _frame_scales(m0, m1, m2, m3, z0, z1, z2, z3, low)
+                z0 = positive_min(z0, u0); z1 = positive_min(z1, u1); z2 = positive_min(z2, u2); z3 = positive_min(z3, u3)
+            i0, i1, i2, i3 = frame_scales(m0, m1, m2, m3, z0, z1, z2, z3, low)
             if low[:nl].all(): break          # every lane goes to the exact kernel (a read's lattice, whose far states
                                               # weigh under _TINY of the likeliest, soon does): stop here
             ms = (m0, m1, m2, m3)
@@ -583,19 +583,19 @@ def _bundle_entropy(Ms, shift, idx, out_edges, v0, vT, p0, pT, precise, with_gra
                     b1[c, l] = p
                     s1[c, l] = p * vT[lane_n[l], c] if p > 0.0 else 0.0
             for t in range(T - 1, -1, -1):
-                _frame_weights(Ms, shift, t, lane_n, w, precise, low)
-                x0, x1, x2, x3 = _lane_rows(Ms, t, lane_n)
+                frame_weights(Ms, shift, t, lane_n, w, precise, low)
+                x0, x1, x2, x3 = lane_rows(Ms, t, lane_n)
                 an, at, rt = A[t + 1], A[t], R[t]
                 d0 = d1 = d2 = d3 = 0.0
                 for c in range(C):
                     d0 += an[c, 0] * b1[c, 0]; d1 += an[c, 1] * b1[c, 1]; d2 += an[c, 2] * b1[c, 2]; d3 += an[c, 3] * b1[c, 3]
                 ds = (d0, d1, d2, d3)
                 for l in range(LANES):
-                    if ds[l] < _SHARE_MIN: low[l] = True
+                    if ds[l] < SHARE_MIN: low[l] = True
                     f[l] = 1.0 / (ds[l] * scale[t + 1, l]) if ds[l] > 0.0 else 0.0
                 f0, f1, f2, f3 = f[0], f[1], f[2], f[3]
                 e0, e1, e2, e3 = ebar[0], ebar[1], ebar[2], ebar[3]
-                o0, o1, o2, o3 = _lane_rows(grad, t, lane_n)
+                o0, o1, o2, o3 = lane_rows(grad, t, lane_n)
                 for c in range(C):            # w <- the weight times B of its end; ws <- the weight times S of its end, plus w B m
                     c0, c1, c2, c3 = b1[c, 0], b1[c, 1], b1[c, 2], b1[c, 3]
                     k0, k1, k2, k3 = s1[c, 0], s1[c, 1], s1[c, 2], s1[c, 3]
@@ -624,8 +624,8 @@ def _bundle_entropy(Ms, shift, idx, out_edges, v0, vT, p0, pT, precise, with_gra
                     b0[s, 0] = u0; b0[s, 1] = u1; b0[s, 2] = u2; b0[s, 3] = u3
                     s0[s, 0] = h0; s0[s, 1] = h1; s0[s, 2] = h2; s0[s, 3] = h3
                     m0 = max(m0, u0); m1 = max(m1, u1); m2 = max(m2, u2); m3 = max(m3, u3)
-                    z0 = _positive_min(z0, u0); z1 = _positive_min(z1, u1); z2 = _positive_min(z2, u2); z3 = _positive_min(z3, u3)
-                i0, i1, i2, i3 = _frame_scales(m0, m1, m2, m3, z0, z1, z2, z3, low)
+                    z0 = positive_min(z0, u0); z1 = positive_min(z1, u1); z2 = positive_min(z2, u2); z3 = positive_min(z3, u3)
+                i0, i1, i2, i3 = frame_scales(m0, m1, m2, m3, z0, z1, z2, z3, low)
                 for c in range(C):
                     b0[c, 0] *= i0; b0[c, 1] *= i1; b0[c, 2] *= i2; b0[c, 3] *= i3
                     s0[c, 0] *= i0; s0[c, 1] *= i1; s0[c, 2] *= i2; s0[c, 3] *= i3
@@ -645,14 +645,14 @@ def _fast_entropy(Ms, idx, v0, vT, with_grad):
     finite = torch.isfinite(shift)
     ok = finite.all(0)
     shift = torch.where(finite, shift, 0).double()
-    (p0, m0), (pT, mT) = sparse._scaled_start(v0), sparse._scaled_start(vT)
+    (p0, m0), (pT, mT) = sparse.scaled_start(v0), sparse.scaled_start(vT)
     ok &= torch.isfinite(m0) & torch.isfinite(mT)
     out = np.zeros((N, 2))
     grad = empty_large((T, N, C, NZ), Ms.dtype) if with_grad else Ms.new_empty(1, 1, 1, 1)
-    states = empty_large((sparse._bundles(N), 2, T + 1, C, sparse.LANES), torch.float64)
+    states = empty_large((sparse.n_bundles(N), 2, T + 1, C, sparse.LANES), torch.float64)
     precise = Ms.dtype == torch.float64
-    parallel_for(_bundle_entropy, sparse._bundles(N), Ms.numpy(), shift.numpy(), idx.numpy(),
-                 sparse._out_edges_padded(idx).numpy(), v0.double().numpy(), vT.double().numpy(), p0.numpy(), pT.numpy(),
+    parallel_for(_bundle_entropy, sparse.n_bundles(N), Ms.numpy(), shift.numpy(), idx.numpy(),
+                 sparse.out_edges_padded(idx).numpy(), v0.double().numpy(), vT.double().numpy(), p0.numpy(), pT.numpy(),
                  precise, with_grad, grad.numpy(), states.numpy(), out, ok.numpy(), work=_EDGE_WORK * 3 * Ms.numel())
     logz, mean = torch.from_numpy(out[:, 0]) + m0 + mT, torch.from_numpy(out[:, 1])
     value = logz - mean

@@ -190,7 +190,7 @@ def test_a_score_that_could_underflow_forward_goes_to_log_space():
 
 def test_a_score_that_could_underflow_backward_goes_to_log_space():
     "The forward pass is fine (every state moves on at weight 1), the backward scores fall e^-500 apart: redone."
-    from seqdist.sparse import _sparse_forward_numba, _bundle_backward, _out_edges_padded, _scaled_start
+    from seqdist.sparse import _sparse_forward_numba, _bundle_backward, out_edges_padded, scaled_start
     idx = _ring()
     Ms = torch.full((5, 1, 4, 2), -250.0)
     Ms[:, :, :, 1] = 0.0
@@ -199,7 +199,7 @@ def test_a_score_that_could_underflow_backward_goes_to_log_space():
     logz, alpha, frames, ok = _sparse_forward_numba(Ms, idx, v0, vT, Log, True)
     assert ok.all()
     okb, grad = ok.clone(), torch.empty_like(Ms)
-    _bundle_backward(Ms.numpy(), frames[0].numpy(), idx.numpy(), _out_edges_padded(idx).numpy(), _scaled_start(vT)[0].numpy(),
+    _bundle_backward(Ms.numpy(), frames[0].numpy(), idx.numpy(), out_edges_padded(idx).numpy(), scaled_start(vT)[0].numpy(),
                      alpha.numpy(), frames[1].numpy(), torch.ones(1, dtype=torch.float64).numpy(), False, False, grad.numpy(), okb.numpy(), 0, 1)
     assert not okb.any()
     z, g = sparse_logz_compute(Ms, idx, v0, vT, False, True, 'cpu')
