@@ -586,6 +586,7 @@ def _edge_grads_to_logits(x, lse, y, b, Tb, Ub, blank, fused, precise, gb, ge, g
                 out[blank] = g_b - w * fast_exp8(np.float64(row[blank]) - l)
                 if u < Ub: out[y[u]] = g_e - w * fast_exp8(np.float64(row[y[u]]) - l)
             else:
+                for v in range(row.shape[0]): out[v] = 0.0
                 out[blank] = g_b
                 if u < Ub: out[y[u]] = g_e
 
@@ -594,11 +595,17 @@ def _rnnt_alg_cpu(alg, xp, xq, y, Tl, Ul, blank, fused, precise, with_grad, grad
     """out[b] = (log Z_p, log Z_q, accumulator) of algebra `alg` for the sequences lo <= b < hi, over the edge
     log-probabilities of logits xp (and xq for KL; log-softmax applied if `fused`, as the loss does); with `with_grad`, the
     accumulator's gradient w.r.t. the logits written into grad_p (and grad_q) for the rows of each sequence's lattice
-    (the others left as they are), zero for a sequence without an alignment."""
+    and zeros in its other rows (so the gradients need not start zeroed), zero for a sequence without an alignment."""
     literally(alg)
     for b in range(lo, hi):
         Tb, Ub = Tl[b], Ul[b]
         yb = y[b]
+        if with_grad:                                           # the rows outside the lattice: zero
+            for t in range(xp.shape[1]):
+                for u in range(xp.shape[2]):
+                    if t >= Tb or u > Ub:
+                        grad_p[b, t, u] = 0.0
+                        if alg == ALG_KL: grad_q[b, t, u] = 0.0
         lse_p = _utterance_lse(xp, b, Tb, Ub, fused, precise)      # (precise: float64 logits; the lattice is float64 anyway)
         lse_q = _utterance_lse(xq, b, Tb, Ub, fused, precise) if alg == ALG_KL else lse_p
         bp, ep = np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
@@ -812,8 +819,8 @@ def _divergence_numba(s):
     xp, xq, kl = s.xp, s.xq, s.algebra == 'KL'
     B = xp.shape[0]
     none = xp.new_zeros(0, 0, 0, 0)
-    grad_p = torch.zeros_like(xp) if s.with_grad else none
-    grad_q = torch.zeros_like(xq) if s.with_grad and kl else grad_p          # (not written for Entropy)
+    grad_p = empty_gradient(xp) if s.with_grad else none                     # (every element written by the kernel)
+    grad_q = empty_gradient(xq) if s.with_grad and kl else grad_p            # (not written for Entropy)
     out = np.empty((B, 3))
     parallel_for(_DIVERGENCES[s.algebra][1], B, xp.numpy(), xq.numpy(), s.y.numpy(), s.il.numpy(),
                  s.tl.numpy(), s.blank, s.fused_log_softmax, xp.dtype == torch.float64, s.with_grad, grad_p.numpy(),
@@ -839,8 +846,9 @@ def _divergence_reference(s):
 def _divergence_backward(s, outputs, grads):
     "The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value."
     g = grads[0][:, None, None, None].to(s.xp.dtype)
-    out = {'logits_p': (outputs[3] * g).to(s.logits_p.dtype)}
-    if s.logits_q is not None: out['logits_q'] = (outputs[4] * g).to(s.logits_q.dtype)
+    scaled = lambda x: torch.mul(x, g, out=empty_gradient(x)) if x.device.type == 'cpu' else x * g   # (pooled: no page faults)
+    out = {'logits_p': scaled(outputs[3]).to(s.logits_p.dtype)}
+    if s.logits_q is not None: out['logits_q'] = scaled(outputs[4]).to(s.logits_q.dtype)
     return out
 
 def _divergence_fake(a, backend):
