@@ -14,7 +14,7 @@ import numpy as np
 import numba
 from numba import literally
 import torch
-from .core import semiring, Log, Max, SequenceDist, Entropy, KL, CrossEntropy, KMax, compute_dtype, choose_index, reference_only
+from .core import semiring, Log, Max, SequenceDist, Entropy, KL, CrossEntropy, KMax, compute_dtype, choose_index
 from .core import question_backend, AlignmentPosterior
 from .core import ALG_ENTROPY, ALG_KL, ZERO_BELOW, alg_plus3, fast_exp
 from . import sparse, ctc_simple
@@ -58,9 +58,12 @@ def add_at_columns(out, cols, values, sorted_runs=None):
     return out
 
 def _gather_backward(st, outputs, grads):
-    "The gradient of a gather: its incoming gradient added at the gathered columns, repeats summed in a fixed order."
+    """The gradient of a gather: its incoming gradient added at the gathered columns, repeats summed in a fixed order;
+    on the CPU into a pooled buffer (`empty_gradient`), zeroed: a fresh (T, N, 5120) one costs a page fault per 4 KiB,
+    3x the time of the zeroing."""
     g = grads[0]
-    return {'scores': add_at_columns(g.new_zeros(st.shape), st.cols, g)}
+    out = empty_gradient(g.new_empty(1).expand(st.shape)).zero_() if g.device.type == 'cpu' else g.new_zeros(st.shape)
+    return {'scores': add_at_columns(out, st.cols, g)}
 
 gather_columns = Op(f'{_OPS}::gather_columns', "(Tensor scores, Tensor cols) -> Tensor gathered",
     prepare=lambda a, backend, check: SimpleNamespace(scores=a.scores.detach(), cols=a.cols, shape=a.scores.shape),
@@ -242,27 +245,28 @@ class CTC_CRF(SequenceDist):
         (n, T, N, L - state_len + 1) in `ctc_viterbi_alignments`' format. The uniforms are `torch.rand((n, T, N),
         generator=generator, dtype=torch.float64)` on the generator's device (the CPU by default): u[i, t, b] picks frame
         t's edge of sample i of sequence b, so a seeded generator gives the same samples on every device. A target that
-        cannot fit the frames gives paths of -1 and log-probability -inf."""
-        reference_only(backend, 'CTC_CRF.sample')
+        cannot fit the frames gives paths of -1 and log-probability -inf. `backend`: 'auto' (the CPU kernels on CPU tensors,
+        the reference on a GPU), 'cpu' or 'reference'; both give the same samples for the same uniforms."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         lat = self._lattice(scores, targets, target_lengths)
+        backend = question_backend(backend, lat.Ms, 'CTC_CRF.sample', 'scores')
         T, N = lat.Ms.shape[:2]
         u = torch.rand((int(n), T, N), generator=generator, dtype=torch.float64,
                        device=generator.device if generator is not None else 'cpu').to(lat.Ms.device)
-        edges, log_probs = _sample_edges(lat.Ms, lat.idx, lat.v0, lat.vT, u)
+        edges, log_probs = (_sample_edges_cpu if backend == 'cpu' else _sample_edges)(lat.Ms, lat.idx, lat.v0, lat.vT, u)
         return self._paths(edges, lat), log_probs
 
     def kbest(self, scores, k=4, *, targets=None, target_lengths=None, backend='auto'):
         """The k best paths of each sequence, best first, and their scores (k, N) (differentiable; minus `logZ` they are
         log-probabilities). Paths as `sample` gives them: (k, T, N) score columns, or given targets (k, T, N, L - state_len
-        + 1) alignments. Where fewer than k paths exist the rest are -1 with score -inf."""
-        reference_only(backend, 'CTC_CRF.kbest')
+        + 1) alignments. Where fewer than k paths exist the rest are -1 with score -inf. `backend` as `sample`'s."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
             raise ValueError(f"k must be an int in [1, 16], got {k!r}")
         lat = self._lattice(scores, targets, target_lengths)
-        edges, best = _kbest_edges(lat.Ms, lat.idx, lat.v0, lat.vT, int(k))
+        backend = question_backend(backend, lat.Ms, 'CTC_CRF.kbest', 'scores')
+        edges, best = (_kbest_edges_cpu if backend == 'cpu' else _kbest_edges)(lat.Ms, lat.idx, lat.v0, lat.vT, int(k))
         return self._paths(edges, lat), best
 
     def _lattice(self, scores, targets, target_lengths):
@@ -313,8 +317,9 @@ class CTC_CRF(SequenceDist):
         `ctc_viterbi_alignments`' format marks 1 (..., T, N, kmers). -1 (no path) fills a path's every entry."""
         if lat.kmers is None: return edges
         left = edges // 2 - edges % 2
-        one_hot = torch.nn.functional.one_hot(left.clamp(min=0), lat.kmers).to(lat.Ms.dtype)
-        return torch.where(edges[..., None] < 0, -1.0, one_hot).to(lat.Ms.dtype)
+        out = torch.zeros(*edges.shape, lat.kmers, dtype=lat.Ms.dtype, device=edges.device)    # (one write: 8 samples of a
+        out.scatter_(-1, left.clamp(min=0)[..., None], 1.0)                                    # read are 100 MB)
+        return out.masked_fill_(edges[..., None] < 0, -1.0)
 
 # %% ../nbs/05_crf.ipynb #q2b3c4d5
 def _target_lattice(stay, move, lengths):
@@ -368,8 +373,12 @@ def _sample_edges(Ms, idx, v0, vT, u):
             into = src[edges[:, t + 1]][..., None] * NZ + torch.arange(NZ, device=Ms.device)   # (n, N, NZ)
             j = choose_index(w[t].expand(n, -1, -1).gather(-1, into), u[:, t])
             edges[:, t] = into.gather(-1, j[..., None])[..., 0]
+    return _sampled(Ms, idx, v0, vT, edges, logz)
+
+def _sampled(Ms, idx, v0, vT, edges, logz):
+    "Sampled edges (n, T, N) and their log-probabilities (n, N), score - log Z (differentiable); -1 and -inf where there is no path."
     none = Log.is_zero(logz)
-    log_probs = torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges) - torch.where(none, 0.0, logz))
+    log_probs = torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges.clamp(min=0)) - torch.where(none, 0.0, logz))
     return torch.where(none, -1, edges), log_probs
 
 # %% ../nbs/05_crf.ipynb #k2c3p4u5
@@ -475,7 +484,11 @@ def _sparse_alg_cpu(alg, Mp, Mq, idx, rev, v0, vT, g, grad_p, grad_q, out, lo, h
         for t in range(T): _sparse_alpha_row(alg, P, Q, H, Mp, Mq, idx, t, n)
         zp, zq, total = _sparse_total(alg, P, Q, H, vT, n)
         out[n, 0] = zp; out[n, 1] = zq if alg == ALG_KL else zp; out[n, 2] = total
-        if g.shape[0] == 0 or g[n] == 0.0 or zp == -np.inf or (alg == ALG_KL and zq == -np.inf): continue
+        if g.shape[0] == 0: continue
+        if g[n] == 0.0 or zp == -np.inf or (alg == ALG_KL and zq == -np.inf):
+            grad_p[:, n] = 0.0
+            if alg == ALG_KL: grad_q[:, n] = 0.0
+            continue
         B = np.empty((6, C))
         bP, bQ, bH, nP, nQ, nH = B[0], B[1], B[2], B[3], B[4], B[5]     # frames t + 1 and t of the backward recursion
         for c in range(C): bP[c] = vT[n, c]; bQ[c] = vT[n, c]; bH[c] = 0.0
@@ -703,8 +716,8 @@ def _exact_divergence(st, seqs=None):
     v0, vT = _f64(pick(st.ends[0].T).T), _f64(pick(st.ends[1].T).T)
     T, M, C, NZ = mp.shape
     none = np.zeros((0, 0, 0, 0))
-    grad_p = torch.zeros(T, M, C, NZ, dtype=torch.float64) if st.with_grad else None
-    grad_q = torch.zeros(T, M, C, NZ, dtype=torch.float64) if st.with_grad and kl else None
+    grad_p = empty_large((T, M, C, NZ), torch.float64) if st.with_grad else None          # (the kernel writes every
+    grad_q = empty_large((T, M, C, NZ), torch.float64) if st.with_grad and kl else None   # element)
     out = np.empty((M, 3))
     parallel_for(_DIVERGENCES[st.algebra][1], M, mp.numpy(), mq.numpy(), st.idx.long().numpy(), st.rev, v0.numpy(),
                  vT.numpy(), np.ones(M) if st.with_grad else np.zeros(0), none if grad_p is None else grad_p.numpy(),
@@ -767,6 +780,154 @@ def _lattice_divergence(algebra, p, q, backend):
     with_grad = torch.is_grad_enabled() and (p.Ms.requires_grad or (Ms_q is not None and Ms_q.requires_grad))
     value, logz_p, logz_q, _, _ = crf_divergence_op(p.Ms, Ms_q, p.idx, p.v0, p.vT, algebra, with_grad, backend=backend)
     return torch.where(Log.is_zero(logz_p) | Log.is_zero(logz_q), 0.0, value)
+
+# %% ../nbs/05_crf.ipynb #3b822c14
+@numba.njit(inline='always')
+def _log_alpha(a, linear):
+    "A forward score as a log weight: the scaled probability's log (0 -> -inf), or the log-space score as it is."
+    return (np.log(a) if a > 0.0 else -np.inf) if linear else a
+
+@numba.njit(inline='always')
+def _pick(cum, n, x, last):
+    """`choose_index`'s rule over cumulative weights cum[:n]: the number of cum[:n - 1] at most x = u times the total
+    (the first whose cumulative weight exceeds it), never past the last of positive weight."""
+    i = 0
+    for j in range(n - 1): i += cum[j] <= x
+    return min(i, last)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _sparse_sample_cpu(Ms, idx, alpha, linear, vT, seqs, cols, u, edges, lo, hi):
+    """Backward sampling for the sequences seqs[lo:hi] of a sparse lattice, given their forward scores alpha[:, cols[i]]:
+    scaled probabilities (`linear`: the loss's forward, each frame divided by its largest) or log space. Frame T - 1
+    takes an edge e = c * NZ + j among all, in proportion to alpha[T-1, idx[c, j]] exp(Ms[T-1, c, j] + vT[c]), by the
+    uniform u[r, T-1, n]; frame t < T - 1 one of the edges into the state that frame t + 1's edge leaves, in proportion to
+    alpha[t, idx[s, j]] exp(Ms[t, s, j]), by u[r, t, n]; each pick `choose_index`'s (weights relative to the largest,
+    inverse CDF), so the uniforms give the reference's samples. edges[r, t, n] = the edge. Scores at or below ZERO_BELOW
+    (the semiring's finite zero) weigh 0."""
+    T, N, C, NZ = Ms.shape
+    E = C * NZ
+    cum, w = np.empty(E), np.empty(NZ)
+    for i in range(lo, hi):
+        n, a = seqs[i], cols[i]
+        m = -np.inf
+        for c in range(C):
+            for j in range(NZ):
+                x = Ms[T - 1, n, c, j] + vT[n, c]
+                x = _log_alpha(alpha[T - 1, a, idx[c, j]], linear) + x if x > ZERO_BELOW else -np.inf
+                cum[c * NZ + j] = x
+                m = max(m, x)
+        total, last = 0.0, 0
+        for e in range(E):
+            x = cum[e]
+            if x > ZERO_BELOW:
+                total += np.exp(x - m)
+                last = e
+            cum[e] = total
+        for r in range(u.shape[0]):
+            e = min(np.searchsorted(cum[:E - 1], u[r, T - 1, n] * total, side='right'), last)
+            edges[r, T - 1, n] = e
+            for t in range(T - 2, -1, -1):
+                s = idx[e // NZ, e % NZ]
+                m = -np.inf
+                for j in range(NZ):
+                    x = Ms[t, n, s, j]
+                    x = _log_alpha(alpha[t, a, idx[s, j]], linear) + x if x > ZERO_BELOW else -np.inf
+                    w[j] = x
+                    m = max(m, x)
+                tot, last_j = 0.0, 0
+                for j in range(NZ):
+                    if w[j] > ZERO_BELOW:
+                        tot += np.exp(w[j] - m)
+                        last_j = j
+                    w[j] = tot
+                e = s * NZ + _pick(w, NZ, u[r, t, n] * tot, last_j)
+                edges[r, t, n] = e
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _sparse_kbest_cpu(Ms, idx, v0, vT, k, edges, lo, hi):
+    """KMax(k) over the sequences lo <= n < hi of a sparse lattice, in log space: the k best scores of the paths into
+    each state, sorted, each found by merging the state's in-edges' sorted lists (a head per edge: its score plus its
+    source's next best), with where it came from, 16 * j + the source's rank (int16), for each (frame, state, rank);
+    then the k best ends (state, rank) with vT, each walked back: edges[r, t, n] = c * NZ + j of the r-th best path,
+    left as is where there are fewer than k paths. Scores at or below ZERO_BELOW (the finite zero) are no edge."""
+    T, N, C, NZ = Ms.shape
+    prev, cur = np.empty((C, k)), np.empty((C, k))
+    back = np.empty((T, C, k), np.int16)
+    head, at = np.empty(NZ), np.empty(NZ, np.int64)
+    top, top_c, top_r = np.empty(k), np.empty(k, np.int64), np.empty(k, np.int64)
+    for n in range(lo, hi):
+        for c in range(C):
+            for r in range(k): prev[c, r] = -np.inf
+            if v0[n, c] > ZERO_BELOW: prev[c, 0] = v0[n, c]
+        for t in range(T):
+            for c in range(C):
+                for j in range(NZ):
+                    x = Ms[t, n, c, j]
+                    head[j] = x + prev[idx[c, j], 0] if x > ZERO_BELOW else -np.inf
+                    at[j] = 0
+                for r in range(k):
+                    best, bj = -np.inf, -1
+                    for j in range(NZ):
+                        if head[j] > best: best, bj = head[j], j
+                    if bj < 0:
+                        for q in range(r, k): cur[c, q] = -np.inf
+                        break
+                    cur[c, r] = best
+                    back[t, c, r] = 16 * bj + at[bj]
+                    a = at[bj] + 1
+                    at[bj] = a
+                    head[bj] = Ms[t, n, c, bj] + prev[idx[c, bj], a] if a < k else -np.inf
+            prev, cur = cur, prev
+        for r in range(k): top[r] = -np.inf
+        for c in range(C):                            # the k best ends: an insertion into the sorted top k
+            if vT[n, c] <= ZERO_BELOW: continue
+            for r in range(k):
+                x = prev[c, r] + vT[n, c]
+                if not x > top[k - 1]: break           # (each state's list is sorted: the rest are no better)
+                q = k - 1
+                while q > 0 and top[q - 1] < x:
+                    top[q], top_c[q], top_r[q] = top[q - 1], top_c[q - 1], top_r[q - 1]
+                    q -= 1
+                top[q], top_c[q], top_r[q] = x, c, r
+        for q in range(k):
+            if top[q] == -np.inf: break
+            c, r = top_c[q], top_r[q]
+            for t in range(T - 1, -1, -1):
+                code = back[t, c, r]
+                j = code >> 4
+                edges[q, t, n] = c * NZ + j
+                c, r = idx[c, j], code & 15
+
+def _sample_edges_cpu(Ms, idx, v0, vT, u):
+    """`_sample_edges` by the CPU kernels: the loss's forward (`sparse.sparse_logz`: log Z, differentiable, and the
+    scaled forward scores it keeps for its backward), log-space forward scores (`sparse.fwd_scores_cupy`) for the
+    sequences it could not scale, then `_sparse_sample_cpu`'s walks back: the reference's edges for the same uniforms."""
+    T, N, C, NZ = Ms.shape
+    v0, vT = v0.contiguous(), vT.contiguous()
+    logz, alpha, _, scaled = sparse.sparse_logz(Ms, idx, v0, vT, 'Log', True, 1, backend='cpu')
+    ms, ends, idx64 = Ms.detach().contiguous(), vT.detach().double().contiguous(), idx.long().contiguous()
+    edges = torch.full((u.shape[0], T, N), -1, dtype=torch.long)
+    live = ~Log.is_zero(logz.detach())
+    for linear in (True, False):
+        seqs = (live & (scaled if linear else ~scaled)).nonzero()[:, 0]
+        if not len(seqs): continue
+        a = alpha if linear else sparse.fwd_scores_cupy(ms[:, seqs], idx64, v0.detach()[seqs], Log, backend='cpu')
+        cols = seqs if linear else torch.arange(len(seqs))
+        parallel_for(_sparse_sample_cpu, len(seqs), ms.numpy(), idx64.numpy(), a.detach().contiguous().numpy(), linear,
+                     ends.numpy(), seqs.numpy(), cols.numpy(), u.contiguous().numpy(), edges.numpy(),
+                     work=_EDGE_WORK * u.shape[0] * T * NZ * len(seqs))
+    return _sampled(Ms, idx, v0, vT, edges, logz)
+
+def _kbest_edges_cpu(Ms, idx, v0, vT, k):
+    "`_kbest_edges` by the CPU kernel `_sparse_kbest_cpu`: the same edges (k, T, N) and scores (k, N)."
+    T, N, C, NZ = Ms.shape
+    edges = torch.full((k, T, N), -1, dtype=torch.long)
+    f64 = lambda v: v.detach().double().contiguous().numpy()
+    parallel_for(_sparse_kbest_cpu, N, Ms.detach().contiguous().numpy(), idx.long().contiguous().numpy(), f64(v0), f64(vT),
+                 k, edges.numpy(), work=_EDGE_WORK * k * Ms.numel())
+    none = edges[:, 0] < 0
+    return edges, torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges.clamp(min=0)))
+
 
 # %% ../nbs/05_crf.ipynb #f7a883da
 class CTC_CRFAlignments(AlignmentPosterior):
@@ -841,9 +1002,9 @@ class CTC_CRFAlignments(AlignmentPosterior):
 # %% ../nbs/05_crf.ipynb #30e639a5
 def bench_crf_questions(T=1000, N=16, state_len=5, warmup=2, reps=7):
     """The CTC_CRF questions on the CPU at `bench_ctc_crf`'s basecaller shape (float32 scores), each timed alternately
-    with its anchor from the same family, with both peak memories (`peak_extra_mb`): the entropy of the CRF's paths
-    fwd+bwd against `logZ` fwd+bwd, and the entropy of a read's alignments fwd+bwd against `ctc_loss` fwd+bwd. ratio =
-    anchor / ours, as in `seqdist.bench.bench_ctc_questions`."""
+    with its anchor from the same family, with both peak memories (`peak_extra_mb`), of the CRF's paths and of a read's
+    alignments: entropy fwd+bwd against `logZ` (the read's: `ctc_loss`) fwd+bwd, 8 samples against one forward, k-best
+    (k = 4) against `viterbi` (`ctc_viterbi_alignments`). ratio = anchor / ours, as in `seqdist.bench.bench_ctc_questions`."""
     from .timing import paired_median_ms, peak_extra_mb
     crf = CTC_CRF(state_len, 'NACGT')
     g = torch.Generator().manual_seed(0)
@@ -852,11 +1013,21 @@ def bench_crf_questions(T=1000, N=16, state_len=5, warmup=2, reps=7):
     targets = torch.randint(1, 5, (N, L), generator=g)
     lengths = torch.randint(int(0.9 * L), L + 1, (N,), generator=g)
     grad = lambda f: (lambda: torch.autograd.grad(f(x).sum(), x))
+    fwd = lambda f: (lambda: f(x.detach()))
+    read = dict(targets=targets, target_lengths=lengths)
+    loss = lambda x: crf.ctc_loss(x, targets, lengths, reduction='none')
+    sample = lambda **t: fwd(lambda x: crf.sample(x, 8, torch.Generator().manual_seed(0), **t))
     cases = [('CTC_CRF.entropy fwd+bwd, the paths', 'CTC_CRF.logZ fwd+bwd (target: ratio >= 0.67)',
               grad(crf.logZ), grad(crf.entropy)),
              ("CTC_CRF.entropy fwd+bwd, a read's alignments", 'CTC_CRF.ctc_loss fwd+bwd (target: ratio >= 0.67)',
-              grad(lambda x: crf.ctc_loss(x, targets, lengths, reduction='none')),
-              grad(lambda x: crf.entropy(x, targets, lengths)))]
+              grad(loss), grad(lambda x: crf.entropy(x, targets, lengths))),
+             ('CTC_CRF.sample n=8, the paths', 'CTC_CRF.logZ forward (target: ratio >= 0.67)', fwd(crf.logZ), sample()),
+             ("CTC_CRF.sample n=8, a read's alignments", 'CTC_CRF.ctc_loss forward (target: ratio >= 0.67)', fwd(loss),
+              sample(**read)),
+             ('CTC_CRF.kbest k=4, the paths', 'CTC_CRF.viterbi (target: ratio >= 0.5)', fwd(crf.viterbi),
+              fwd(lambda x: crf.kbest(x, 4))),
+             ("CTC_CRF.kbest k=4, a read's alignments", 'CTC_CRF.ctc_viterbi_alignments (target: ratio >= 0.5)',
+              fwd(lambda x: crf.ctc_viterbi_alignments(x, targets, lengths)), fwd(lambda x: crf.kbest(x, 4, **read)))]
     rows = []
     for op, anchor, theirs, ours in cases:
         t0, t1 = paired_median_ms(theirs, ours, warmup, reps)

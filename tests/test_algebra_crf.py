@@ -121,7 +121,6 @@ def test_gradcheck(backend):
         assert check(lambda x: crf.entropy(x, **t), sp)
         assert check(lambda x, y: crf.kl(x, y, **t), sp, sq)
         assert check(lambda x, y: crf.cross_entropy(x, y, **t), sp, sq)
-        if backend == 'cpu': continue                      # (no CPU kernel for these yet)
         assert check(lambda x: crf.kbest(x, k=3, **t)[1], sp)
         assert check(lambda x: crf.sample(x, n=4, generator=torch.Generator().manual_seed(0), **t)[1], sp)
 
@@ -203,12 +202,13 @@ def test_cpu_kernel_float32_and_under_torch_compile():
 
 # -- k best paths --------------------------------------------------------------------------------------------------------
 
+@BACKENDS
 @pytest.mark.parametrize('k', [1, 4, 16])
-def test_kbest_equals_the_sorted_enumeration(k):
+def test_kbest_equals_the_sorted_enumeration(k, backend):
     crf, T = CTC_CRF(1, 'NACGT'), 3
     scores = random_scores(crf, T, 2, 8)
     cols, _ = all_paths(1, 4, T)
-    paths, best = crf.kbest(scores, k=k)
+    paths, best = crf.kbest(scores, k=k, backend=backend)
     assert paths.shape == (k, T, 2) and best.shape == (k, 2)
     for b in range(2):
         s = path_scores(scores, b, cols)
@@ -216,12 +216,12 @@ def test_kbest_equals_the_sorted_enumeration(k):
         close(best[:, b], top.values)
         assert torch.equal(paths[:, :, b], cols[top.indices])
     close(path_scores(scores, 0, paths[:, :, 0]), best[:, 0])
-    assert torch.equal(crf.edge_labels(crf.kbest(scores, k=1)[0][0]), crf.viterbi(scores))
+    assert torch.equal(crf.edge_labels(crf.kbest(scores, k=1, backend=backend)[0][0]), crf.viterbi(scores))
     # given targets
     targets, lengths = READS[1]
     T = 5
     scores = random_scores(crf, T, 2, 9)
-    paths, best = crf.kbest(scores, k=k, targets=torch.tensor(targets), target_lengths=torch.tensor(lengths))
+    paths, best = crf.kbest(scores, k=k, targets=torch.tensor(targets), target_lengths=torch.tensor(lengths), backend=backend)
     for b in range(2):
         acols, left = alignments_of(crf, T, targets[b][:lengths[b]])
         s = path_scores(scores, b, acols)
@@ -233,20 +233,21 @@ def test_kbest_equals_the_sorted_enumeration(k):
     viterbi = crf.ctc_viterbi_alignments(scores, torch.tensor(targets), torch.tensor(lengths))
     assert torch.equal(paths[0], viterbi)
 
-def test_kbest_pads_where_there_are_fewer_paths():
+@BACKENDS
+def test_kbest_pads_where_there_are_fewer_paths(backend):
     crf = CTC_CRF(1, 'NA')                                 # one state, entered by a stay and by a move: 2^T paths
     scores = random_scores(crf, 2, 1, 10)
-    paths, best = crf.kbest(scores, k=6)
+    paths, best = crf.kbest(scores, k=6, backend=backend)
     assert torch.isfinite(best[:4]).all() and best[4:].eq(-math.inf).all() and paths[4:].eq(-1).all() and paths[:4].ge(0).all()
     crf = CTC_CRF(1, 'NACGT')
     scores = random_scores(crf, 3, 2, 11)
     tg = torch.tensor([[1, 2, 3, 4, 1], [1, 2, 3, 4, 0]])   # 5 k-mers in 3 frames cannot fit; 4 fit one way only
-    paths, best = crf.kbest(scores, k=3, targets=tg, target_lengths=torch.tensor([5, 4]))
+    paths, best = crf.kbest(scores, k=3, targets=tg, target_lengths=torch.tensor([5, 4]), backend=backend)
     assert best[:, 0].eq(-math.inf).all() and paths[:, :, 0].eq(-1).all()
     assert torch.isfinite(best[0, 1]) and best[1:, 1].eq(-math.inf).all() and paths[1:, :, 1].eq(-1).all()
     assert torch.equal(paths[0, :, 1], torch.eye(5, dtype=torch.float64)[:3])
     assert crf.entropy(scores, tg, torch.tensor([5, 4])).eq(0).all()
-    s, logp = crf.sample(scores, n=3, targets=tg, target_lengths=torch.tensor([5, 4]))
+    s, logp = crf.sample(scores, n=3, targets=tg, target_lengths=torch.tensor([5, 4]), backend=backend)
     assert s[:, :, 0].eq(-1).all() and logp[:, 0].eq(-math.inf).all() and logp[:, 1].eq(0).all()
 
 @BACKENDS
@@ -271,10 +272,11 @@ def check_draws(drawn, logprob, n):
     shuffled = logprob.exp()[torch.randperm(len(logprob), generator=torch.Generator().manual_seed(0))]
     assert chi_square(counts, shuffled, n)[0] > chi_square_bound(df)       # the test has power
 
-def test_samples_of_the_paths_match_the_exact_probabilities():
+@BACKENDS
+def test_samples_of_the_paths_match_the_exact_probabilities(backend):
     crf, T, n = CTC_CRF(1, 'NACGT'), 2, 20000
     scores = random_scores(crf, T, 2, 12, scale=0.7)
-    paths, logp = crf.sample(scores, n=n, generator=torch.Generator().manual_seed(0))
+    paths, logp = crf.sample(scores, n=n, generator=torch.Generator().manual_seed(0), backend=backend)
     assert paths.shape == (n, T, 2) and logp.shape == (n, 2)
     cols, _ = all_paths(1, 4, T)
     index = {tuple(p): i for i, p in enumerate(cols.tolist())}
@@ -288,12 +290,13 @@ def test_samples_of_the_paths_match_the_exact_probabilities():
     freq = torch.nn.functional.one_hot(paths, crf.n_score()).double().mean(0)
     assert ((freq - post).abs() <= 5 * (post * (1 - post) / n).clamp(min=0).sqrt() + 1e-12).all()
 
-def test_samples_of_the_alignments_match_the_exact_probabilities():
+@BACKENDS
+def test_samples_of_the_alignments_match_the_exact_probabilities(backend):
     crf, T, n = CTC_CRF(1, 'NACGT'), 5, 20000
     scores = random_scores(crf, T, 2, 13, scale=0.7)
     targets, lengths = [[1, 2, 3, 0], [2, 2, 4, 1]], [3, 4]
     tg, tl = torch.tensor(targets), torch.tensor(lengths)
-    paths, logp = crf.sample(scores, n=n, generator=torch.Generator().manual_seed(1), targets=tg, target_lengths=tl)
+    paths, logp = crf.sample(scores, n=n, generator=torch.Generator().manual_seed(1), targets=tg, target_lengths=tl, backend=backend)
     assert paths.shape == (n, T, 2, 4) and logp.shape == (n, 2)
     for b in range(2):
         acols, left = alignments_of(crf, T, targets[b][:lengths[b]])
@@ -323,8 +326,31 @@ def test_samples_are_reproducible_from_the_generator():
     u = torch.rand((50, 6, 3), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     v = torch.zeros(3, crf.n_states, dtype=torch.float64)
     edges, logp = _sample_edges(crf._Ms(scores), crf.idx.long(), v, v, u)
-    assert torch.equal(edges, a[0]) and torch.equal(logp, a[1])
+    assert torch.equal(edges, a[0])                        # (the CPU kernel's, by default; log Z to rounding)
+    close(logp, a[1])
     close(a[1], crf.sample(scores.float(), n=50, generator=torch.Generator().manual_seed(7))[1].double(), rtol=1e-4, atol=1e-4)
+
+@pytest.mark.parametrize('state_len, T, T_read', [(2, 9, 3), (3, 6, 2)])
+def test_cpu_samples_and_kbest_equal_the_reference(state_len, T, T_read):
+    """The CPU kernels give the reference's samples for the same uniforms, its k best paths, and the same (differentiable)
+    scores, on both lattices, in float64 and float32: the CRF's paths (scaled forward scores) and a batch of reads of
+    several lengths (log-space ones), the first of which cannot fit its frames."""
+    crf = CTC_CRF(state_len, 'NACGT')
+    tg = torch.tensor([[1, 2, 3, 4, 1, 2], [2, 2, 4, 1, 3, 0], [3, 1, 1, 2, 0, 0], [4, 4, 4, 4, 4, 4]])
+    tl = torch.tensor([6, 5, 4, state_len])          # 7 - state_len k-mers in T_read = 5 - state_len frames: too many
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-4)):
+        for t, frames in (({}, T), (dict(targets=tg, target_lengths=tl), T_read)):
+            x = random_scores(crf, frames, 4, 40 + frames, scale=2.0, dtype=dtype)
+            xs = [x.clone().requires_grad_() for _ in range(2)]
+            for ask in (lambda b: crf.sample(xs[b == 'cpu'], 64, torch.Generator().manual_seed(5), backend=b, **t),
+                        lambda b: crf.kbest(xs[b == 'cpu'], 5, backend=b, **t)):
+                (p_ref, s_ref), (p_cpu, s_cpu) = (ask(b) for b in ('reference', 'cpu'))
+                assert torch.equal(p_cpu, p_ref) and len({str(p) for p in p_cpu[:, :, 2].tolist()}) > 1
+                assert torch.isinf(s_cpu[:, 0]).all() == bool(t)
+                close(s_cpu, s_ref, rtol=tol, atol=tol)
+                (g_ref,), (g_cpu,) = (torch.autograd.grad(torch.where(torch.isfinite(s), s, 0).sum(), xi)
+                                      for s, xi in ((s_ref, xs[0]), (s_cpu, xs[1])))
+                close(g_cpu, g_ref, rtol=tol, atol=tol)
 
 def test_float32_no_grad_and_a_single_frame():
     crf = CTC_CRF(1, 'NACGT')
@@ -361,7 +387,8 @@ def test_bad_inputs_are_clear_errors():
         (lambda: crf.entropy(scores, tg + 1, tl), ValueError, 'bases in \\[1, 4\\]'),
         (lambda: crf.entropy(scores, tg, torch.tensor([2, 3])), ValueError, 'target_lengths must be in \\[state_len, L\\]'),
         (lambda: crf.entropy(scores, tg, torch.tensor([2])), ValueError, 'target_lengths must be 2 integers'),
-        (lambda: crf.sample(scores, backend='cpu'), NotImplementedError, "CTC_CRF.sample has no 'cpu' backend"),
+        (lambda: crf.sample(scores, backend='cuda'), NotImplementedError, "CTC_CRF.sample has no 'cuda' backend"),
+        (lambda: crf.kbest(scores, backend='fast'), ValueError, 'backend must be'),
         (lambda: crf.kbest(scores, backend='cuda'), NotImplementedError, "no 'cuda' backend"),
         (lambda: crf.entropy(scores, backend='cuda'), NotImplementedError, "CTC_CRF.entropy has no 'cuda' backend"),
         (lambda: crf.kl(scores, scores, backend='cuda'), NotImplementedError, "CTC_CRF.kl has no 'cuda' backend"),
