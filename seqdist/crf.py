@@ -752,10 +752,11 @@ def _divergence_reference(st):
     return value, S.exact_zero(logz_p.detach()), S.exact_zero(logz_q.detach()), empty, empty
 
 def _divergence_backward(st, outputs, grads):
-    """The gradients the kernels wrote in the forward, each sequence's scaled by the gradient of its value, into a
-    pooled buffer (`empty_gradient`: a gradient of hundreds of MB costs no page faults)."""
+    """The gradients the kernels wrote in the forward, each sequence's scaled by the gradient of its value: in place
+    where the op layer hands them over (`consume`: one buffer of hundreds of MB, not two), else into a pooled buffer
+    (`empty_gradient`: no page faults)."""
     g = grads[0][None, :, None, None].to(outputs[3].dtype)
-    scaled = lambda x: torch.mul(x, g, out=empty_gradient(x))
+    scaled = lambda x: x.mul_(g) if st.consume else torch.mul(x, g, out=empty_gradient(x))
     out = {'Ms_p': scaled(outputs[3]).to(st.Ms_p.dtype)}
     if st.Ms_q is not None: out['Ms_q'] = scaled(outputs[4]).to(st.Ms_q.dtype)
     return out
@@ -770,7 +771,8 @@ crf_divergence_op = Op(f'{_OPS}::crf_divergence', "(Tensor Ms_p, Tensor? Ms_q, T
                        "str algebra, bool with_grad) -> (Tensor value, Tensor logz_p, Tensor logz_q, Tensor grad_p, Tensor grad_q)",
                        prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'reference': _divergence_reference},
                        backward={'cpu': _divergence_backward, 'reference': AUTOGRAD}, fake=_divergence_fake,
-                       differentiable=('Ms_p', 'Ms_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'))
+                       differentiable=('Ms_p', 'Ms_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
+                       consumable=('grad_p', 'grad_q'))
 
 def _lattice_divergence(algebra, p, q, backend):
     "The `algebra`'s value (N,) over lattice p's paths (and q's, the same lattice with other scores), 0 where either has none."

@@ -1520,10 +1520,12 @@ def _divergence_reference(st):
     return value, S.exact_zero(logz_p.detach()), S.exact_zero(logz_q.detach()), empty, empty
 
 def _divergence_backward(st, outputs, grads):
-    "The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value."
+    """The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value: in place
+    where the op layer hands them over (`consume`), so that the op holds one gradient, as the loss does."""
     g = grads[0][None, :, None].to(st.lp.dtype)
-    out = {'log_probs_p': (outputs[3] * g).to(st.log_probs_p.dtype)}
-    if st.log_probs_q is not None: out['log_probs_q'] = (outputs[4] * g).to(st.log_probs_q.dtype)
+    scaled = lambda x: x.mul_(g) if st.consume else x * g
+    out = {'log_probs_p': scaled(outputs[3]).to(st.log_probs_p.dtype)}
+    if st.log_probs_q is not None: out['log_probs_q'] = scaled(outputs[4]).to(st.log_probs_q.dtype)
     return out
 
 def _divergence_fake(a, backend):
@@ -1540,7 +1542,8 @@ ctc_divergence_op = Op(f'{_OPS}::ctc_divergence', "(Tensor log_probs_p, Tensor? 
                                                              'reference': _divergence_reference},
                        backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
                        fake=_divergence_fake,
-                       differentiable=('log_probs_p', 'log_probs_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'))
+                       differentiable=('log_probs_p', 'log_probs_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
+                       consumable=('grad_p', 'grad_q'))
 
 def _divergence(algebra, log_probs_p, log_probs_q, targets, input_lengths, target_lengths, blank, reduction, backend, what):
     "The `algebra`'s value over each sequence's alignments (0 where p or q has no path), reduced."

@@ -102,7 +102,11 @@ class Op:
     - `fake(a, backend)`: outputs with the right shapes and dtypes (for torch.compile).
     - `differentiable`: names of the tensor inputs that get gradients (none: an op for `compute` only, e.g.
       alignments, with no backward); `residuals`: names of outputs that are not differentiable (kept for the
-      backward, or side results).
+      backward, or side results); `consumable`: residuals that an eager backward may overwrite, e.g. a gradient the
+      forward computed, scaled in place (one buffer where a scaled copy makes two). The layer keeps them out of
+      autograd's saved tensors and hands them to the first backward (`state.consume` True); a later backward of the
+      same graph (retain_graph) gets them computed again by the forward. A backward with `state.consume` False (the
+      compiled graph's) must not write them.
     `op(*inputs, backend='auto')` resolves the backend once, then runs the forward: eagerly through one
     autograd.Function (no dispatcher: host time matters for small calls; with nothing to differentiate, no_grad or
     no differentiable input requiring a gradient, the forward alone), or, while torch.compile traces, through the
@@ -111,7 +115,8 @@ class Op:
     `op.compute(...)`) is for an op that runs this one inside its own forward or backward, on values its own prepare
     has checked: prepare then runs without its checks (a call that torch.compile traces, whose custom op prepares
     with them, aside)."""
-    def __init__(self, name, schema, *, prepare, forward, fake, backward=None, differentiable=(), residuals=()):
+    def __init__(self, name, schema, *, prepare, forward, fake, backward=None, differentiable=(), residuals=(),
+                 consumable=()):
         self.name, self.prepare, self.forward, self.backward, self.fake = name, prepare, forward, backward, fake
         self.backends = tuple(forward)
         parsed = torch._C.parse_schema(name + schema)
@@ -127,7 +132,9 @@ class Op:
         if missing := set(self.backends) - set(backward):
             raise ValueError(f"{name}: no backward for the backends {sorted(missing)}")
         self.backward = backward
+        if unknown := set(consumable) - set(residuals): raise ValueError(f"{name}: consumable names {sorted(unknown)}, not residuals")
         self.differentiable, self.residuals = tuple(differentiable), tuple(residuals)
+        self._consumable_idx = tuple(self.outputs.index(r) for r in consumable)
         self._diff_idx = tuple(self.inputs.index(n) for n in self.differentiable)
         self._residual_idx = tuple(self.outputs.index(r) for r in residuals)
         self._output_idx = tuple(i for i in range(len(self.outputs)) if i not in self._residual_idx)
@@ -206,7 +213,7 @@ class Op:
         a = self._ns(inputs)
         grads = [torch.zeros_like(outs[i]) if g is None and i in self._output_idx else g for i, g in enumerate(grads)]
         state = self.prepare(a, backend, False)
-        state.grad_wanted = set(self.differentiable)
+        state.grad_wanted, state.consume = set(self.differentiable), False   # (the saved outputs: not to be written)
         g = self.backward[backend](state, outs, grads)
         return [self._grad_like(None, inputs[self._tensor[0]]) if getattr(a, n) is None else
                 torch.zeros_like(getattr(a, n)) if g.get(n) is None else g[n] for n in self.differentiable]
@@ -223,7 +230,9 @@ class _Eager(torch.autograd.Function):
         outs = tuple(op.forward[backend](ctx.state))
         # the tensor inputs too, though the state holds what the backward uses: autograd's version check then
         # raises if one is modified in place before the backward, as for any PyTorch op
-        ctx.save_for_backward(*(args[i] for i in op._tensor), *outs)
+        # the consumable outputs outside them (a backward writes them: autograd's check would then refuse a second one)
+        ctx.kept = {i: outs[i] for i in op._consumable_idx}
+        ctx.save_for_backward(*(args[i] for i in op._tensor), *(o.new_empty(0) if i in ctx.kept else o for i, o in enumerate(outs)))
         ctx.mark_non_differentiable(*(outs[i] for i in (op._residual_idx if op.differentiable else range(len(outs)))))
         return outs
 
@@ -237,5 +246,10 @@ class _Eager(torch.autograd.Function):
                           for i in range(len(grads)))
         ctx.state.grad_wanted = ({op.differentiable[0]} if len(op.differentiable) == 1 else
                                  {n for n, want in zip(op.inputs, ctx.needs_input_grad[3:]) if want})
+        if op._consumable_idx:             # the forward's, once; then (retain_graph) computed again: a backward writes them
+            kept = ctx.kept if ctx.kept is not None else dict(enumerate(op.forward[ctx.backend](ctx.state)))
+            ctx.kept = None
+            outs = tuple(kept[i] if i in op._consumable_idx else o for i, o in enumerate(outs))
+        ctx.state.consume = bool(op._consumable_idx)
         g = op.backward[ctx.backend](ctx.state, outs, grads)
         return (None, None, None, *map(g.get, op.inputs))

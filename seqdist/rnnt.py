@@ -844,9 +844,11 @@ def _divergence_reference(s):
     return value, S.exact_zero(logz_p.detach()), S.exact_zero(logz_q.detach()), s.xp.new_empty(0), s.xp.new_empty(0)
 
 def _divergence_backward(s, outputs, grads):
-    "The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value."
+    """The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value: in place
+    where the op layer hands them over (`consume`: the op then holds one gradient, as the loss does), else into a
+    pooled buffer on the CPU (no page faults)."""
     g = grads[0][:, None, None, None].to(s.xp.dtype)
-    scaled = lambda x: torch.mul(x, g, out=empty_gradient(x)) if x.device.type == 'cpu' else x * g   # (pooled: no page faults)
+    scaled = lambda x: x.mul_(g) if s.consume else torch.mul(x, g, out=empty_gradient(x)) if x.device.type == 'cpu' else x * g
     out = {'logits_p': scaled(outputs[3]).to(s.logits_p.dtype)}
     if s.logits_q is not None: out['logits_q'] = scaled(outputs[4]).to(s.logits_q.dtype)
     return out
@@ -865,7 +867,8 @@ rnnt_divergence_op = Op(f'{_OPS}::rnnt_divergence', "(Tensor logits_p, Tensor? l
                                                              'reference': _divergence_reference},
                         backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
                         fake=_divergence_fake,
-                        differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'))
+                        differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
+                        consumable=('grad_p', 'grad_q'))
 
 def _divergence(algebra, logits_p, logits_q, targets, logit_lengths, target_lengths, blank, fused_log_softmax, reduction,
                 backend, what):

@@ -1143,9 +1143,11 @@ def _divergence_reference(s):
     return value, S.exact_zero(logz_p.detach()), S.exact_zero(logz_q.detach()), s.xp.new_empty(0), s.xp.new_empty(0)
 
 def _divergence_backward(s, outputs, grads):
-    "The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value."
+    """The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value: in place
+    where the op layer hands them over (`consume`: the op then holds one gradient, as the loss does), else into a
+    pooled buffer (no page faults)."""
     g = grads[0][:, None, None, None].to(s.xp.dtype)
-    scaled = lambda grad: torch.mul(grad, g, out=empty_gradient(grad))
+    scaled = lambda grad: grad.mul_(g) if s.consume else torch.mul(grad, g, out=empty_gradient(grad))
     out = {'logits_p': scaled(outputs[3]).to(s.logits_p.dtype)}
     if s.logits_q is not None: out['logits_q'] = scaled(outputs[4]).to(s.logits_q.dtype)
     return out
@@ -1163,7 +1165,8 @@ tdt_divergence_op = Op(f'{_OPS}::tdt_divergence', "(Tensor logits_p, Tensor? log
                        "Tensor grad_p, Tensor grad_q)",
                        prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'reference': _divergence_reference},
                        backward={'cpu': _divergence_backward, 'reference': AUTOGRAD}, fake=_divergence_fake,
-                       differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'))
+                       differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
+                       consumable=('grad_p', 'grad_q'))
 
 # %% ../nbs/09_tdt.ipynb #tdtq-sample
 @numba.njit(inline='always')

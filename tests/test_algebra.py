@@ -474,3 +474,42 @@ def test_fast_entropy_vouches_only_where_it_cannot_have_cancelled():
             got[backend] = h.detach().double(), torch.autograd.grad((h * torch.arange(1.0, N + 1)).sum(), x)[0].double()
         assert 0 < got['cpu'][0][3] < 1e-6 * got['cpu'][0][0]
         for a, b in zip(got['cpu'], got['reference']): torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+@pytest.mark.parametrize('family', ['ctc', 'ctc_cuda', 'rnnt', 'tdt', 'crf'])
+def test_divergence_gradients_scaled_in_place_survive_a_retained_graph(family):
+    """Every family's entropy and KL ops hand their forward's gradient to the backward, which scales it in place (one
+    buffer, as the losses hold): a second backward of the same graph (retain_graph) gets it computed again, so both
+    backwards give the right gradient (the reference's, times each one's incoming gradient) and the first's result is
+    not overwritten by the second."""
+    from seqdist import rnnt, tdt
+    from seqdist.crf import CTC_CRF
+    g = torch.Generator().manual_seed(3)
+    if family.startswith('ctc'):
+        x, z = (torch.randn(7, 2, 5, generator=g, dtype=torch.float64).log_softmax(-1) for _ in range(2))
+        args = (torch.tensor([[1, 2, 2], [3, 1, 0]]), torch.tensor([7, 6]), torch.tensor([3, 2]))
+        backend = 'cuda' if family == 'ctc_cuda' else 'cpu'
+        ent = lambda x, b: alignment_entropy(x, *args, backend=b)
+        kl = lambda x, z, b: alignment_kl(x, z, *args, backend=b)
+    elif family == 'crf':
+        crf, backend = CTC_CRF(2, 'NACGT'), 'cpu'
+        x, z = (torch.randn(6, 2, crf.n_score(), generator=g, dtype=torch.float64) for _ in range(2))
+        ent, kl = (lambda x, b: crf.entropy(x, backend=b)), (lambda x, z, b: crf.kl(x, z, backend=b))
+    else:
+        mod, V = (rnnt, 5) if family == 'rnnt' else (tdt, 5 + 5)
+        x, z = (torch.randn(2, 6, 4, V, generator=g, dtype=torch.float64) for _ in range(2))
+        args, backend = (torch.tensor([[1, 2, 3], [2, 1, 0]]), torch.tensor([6, 5]), torch.tensor([3, 2])), 'cpu'
+        ent = lambda x, b: mod.alignment_entropy(x, *args, backend=b)
+        kl = lambda x, z, b: mod.alignment_kl(x, z, *args, backend=b)
+    w = torch.tensor([1.5, -0.5], dtype=torch.float64)
+    for f, inputs in ((lambda b, x, z: ent(x, b), (x,)), (lambda b, x, z: kl(x, z, b), (x, z))):
+        ref = [t.clone().requires_grad_() for t in (x, z)]
+        want = torch.autograd.grad(f('reference', *ref), ref[:len(inputs)], w)
+        ours = [t.clone().requires_grad_() for t in (x, z)]
+        value = f(backend, *ours)
+        first = torch.autograd.grad(value, ours[:len(inputs)], w, retain_graph=True)
+        kept = [t.clone() for t in first]
+        second = torch.autograd.grad(value, ours[:len(inputs)], 2 * w)
+        for a, k, b, r in zip(first, kept, second, want):
+            torch.testing.assert_close(a, k, rtol=0, atol=0)
+            torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
+            torch.testing.assert_close(b, 2 * r, rtol=1e-9, atol=1e-11)

@@ -179,6 +179,41 @@ def test_declaration_errors():
     with pytest.raises(ValueError, match="cannot be optional"):
         Op(next(_names), '(Tensor? x) -> Tensor y', prepare=None, forward={'cpu': None}, backward={'cpu': None}, fake=None)
 
+def test_consumable_residuals_are_handed_to_the_first_backward_and_computed_again_for_later_ones():
+    """A gradient the forward computes (softmax of x) is a consumable residual: the first eager backward gets the
+    forward's own tensor and scales it in place (one buffer, and what autograd.grad returns); a second backward of the
+    same graph (retain_graph) gets it computed again, so both gradients are right and the first is left alone; the
+    compiled graph's backward gets consume False and must copy; a consumable that is not a residual is an error."""
+    seen, forwards = [], []
+    def forward(s):
+        forwards.append(1)
+        p = torch.softmax(s.x, 1)
+        return torch.logsumexp(s.x, 1), p
+    def backward(s, outputs, grads):
+        seen.append((s.consume, outputs[1].data_ptr()))
+        p = outputs[1]
+        return {'x': p.mul_(grads[0][:, None]) if s.consume else p * grads[0][:, None]}
+    op = Op(next(_names), '(Tensor x) -> (Tensor lse, Tensor p)', prepare=lambda a, backend, check: SimpleNamespace(x=a.x.detach()),
+            forward={'cpu': forward}, backward={'cpu': backward}, differentiable=('x',), residuals=('p',), consumable=('p',),
+            fake=lambda a, backend: (a.x.new_empty(a.x.shape[0]), torch.empty_like(a.x)))
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    g = torch.tensor([1.0, 2.0, -3.0], dtype=torch.float64)
+    want = torch.softmax(x.detach(), 1) * g[:, None]
+    lse, p = op(x)
+    first, = torch.autograd.grad(lse, x, g, retain_graph=True)
+    assert seen[-1] == (True, p.data_ptr()) and first.data_ptr() == p.data_ptr() and len(forwards) == 1
+    second, = torch.autograd.grad(lse, x, 2 * g)
+    assert seen[-1][0] and seen[-1][1] != p.data_ptr() and len(forwards) == 2
+    torch.testing.assert_close(first, want)
+    torch.testing.assert_close(second, 2 * want)
+    assert torch.autograd.gradcheck(lambda x: op(x)[0], (x,))
+    compiled = torch.compile(lambda x: op(x)[0], backend='aot_eager', fullgraph=True)
+    torch.testing.assert_close(torch.autograd.grad(compiled(x), x, g)[0], want)
+    assert seen[-1][0] is False
+    with pytest.raises(ValueError, match="consumable names"):
+        Op(next(_names), '(Tensor x) -> (Tensor y, Tensor z)', prepare=None, forward={'cpu': None}, backward={'cpu': None},
+           fake=None, differentiable=('x',), residuals=('z',), consumable=('y',))
+
 def test_launch_limits():
     assert max_threads(1024) == 1024
     with launch_limits(max_threads=64):
