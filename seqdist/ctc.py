@@ -739,7 +739,8 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     state over the frames the best path gives it ("Confidence"). `star`: an id >= C that `targets` may hold, a wildcard
     matching any frames at `star_penalty` plus the frame's best non-blank log-probability; `label_log_priors` (C,):
     align with log_probs - `prior_scale` * label_log_priors ("Wildcards and priors"). The scores returned are always
-    the model's log_probs along the path. The three options are not yet on the 'cuda' backend."""
+    the model's log_probs along the path. All three on every backend: the wildcard and the priors change the emissions
+    (in PyTorch, on their device), the confidence reads the `Log` lattice's posteriors of the backend."""
     if not isinstance(log_probs, torch.Tensor) or log_probs.dim() != 3:
         raise ValueError(f"log_probs must be a (N, T, C) tensor, got {getattr(log_probs, 'shape', log_probs)!r}")
     if not isinstance(targets, torch.Tensor) or targets.dim() != 2:
@@ -757,10 +758,6 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     check_alignable(padded, il, tl)         # no best path otherwise: raise, as torchaudio does
     ext = interleave_blanks(padded, blank)
     backend = resolve_backend(backend, lp, ('cpu', 'cuda', 'reference'), 'log_probs')
-    if backend == 'cuda' and (options or return_confidence):
-        used = [n for n, v in (('return_confidence', return_confidence), ('star', star is not None),
-                               ('label_log_priors', label_log_priors is not None)) if v]
-        raise NotImplementedError(f"forced_align's {', '.join(used)} not yet on the 'cuda' backend: use 'cpu' or 'reference'")
     lp = lp.detach().to(_compute_dtype(lp.dtype))
     if backend == 'cpu':
         state = torch.zeros(N, T, dtype=torch.long)

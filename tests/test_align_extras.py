@@ -72,7 +72,7 @@ def check(lp, targets, il, tl, blank, labels, scores, conf, emissions, model, st
         torch.testing.assert_close(conf[n, :tl[n]], torch.tensor(want_conf, dtype=torch.float64), rtol=1e-9, atol=1e-12)
         assert (conf[n, tl[n]:] == 0).all()
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 @pytest.mark.parametrize('seed', range(3))
 def test_confidence_equals_brute_force(seed, backend):
     g = torch.Generator().manual_seed(seed)
@@ -82,7 +82,7 @@ def test_confidence_equals_brute_force(seed, backend):
     check(lp, targets, il, tl, blank, labels, scores, conf, lp, lp)
     assert torch.equal(labels, forced_align(lp, targets, il, tl, blank)[0])
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 @pytest.mark.parametrize('seed', range(3))
 def test_star_and_priors_equal_brute_force(seed, backend):
     "The best alignment under log_probs - scale * priors, with the wildcard's column penalty + the best non-blank."
@@ -156,13 +156,17 @@ def test_bad_targets_with_star_and_infeasible_ones():
     with pytest.raises(ValueError, match='sequence 1 has 3 target labels and 1 adjacent repeats'):
         forced_align(lp, torch.tensor([[1, 5, 2], [5, 5, 2]]), input_lengths=[4, 3], star=5)
 
-@pytest.mark.parametrize('kw,name', [(dict(return_confidence=True), 'return_confidence'), (dict(star=4), 'star'),
-                                     (dict(label_log_priors=torch.zeros(4)), 'label_log_priors')])
-def test_cuda_backend_not_yet(kw, name):
-    with pytest.raises(NotImplementedError, match=name):
-        forced_align(torch.randn(1, 6, 4).log_softmax(-1), torch.tensor([[1, 2]]), backend='cuda', **kw)
+def test_options_on_the_cuda_backend_equal_the_cpu():
+    "The wildcard, the priors and the confidence through the CUDA kernels (emulated here) give the CPU's outputs, float32."
+    g = torch.Generator().manual_seed(30)
+    lp = torch.randn(3, 16, 5, generator=g).log_softmax(-1)
+    targets, il, tl = torch.tensor([[1, 7, 2], [3, 4, 0], [7, 0, 0]]), torch.tensor([16, 11, 6]), torch.tensor([3, 2, 1])
+    kw = dict(return_confidence=True, star=7, star_penalty=-0.3, label_log_priors=torch.randn(5, generator=g), prior_scale=0.5)
+    cpu, cuda = (forced_align(lp, targets, il, tl, backend=b, **kw) for b in ('cpu', 'cuda'))
+    assert torch.equal(cpu[0], cuda[0]) and torch.equal(cpu[1], cuda[1]) and cpu[2].dtype == cuda[2].dtype == torch.float32
+    torch.testing.assert_close(cpu[2], cuda[2], rtol=1e-5, atol=1e-6)
 
-@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_degenerate_lengths(backend):
     "No frames, one frame, no target, a target that needs every frame; with the wildcard and priors too."
     g = torch.Generator().manual_seed(7)

@@ -610,6 +610,21 @@ def test_gpu_rnnt_samples_and_kbest_equal_the_reference_without_a_host_sync(dtyp
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=tol, atol=tol)
     record('rnnt_questions')
 
+def test_gpu_forced_align_options_equal_the_cpu(record):
+    """forced_align's wildcard, label priors and confidence on CUDA tensors (the priors on the GPU too): the CPU's labels
+    and scores, its confidences to rounding."""
+    from seqdist.ctc import forced_align
+    g = _gen(2)
+    lp = torch.randn(3, 40, 6, generator=g).log_softmax(-1)
+    targets, il, tl = torch.tensor([[1, 9, 2, 2], [3, 4, 9, 0], [9, 5, 0, 0]]), torch.tensor([40, 31, 12]), torch.tensor([4, 3, 2])
+    priors = torch.randn(6, generator=g)
+    kw = dict(return_confidence=True, star=9, star_penalty=-0.3, prior_scale=0.5)
+    want = forced_align(lp, targets, il, tl, label_log_priors=priors, **kw)
+    got = forced_align(lp.cuda(), targets.cuda(), il.cuda(), tl.cuda(), label_log_priors=priors.cuda(), **kw)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-5, atol=1e-6)
+    record('forced_align_options')
+
 def test_gpu_linear_token_stats_over_a_group_of_one(record):
     """linear_token_stats and linear_cross_entropy with group= on CUDA tensors (NCCL, one rank): the layout all-gather
     and the all-reduces on the GPU give the call without a group, values and gradients."""
