@@ -191,27 +191,8 @@ extern "C" __global__ void rnnt_row_offsets(
 #ifndef ALG
 #define ALG 1
 #endif
-__device__ __forceinline__ AlgState alg_load(const double* s, long long stride, long long n) {
-    AlgState x; x.p = s[n]; x.q = s[stride + n]; x.c = s[2 * stride + n]; return x;
-}
-__device__ __forceinline__ void alg_store(double* s, long long stride, long long n, AlgState x) {
-    s[n] = x.p; s[stride + n] = x.q; s[2 * stride + n] = x.c;
-}
-__device__ __forceinline__ AlgState alg_state(double p, double q, double c) { AlgState x; x.p = p; x.q = q; x.c = c; return x; }
-__device__ __forceinline__ AlgState alg_times(AlgState x, double sp, double sq) { x.p += sp; x.q += sq; return x; }
-
-// The gradient of the accumulator w.r.t. the scores (s_p, s_q) of one edge, from the forward state f at its tail and
-// the backward state w at its head: entropy -mu (log mu - H_before - H_after + H); KL mu_p (log mu_p - log mu_q +
-// KL_before + KL_after - KL) for p and mu_q - mu_p for q (mu the edge's posterior).
-__device__ __forceinline__ void alg_edge_grad(AlgState f, double sp, double sq, AlgState w, double zp, double zq,
-                                              double total, double* gp, double* gq) {
-    const double lmp = f.p + sp + w.p - zp, mp = lmp > -700.0 ? exp(lmp) : 0.0;
-    if (ALG == ALG_ENTROPY) { *gp = mp > 0.0 ? -mp * (lmp - f.c - w.c + total) : 0.0; *gq = 0.0; return; }
-    const double lmq = f.q + sq + w.q - zq, mq = lmq > -700.0 ? exp(lmq) : 0.0;
-    *gp = mp > 0.0 ? mp * (lmp - lmq + f.c + w.c - total) : 0.0;
-    *gq = mq - mp;
-}
-
+// (The states' helpers alg_load, alg_store, alg_state, alg_times and alg_edge_grad are semiring.cuh's: tdt.cu's
+// questions use them too.)
 extern "C" __global__ void rnnt_divergence(
     const FLOAT* __restrict__ xp, const FLOAT* __restrict__ xq, const double* __restrict__ lse_p,
     const double* __restrict__ lse_q, const long long* __restrict__ targets, const long long* __restrict__ logit_lengths,
@@ -259,8 +240,8 @@ extern "C" __global__ void rnnt_divergence(
             const double bp = BLANK_P(n), bq = BLANK_Q(n), ep = LABEL_P(n, u), eq = LABEL_Q(n, u);
             alg_store(bwd, nodes, n, alg_plus3<ALG>(alg_times(after_blank, bp, bq), alg_times(after_label, ep, eq), zero));
             const AlgState f = alg_load(fwd, nodes, n);
-            alg_edge_grad(f, bp, bq, after_blank, zp, zq, total, gedge + n, gedge + 2 * nodes + n);
-            alg_edge_grad(f, ep, eq, after_label, zp, zq, total, gedge + nodes + n, gedge + 3 * nodes + n);
+            alg_edge_grad<ALG>(f, bp, bq, after_blank, zp, zq, total, gedge + n, gedge + 2 * nodes + n);
+            alg_edge_grad<ALG>(f, ep, eq, after_label, zp, zq, total, gedge + nodes + n, gedge + 3 * nodes + n);
         }
         __syncthreads();
     }

@@ -76,6 +76,28 @@ template <int A> __device__ __forceinline__ AlgState alg_plus3(AlgState x, AlgSt
     return r;
 }
 
+// The states of a lattice's nodes in a (3, nodes) array of doubles: p, q, c at n, stride + n, 2 stride + n.
+__device__ __forceinline__ AlgState alg_load(const double* s, long long stride, long long n) {
+    AlgState x; x.p = s[n]; x.q = s[stride + n]; x.c = s[2 * stride + n]; return x;
+}
+__device__ __forceinline__ void alg_store(double* s, long long stride, long long n, AlgState x) {
+    s[n] = x.p; s[stride + n] = x.q; s[2 * stride + n] = x.c;
+}
+__device__ __forceinline__ AlgState alg_state(double p, double q, double c) { AlgState x; x.p = p; x.q = q; x.c = c; return x; }
+__device__ __forceinline__ AlgState alg_times(AlgState x, double sp, double sq) { x.p += sp; x.q += sq; return x; }
+
+// The gradient of the accumulator w.r.t. the scores (s_p, s_q) of one edge, from the forward state f at its tail and
+// the backward state w at its head: entropy -mu (log mu - H_before - H_after + H); KL mu_p (log mu_p - log mu_q +
+// KL_before + KL_after - KL) for p and mu_q - mu_p for q (mu the edge's posterior).
+template <int A> __device__ __forceinline__ void alg_edge_grad(AlgState f, double sp, double sq, AlgState w, double zp,
+                                                               double zq, double total, double* gp, double* gq) {
+    const double lmp = f.p + sp + w.p - zp, mp = lmp > -700.0 ? exp(lmp) : 0.0;
+    if (A == ALG_ENTROPY) { *gp = mp > 0.0 ? -mp * (lmp - f.c - w.c + total) : 0.0; *gq = 0.0; return; }
+    const double lmq = f.q + sq + w.q - zq, mq = lmq > -700.0 ? exp(lmq) : 0.0;
+    *gp = mp > 0.0 ? mp * (lmp - lmq + f.c + w.c - total) : 0.0;
+    *gq = mq - mp;
+}
+
 // For the CUDA samplers: the index (0, 1 or 2) that the uniform u picks among weights w (linear, relative to their
 // largest), as the CPU kernels' `pick3` picks: the first whose cumulative weight exceeds u times the total, never one
 // of weight 0. `pick_log3` takes the weights' logs.

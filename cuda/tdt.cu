@@ -237,3 +237,138 @@ extern "C" __global__ void tdt_backtrack(
         edges[node_index(b, t, u, T, U1) * K + bk] = 1;
     }
 }
+
+// ---- the lattice questions (entropy, KL) on the TDT and multi-blank lattices, as rnnt_divergence on the RNN-T's ----
+// One block per sequence: the algebra's forward recursion into `fwd` (3, B, T, U+1), node (t, u) the sum over the table's
+// edge kinds k entering it from (t - d_k, u - label_k) of that node's state times the edge, folded two at a time onto the
+// zero state as the CPU kernel's `_fold` folds them; out[b] = (log Z_p, log Z_q, accumulator), the blanks that land on
+// (T_b, U_b). With `with_grad` the backward recursion runs in `bwd` (3, B, T, U+1), and at each node the closed-form
+// gradient of the accumulator w.r.t. each of its edges' scores goes into `gedge` (2, K, B, T, U+1: p's, then q's), 0 for
+// an edge that leaves the lattice; `tdt_divergence_grad` turns them into gradients w.r.t. the logits. gedge is left as
+// it is (zero) for a sequence with no path. Edge scores are `edge_score`'s with the question's sigma, no delay offset.
+#ifndef ALG
+#define ALG 1
+#endif
+
+// acc (+)= x, two terms at a time: `pend` holds an odd one until its partner comes (`has`), as `_fold` pairs them
+__device__ __forceinline__ void alg_fold(AlgState& acc, AlgState& pend, bool& has, AlgState x) {
+    if (has) acc = alg_plus3<ALG>(acc, pend, x); else pend = x;
+    has = !has;
+}
+
+extern "C" __global__ void tdt_divergence(
+    const FLOAT* __restrict__ xp, const FLOAT* __restrict__ xq, const double* __restrict__ lse_p,
+    const double* __restrict__ lse_q, const long long* __restrict__ targets, const long long* __restrict__ logit_lengths,
+    const long long* __restrict__ target_lengths, const int* __restrict__ table, int K, double* __restrict__ fwd,
+    double* __restrict__ bwd, double* __restrict__ gedge, double* __restrict__ out, int B, int T, int U1, int V, int W,
+    double sigma, int with_grad)
+{
+    const int b = blockIdx.x, Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
+    const long long nodes = (long long)B * T * U1;
+    const long long* y = targets + (long long)b * U1;
+    const bool kl = ALG == ALG_KL;
+    const AlgState zero = alg_state(-INFINITY, -INFINITY, 0.0);
+    #define SCORE_P(e, m, t, u) edge_score(xp, lse_p, y, e, m, t, u, Tb, V, W, sigma, 0.0, 0.0)
+    #define SCORE_Q(e, m, t, u) (kl ? edge_score(xq, lse_q, y, e, m, t, u, Tb, V, W, sigma, 0.0, 0.0) : 0.0)
+    for (int d = 0; d < Tb + Ub; d++) {
+        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
+            const int t = d - u;
+            if (t < 0 || t >= Tb) continue;
+            AlgState acc = d == 0 ? alg_state(0.0, 0.0, 0.0) : zero, pend = zero;
+            bool has = false;
+            for (int k = 0; d > 0 && k < K; k++) {          // edge k enters (t, u) from (t - d_k, u - label_k)
+                const int* e = table + 6 * k;
+                const int ts = t - e[2], us = u - e[1];
+                if (ts < 0 || us < 0) continue;
+                const long long m = node_index(b, ts, us, T, U1);
+                alg_fold(acc, pend, has, alg_times(alg_load(fwd, nodes, m), SCORE_P(e, m, ts, us), SCORE_Q(e, m, ts, us)));
+            }
+            if (has) acc = alg_plus3<ALG>(acc, pend, zero);
+            alg_store(fwd, nodes, node_index(b, t, u, T, U1), acc);
+        }
+        __syncthreads();                                    // the diagonal is written before a later one reads it
+    }
+    AlgState fin = zero, pend = zero;                       // every thread folds the final blanks alike
+    bool has = false;
+    for (int k = 0; k < K; k++) {
+        const int* e = table + 6 * k;
+        const int s = Tb - e[2];
+        if (e[1] || s < 0) continue;
+        const long long m = node_index(b, s, Ub, T, U1);
+        alg_fold(fin, pend, has, alg_times(alg_load(fwd, nodes, m), SCORE_P(e, m, s, Ub), SCORE_Q(e, m, s, Ub)));
+    }
+    if (has) fin = alg_plus3<ALG>(fin, pend, zero);
+    const double zp = fin.p, zq = kl ? fin.q : zp, total = fin.c;
+    if (threadIdx.x == 0) { out[3 * b] = zp; out[3 * b + 1] = zq; out[3 * b + 2] = total; }
+    if (!with_grad || zp == -INFINITY || zq == -INFINITY) return;     // (the whole block: no barrier is skipped by some)
+    for (int d = Tb + Ub - 1; d >= 0; d--) {
+        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
+            const int t = d - u;
+            if (t < 0 || t >= Tb) continue;
+            const long long n = node_index(b, t, u, T, U1);
+            const AlgState f = alg_load(fwd, nodes, n);
+            AlgState acc = zero, pend = zero;
+            bool has = false;
+            for (int k = 0; k < K; k++) {                   // edge k leaves (t, u) for (t + d_k, u + label_k)
+                const int* e = table + 6 * k;
+                const int tt = t + e[2], uu = u + e[1];
+                double* gp = gedge + k * nodes + n;
+                double* gq = gedge + (K + k) * nodes + n;
+                AlgState w;
+                if (uu <= Ub && tt < Tb) w = alg_load(bwd, nodes, node_index(b, tt, uu, T, U1));
+                else if (!e[1] && tt == Tb && u == Ub) w = alg_state(0.0, 0.0, 0.0);     // onto the end
+                else { *gp = 0.0; *gq = 0.0; continue; }
+                const double sp = SCORE_P(e, n, t, u), sq = SCORE_Q(e, n, t, u);
+                alg_edge_grad<ALG>(f, sp, sq, w, zp, zq, total, gp, gq);
+                alg_fold(acc, pend, has, alg_times(w, sp, sq));
+            }
+            if (has) acc = alg_plus3<ALG>(acc, pend, zero);
+            alg_store(bwd, nodes, n, acc);
+        }
+        __syncthreads();
+    }
+    #undef SCORE_P
+    #undef SCORE_Q
+}
+
+// grad[row] = the gradient w.r.t. the logits of row n = (b, t, u) from the gradients g_k w.r.t. its edges' scores
+// (`tdt_divergence`'s gedge, one side): an edge's score is its token's log-softmax plus its duration's, so token v gets
+// (the g_k of the edges whose token is v) - (sum of all g_k) softmax_v and duration i gets (the g_k of the edges of
+// duration i) - (the sum over edges with a duration) softmax_i. One block per row; zeros outside the lattice. In
+// float64, rounded once.
+extern "C" __global__ void tdt_divergence_grad(
+    const FLOAT* __restrict__ logits, const double* __restrict__ lse, const long long* __restrict__ targets,
+    const long long* __restrict__ logit_lengths, const long long* __restrict__ target_lengths,
+    const int* __restrict__ table, int K, const double* __restrict__ gedge, FLOAT* __restrict__ grad, int B, int T,
+    int U1, int V, int W)
+{
+    __shared__ double g[MAX_EDGES];
+    const long long n = blockIdx.x, nodes = (long long)B * T * U1;
+    const int u = (int)(n % U1), t = (int)((n / U1) % T), b = (int)(n / ((long long)U1 * T));
+    const int Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
+    const bool inside = t < Tb && u <= Ub;                  // the same for the whole block
+    for (int k = threadIdx.x; k < K; k += blockDim.x) g[k] = inside ? gedge[k * nodes + n] : 0.0;
+    __syncthreads();
+    FLOAT* out = grad + n * W;
+    if (!inside) { for (int v = threadIdx.x; v < W; v += blockDim.x) out[v] = 0; return; }
+    double gsum = 0, glabel = 0, gdur = 0;
+    for (int k = 0; k < K; k++) {
+        gsum += g[k];
+        if (table[6 * k + 1]) glabel += g[k];
+        if (table[6 * k + 4] >= 0) gdur += g[k];
+    }
+    const long long label = u < Ub ? targets[(long long)b * U1 + u] : -1;
+    const double lt = lse[2 * n], ld = lse[2 * n + 1];
+    const FLOAT* row = logits + n * W;
+    for (int v = threadIdx.x; v < W; v += blockDim.x) {
+        double own = 0;
+        if (v < V) {
+            for (int k = 0; k < K; k++) if (!table[6 * k + 1] && table[6 * k + 3] == v) own += g[k];
+            if (v == label) own += glabel;
+            out[v] = (FLOAT)(own - gsum * exp((double)row[v] - lt));
+        } else {
+            for (int k = 0; k < K; k++) if (table[6 * k + 4] == v - V) own += g[k];
+            out[v] = (FLOAT)(own - gdur * exp((double)row[v] - ld));
+        }
+    }
+}

@@ -5,10 +5,10 @@
 # %% auto #0
 __all__ = ['rnnt_op', 'rnnt_edges_op', 'rnnt_divergence_op', 'RNNT_SHAPES', 'edge_log_probs', 'delay_offsets', 'logz_reference',
            'logz_brute_force', 'row_offsets', 'rnnt_inputs', 'check_targets', 'clean_targets', 'grad_from_edges',
-           'rnnt_loss', 'RNNTLoss', 'posteriors', 'viterbi_alignments', 'best_path', 'alignment_entropy',
-           'alignment_kl', 'alignment_cross_entropy', 'alignment_scores', 'kbest_alignments', 'sample_frames',
-           'sample_alignments', 'RNNTAlignments', 'rnnt_inputs_for', 'bench_rnnt', 'bench_rnnt_questions',
-           'rnnt_peak_mb', 'sweep_rnnt']
+           'rnnt_loss', 'RNNTLoss', 'posteriors', 'viterbi_alignments', 'best_path', 'transducer_divergence_backward',
+           'transducer_divergence_fake', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy',
+           'alignment_scores', 'kbest_alignments', 'sample_frames', 'sample_alignments', 'RNNTAlignments',
+           'rnnt_inputs_for', 'bench_rnnt', 'bench_rnnt_questions', 'rnnt_peak_mb', 'sweep_rnnt']
 
 # %% ../nbs/06_rnnt.ipynb #f11e832e
 import math
@@ -843,17 +843,19 @@ def _divergence_reference(s):
         logz_p, logz_q, value = logz_reference(torch.stack([bp, bq]), torch.stack([ep, eq]), s.il, s.tl, S)
     return value, S.exact_zero(logz_p.detach()), S.exact_zero(logz_q.detach()), s.xp.new_empty(0), s.xp.new_empty(0)
 
-def _divergence_backward(s, outputs, grads):
-    """The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value: in place
-    where the op layer hands them over (`consume`: the op then holds one gradient, as the loss does), else into a
-    pooled buffer on the CPU (no page faults)."""
+def transducer_divergence_backward(s, outputs, grads):
+    """The transducers' entropy and KL ops' backward (the RNN-T's and `seqdist.tdt`'s): the gradients the kernel wrote
+    in the forward, each sequence's scaled by the gradient of its value: in place where the op layer hands them over
+    (`consume`: the op then holds one gradient, as the loss does), else into a pooled buffer on the CPU (no page
+    faults)."""
     g = grads[0][:, None, None, None].to(s.xp.dtype)
     scaled = lambda x: x.mul_(g) if s.consume else torch.mul(x, g, out=empty_gradient(x)) if x.device.type == 'cpu' else x * g
     out = {'logits_p': scaled(outputs[3]).to(s.logits_p.dtype)}
     if s.logits_q is not None: out['logits_q'] = scaled(outputs[4]).to(s.logits_q.dtype)
     return out
 
-def _divergence_fake(a, backend):
+def transducer_divergence_fake(a, backend):
+    "The transducers' entropy and KL ops' outputs (the RNN-T's and `seqdist.tdt`'s), as shapes and dtypes."
     B = a.logits_p.shape[0]
     dtype = compute_dtype(a.logits_p.dtype)
     new = lambda *shape: a.logits_p.new_empty(shape, dtype=dtype)
@@ -865,8 +867,8 @@ rnnt_divergence_op = Op(f'{_OPS}::rnnt_divergence', "(Tensor logits_p, Tensor? l
                         "bool with_grad) -> (Tensor value, Tensor logz_p, Tensor logz_q, Tensor grad_p, Tensor grad_q)",
                         prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'cuda': _divergence_cuda,
                                                              'reference': _divergence_reference},
-                        backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
-                        fake=_divergence_fake,
+                        backward={'cpu': transducer_divergence_backward, 'cuda': transducer_divergence_backward, 'reference': AUTOGRAD},
+                        fake=transducer_divergence_fake,
                         differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
                         consumable=('grad_p', 'grad_q'))
 

@@ -735,8 +735,8 @@ def _divergence(algebra, lattice, logits_p, logits_q, targets, logit_lengths, ta
     sigma = finite_real(sigma, 'sigma')
     durations, big, blank = _lattice_inputs(lattice, logits_p, targets, logit_lengths, target_lengths, blank)
     if logits_q is not None: _lattice_inputs(lattice, logits_q, targets, logit_lengths, target_lengths, blank)
-    backend = question_backend(backend, logits_p, what, 'logits')
-    if algebra == 'CrossEntropy' and backend == 'cpu':
+    backend = question_backend(backend, logits_p, what, 'logits', cuda=True)
+    if algebra == 'CrossEntropy' and backend in ('cpu', 'cuda'):
         return sum(_divergence(a, lattice, logits_p, q, targets, logit_lengths, target_lengths, blank, sigma, reduction,
                                backend, what) for a, q in (('Entropy', None), ('KL', logits_q)))
     with_grad = torch.is_grad_enabled() and (logits_p.requires_grad or (logits_q is not None and logits_q.requires_grad))
@@ -870,8 +870,8 @@ def alignment_entropy(logits, targets, logit_lengths, target_lengths, durations=
                       reduction='none', *, backend='auto'):
     """The entropy (nats) of the posterior distribution over the TDT alignments (paths) of each sequence; `tdt_loss`'s
     arguments and reductions ('none': (B,)). Differentiable. Accurate when tiny (the `Entropy` semiring adds only
-    non-negative terms). `backend`: 'auto' (the CPU kernel, with a closed-form backward, on CPU tensors; the reference on a
-    GPU), 'cpu' or 'reference'."""
+    non-negative terms). `backend`: 'auto' (the CPU kernel, with a closed-form backward, on CPU tensors; the CUDA kernels
+    on a GPU), 'cpu', 'cuda' (emulated on CPU tensors) or 'reference'."""
     return _divergence('Entropy', ('tdt', durations), logits, None, targets, logit_lengths, target_lengths, blank, sigma,
                        reduction, backend, 'alignment_entropy')
 
@@ -1098,76 +1098,6 @@ def _tdt_kl_cpu(xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad, grad
     "`_tdt_alg_cpu` in the KL algebra."
     _tdt_alg_cpu(ALG_KL, xp, xq, y, Tl, Ul, V, D, table, sigmas, precise, with_grad, grad_p, grad_q, out, lo, hi)
 
-_DIVERGENCES = {'Entropy': (Entropy, _tdt_entropy_cpu), 'KL': (KL, _tdt_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
-
-def _divergence_prepare(a, backend, check):
-    """The state of an entropy or KL call: the logits in their compute dtype (`xp`, `xq`: q is p for Entropy), detached
-    and contiguous for the kernel (the reference is differentiated by autograd), the targets and lengths of
-    `clean_targets` (checked with `check`), the lattice's edge table, V and D."""
-    xp = a.logits_p.to(compute_dtype(a.logits_p.dtype))
-    xq = xp if a.logits_q is None else a.logits_q.to(xp.dtype)
-    if backend == 'cpu': xp, xq = xp.detach().contiguous(), xq.detach().contiguous()
-    a.D = len(a.durations)
-    a.V = xp.shape[-1] - a.D
-    a.y, a.il, a.tl = clean_targets(xp[..., :a.V], a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
-    if check and a.big_blank_durations: _check_big_blank_targets(a.y, a.tl, a.blank, len(a.big_blank_durations))
-    a.table = edge_table(tuple(a.durations), tuple(a.big_blank_durations), a.blank, False)
-    a.xp, a.xq, a.precise = xp, xq, xp.dtype == torch.float64
-    return a
-
-def _divergence_numba(s):
-    """The CPU kernel: the value, log Z of p and of q and, with `with_grad`, the value's gradient w.r.t. each logits (for
-    g = 1, scaled in the backward), computed by the kernel's backward recursion in the same call."""
-    xp, xq, kl = s.xp, s.xq, s.algebra == 'KL'
-    none = xp.new_zeros(0, 0, 0, 0)
-    grad_p = empty_gradient(xp) if s.with_grad else none                    # (the kernel writes every row)
-    grad_q = empty_gradient(xq) if s.with_grad and kl else grad_p           # (not written for Entropy)
-    out = np.empty((xp.shape[0], 3))
-    parallel_for(_DIVERGENCES[s.algebra][1], xp.shape[0], xp.numpy(), xq.numpy(), s.y.numpy(), s.il.numpy(),
-                 s.tl.numpy(), s.V, s.D, s.table, np.array([s.sigma, 0.0]), s.precise, s.with_grad, grad_p.numpy(),
-                 grad_q.numpy(), out, work=xp.numel() * (4 if kl else 2))
-    value, logz_p, logz_q = (torch.from_numpy(out[:, j].copy()).to(xp.dtype)     # three tensors: a custom op's outputs
-                             for j in (2, 0, 1))                                  # may not alias
-    return (value, logz_p, logz_q, grad_p if s.with_grad else xp.new_empty(0),
-            grad_q if s.with_grad and kl else xp.new_empty(0))
-
-def _divergence_reference(s):
-    "The reference: the semiring's recursion in PyTorch (`logz_reference`), differentiated by autograd."
-    S = _DIVERGENCES[s.algebra][0]
-    scores = lambda x: edge_scores(x[..., :s.V].log_softmax(-1), x[..., s.V:].log_softmax(-1) if s.D else None, s.y,
-                                   s.table, (s.sigma, 0.0))
-    if S is Entropy:
-        logz_p, value = logz_reference(scores(s.xp), s.table, s.il, s.tl, S)
-        logz_q = logz_p
-    else: logz_p, logz_q, value = logz_reference(torch.stack([scores(s.xp), scores(s.xq)]), s.table, s.il, s.tl, S)
-    return value, S.exact_zero(logz_p.detach()), S.exact_zero(logz_q.detach()), s.xp.new_empty(0), s.xp.new_empty(0)
-
-def _divergence_backward(s, outputs, grads):
-    """The gradients the kernel wrote in the forward, each sequence's scaled by the gradient of its value: in place
-    where the op layer hands them over (`consume`: the op then holds one gradient, as the loss does), else into a
-    pooled buffer (no page faults)."""
-    g = grads[0][:, None, None, None].to(s.xp.dtype)
-    scaled = lambda grad: grad.mul_(g) if s.consume else torch.mul(grad, g, out=empty_gradient(grad))
-    out = {'logits_p': scaled(outputs[3]).to(s.logits_p.dtype)}
-    if s.logits_q is not None: out['logits_q'] = scaled(outputs[4]).to(s.logits_q.dtype)
-    return out
-
-def _divergence_fake(a, backend):
-    B = a.logits_p.shape[0]
-    dtype = compute_dtype(a.logits_p.dtype)
-    new = lambda *shape: a.logits_p.new_empty(shape, dtype=dtype)
-    g = tuple(a.logits_p.shape) if a.with_grad else (0,)
-    return new(B), new(B), new(B), new(*g), new(*(g if a.algebra == 'KL' else (0,)))
-
-tdt_divergence_op = Op(f'{_OPS}::tdt_divergence', "(Tensor logits_p, Tensor? logits_q, Tensor targets, "
-                       "Tensor logit_lengths, Tensor target_lengths, int[] durations, int[] big_blank_durations, int blank, "
-                       "float sigma, str algebra, bool with_grad) -> (Tensor value, Tensor logz_p, Tensor logz_q, "
-                       "Tensor grad_p, Tensor grad_q)",
-                       prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'reference': _divergence_reference},
-                       backward={'cpu': _divergence_backward, 'reference': AUTOGRAD}, fake=_divergence_fake,
-                       differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
-                       consumable=('grad_p', 'grad_q'))
-
 # %% ../nbs/09_tdt.ipynb #tdtq-sample
 @numba.njit(inline='always')
 def _choose(w, K, u):
@@ -1282,6 +1212,113 @@ def _tdt_kbest_cpu(x, y, Tl, Ul, V, D, table, sigmas, precise, k, taken, best, l
                 s += 1
                 if t == 0 and u == 0: break
                 kind, rank = kinds[t, u, rank], ranks[t, u, rank]
+
+# %% ../nbs/09_tdt.ipynb #tdtq-cuda-glue
+from .core import ALGEBRAS
+
+_DIVERGENCE_BLOCK = 256          # tdt_divergence's block: an anti-diagonal's nodes loop over its threads
+_divergence_kernels = {(dtype, algebra): load_kernel('tdt.cu', 'tdt_divergence', ALG=ALGEBRAS[algebra], **Log.cuda_macros(dtype))
+                       for dtype in (torch.float32, torch.float64) for algebra in ('Entropy', 'KL')}
+_divergence_grad_kernels = {dtype: load_kernel('tdt.cu', 'tdt_divergence_grad', **Log.cuda_macros(dtype))
+                            for dtype in (torch.float32, torch.float64)}
+resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_BLOCK, min_threads=_DIVERGENCE_BLOCK,
+                why="the lattice questions: one block per sequence, float64 states in global memory")
+resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024,
+                why="a memory-bound pass over the logits' rows: half the SM's threads in flight")
+
+def _divergence_cuda(s):
+    """The CUDA kernels: tdt_lse per side, tdt_divergence (both recursions, one block per sequence) and, with
+    `with_grad`, tdt_divergence_grad per side: the CPU kernel's values and closed-form gradients (for g = 1, scaled in
+    the backward). No host reads."""
+    xp, kl = s.xp.detach().contiguous(), s.algebra == 'KL'
+    xq = s.xq.detach().contiguous() if kl else xp
+    B, T, U1, W = xp.shape
+    nodes, K, f64 = B * T * U1, len(s.table), torch.float64
+    table = _device_table(s.table, xp.device)
+    def lse(x):
+        out = x.new_zeros(2 * nodes, dtype=f64)
+        if nodes: _tdt_kernels[(x.dtype, Log, 'tdt_lse')]((nodes,), (_threads(W, 256),), logits=x, logit_lengths=s.il,
+                                                         target_lengths=s.tl, lse=out, T=T, U1=U1, V=s.V, W=W)
+        return out
+    lse_p = lse(xp)
+    lse_q = lse(xq) if kl else lse_p
+    kept = nodes if s.with_grad else 1                     # the backward's states and edge gradients, if asked for
+    out, gedge = xp.new_zeros(B, 3, dtype=f64), xp.new_zeros(2 * K * kept, dtype=f64)
+    if B: _divergence_kernels[(xp.dtype, s.algebra)](
+        (B,), (min(_DIVERGENCE_BLOCK, _threads(U1)),), xp=xp, xq=xq, lse_p=lse_p, lse_q=lse_q, targets=s.y,
+        logit_lengths=s.il, target_lengths=s.tl, table=table, K=K, fwd=xp.new_empty(3 * max(nodes, 1), dtype=f64),
+        bwd=xp.new_empty(3 * kept, dtype=f64), gedge=gedge, out=out, B=B, T=T, U1=U1, V=s.V, W=W,
+        sigma=float(s.sigma), with_grad=int(s.with_grad))
+    def grad(x, lse, g):
+        out = torch.empty_like(x)
+        if nodes: _divergence_grad_kernels[x.dtype]((nodes,), (_threads(W, 256),), logits=x, lse=lse, targets=s.y,
+                                                    logit_lengths=s.il, target_lengths=s.tl, table=table, K=K, gedge=g,
+                                                    grad=out, B=B, T=T, U1=U1, V=s.V, W=W)
+        return out
+    empty = xp.new_empty(0)
+    grad_p = grad(xp, lse_p, gedge[:K * nodes]) if s.with_grad else empty
+    grad_q = grad(xq, lse_q, gedge[K * nodes:]) if s.with_grad and kl else empty
+    value, logz_p, logz_q = (out[:, j].to(xp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
+    return value, logz_p, logz_q, grad_p, grad_q
+
+# %% ../nbs/09_tdt.ipynb #tdtq-op
+from .rnnt import transducer_divergence_backward, transducer_divergence_fake   # the RNN-T's: the same outputs
+
+_DIVERGENCES = {'Entropy': (Entropy, _tdt_entropy_cpu), 'KL': (KL, _tdt_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
+
+def _divergence_prepare(a, backend, check):
+    """The state of an entropy or KL call: the logits in their compute dtype (`xp`, `xq`: q is p for Entropy), detached
+    and contiguous for the kernel (the reference is differentiated by autograd), the targets and lengths of
+    `clean_targets` (checked with `check`), the lattice's edge table, V and D."""
+    xp = a.logits_p.to(compute_dtype(a.logits_p.dtype))
+    xq = xp if a.logits_q is None else a.logits_q.to(xp.dtype)
+    if backend != 'reference': xp, xq = xp.detach().contiguous(), xq.detach().contiguous()
+    a.D = len(a.durations)
+    a.V = xp.shape[-1] - a.D
+    a.y, a.il, a.tl = clean_targets(xp[..., :a.V], a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
+    if check and a.big_blank_durations: _check_big_blank_targets(a.y, a.tl, a.blank, len(a.big_blank_durations))
+    a.table = edge_table(tuple(a.durations), tuple(a.big_blank_durations), a.blank, False)
+    a.xp, a.xq, a.precise = xp, xq, xp.dtype == torch.float64
+    return a
+
+def _divergence_numba(s):
+    """The CPU kernel: the value, log Z of p and of q and, with `with_grad`, the value's gradient w.r.t. each logits (for
+    g = 1, scaled in the backward), computed by the kernel's backward recursion in the same call."""
+    xp, xq, kl = s.xp, s.xq, s.algebra == 'KL'
+    none = xp.new_zeros(0, 0, 0, 0)
+    grad_p = empty_gradient(xp) if s.with_grad else none                    # (the kernel writes every row)
+    grad_q = empty_gradient(xq) if s.with_grad and kl else grad_p           # (not written for Entropy)
+    out = np.empty((xp.shape[0], 3))
+    parallel_for(_DIVERGENCES[s.algebra][1], xp.shape[0], xp.numpy(), xq.numpy(), s.y.numpy(), s.il.numpy(),
+                 s.tl.numpy(), s.V, s.D, s.table, np.array([s.sigma, 0.0]), s.precise, s.with_grad, grad_p.numpy(),
+                 grad_q.numpy(), out, work=xp.numel() * (4 if kl else 2))
+    value, logz_p, logz_q = (torch.from_numpy(out[:, j].copy()).to(xp.dtype)     # three tensors: a custom op's outputs
+                             for j in (2, 0, 1))                                  # may not alias
+    return (value, logz_p, logz_q, grad_p if s.with_grad else xp.new_empty(0),
+            grad_q if s.with_grad and kl else xp.new_empty(0))
+
+def _divergence_reference(s):
+    "The reference: the semiring's recursion in PyTorch (`logz_reference`), differentiated by autograd."
+    S = _DIVERGENCES[s.algebra][0]
+    scores = lambda x: edge_scores(x[..., :s.V].log_softmax(-1), x[..., s.V:].log_softmax(-1) if s.D else None, s.y,
+                                   s.table, (s.sigma, 0.0))
+    if S is Entropy:
+        logz_p, value = logz_reference(scores(s.xp), s.table, s.il, s.tl, S)
+        logz_q = logz_p
+    else: logz_p, logz_q, value = logz_reference(torch.stack([scores(s.xp), scores(s.xq)]), s.table, s.il, s.tl, S)
+    return value, S.exact_zero(logz_p.detach()), S.exact_zero(logz_q.detach()), s.xp.new_empty(0), s.xp.new_empty(0)
+
+tdt_divergence_op = Op(f'{_OPS}::tdt_divergence', "(Tensor logits_p, Tensor? logits_q, Tensor targets, "
+                       "Tensor logit_lengths, Tensor target_lengths, int[] durations, int[] big_blank_durations, int blank, "
+                       "float sigma, str algebra, bool with_grad) -> (Tensor value, Tensor logz_p, Tensor logz_q, "
+                       "Tensor grad_p, Tensor grad_q)",
+                       prepare=_divergence_prepare,
+                       forward={'cpu': _divergence_numba, 'cuda': _divergence_cuda, 'reference': _divergence_reference},
+                       backward={'cpu': transducer_divergence_backward, 'cuda': transducer_divergence_backward, 'reference': AUTOGRAD},
+                       fake=transducer_divergence_fake,
+                       differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
+                       consumable=('grad_p', 'grad_q'))
+
 
 # %% ../nbs/09_tdt.ipynb #tdtq-obj
 from .core import AlignmentPosterior
