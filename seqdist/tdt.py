@@ -833,21 +833,28 @@ def _sample(lattice, logits, targets, logit_lengths, target_lengths, blank, sigm
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     c = _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
-    backend, n = question_backend(backend, c.x, what, 'logits'), int(n)
+    backend, n = question_backend(backend, c.x, what, 'logits', cuda=True), int(n)
     B, T, U1, _ = c.x.shape
     steps = T + U1 - 1                                    # a path has at most T_b + U_b edges
     uniforms = torch.rand((n, B, steps), generator=generator, dtype=torch.float64,
                           device=generator.device if generator is not None else 'cpu').to(c.il.device)
     differentiable = torch.is_grad_enabled() and c.x.requires_grad
-    if backend == 'cpu':                # the loss's forward keeps alpha; the kernel walks back with the same uniforms
-        taken, logz, path = torch.full((3, n, B, steps), -1, dtype=torch.long), np.empty(B), np.empty((n, B))
-        parallel_for(_tdt_sample_cpu, B, c.x.detach().contiguous().numpy(), c.y.numpy(), c.il.numpy(), c.tl.numpy(), c.V,
-                     c.D, c.table, np.array([c.sigma, 0.0]), c.x.dtype == torch.float64, uniforms.numpy(), taken.numpy(),
-                     logz, path, work=c.x.numel() + n * B * steps * len(c.table))
-        logz, path = torch.from_numpy(logz).to(c.x.dtype), torch.from_numpy(path).to(c.x.dtype)
+    if backend in ('cpu', 'cuda'):      # the loss's forward keeps alpha; the kernel walks back with the same uniforms
+        dev = c.x.device
+        taken = torch.full((3, n, B, steps), -1, dtype=torch.long, device=dev)
+        if backend == 'cpu':
+            logz, path = np.empty(B), np.empty((n, B))
+            parallel_for(_tdt_sample_cpu, B, c.x.detach().contiguous().numpy(), c.y.numpy(), c.il.numpy(), c.tl.numpy(),
+                         c.V, c.D, c.table, np.array([c.sigma, 0.0]), c.x.dtype == torch.float64, uniforms.numpy(),
+                         taken.numpy(), logz, path, work=c.x.numel() + n * B * steps * len(c.table))
+            logz, path = torch.from_numpy(logz), torch.from_numpy(path)
+        else:
+            path = torch.zeros(n, B, dtype=torch.float64, device=dev)
+            logz = Log.exact_zero(_sample_cuda(c, uniforms, taken, path))
+        logz, path = logz.to(c.x.dtype), path.to(c.x.dtype)
         if differentiable:              # the path scores through autograd, and log Z's gradient: the loss's backward
             costs, _ = tdt_op(logits, targets, logit_lengths, target_lengths, list(c.durations), list(c.big), c.blank,
-                              c.sigma, 0.0, -1.0, 0.0, 0.0, backend='cpu', check=False)
+                              c.sigma, 0.0, -1.0, 0.0, 0.0, backend=backend, check=False)
             logz, path = -costs.to(c.x.dtype), _path_scores(_scores(c), taken)
         none = Log.is_zero(logz.detach()).expand(n, B)
     else:
@@ -908,7 +915,7 @@ def sample_alignments(logits, targets, logit_lengths, target_lengths, durations=
     (n, B), its score minus log Z (differentiable, for REINFORCE). The uniforms are `torch.rand((n, B, T + U),
     generator=generator, dtype=torch.float64)` on the generator's device (the CPU by default): a seed gives the same
     samples on every device and backend. No path: -1 and log-probability -inf. `backend`: 'auto' (the CPU kernel on CPU
-    tensors, the reference on a GPU), 'cpu' or 'reference'."""
+    tensors, the CUDA kernels on a GPU), 'cpu', 'cuda' (emulated on CPU tensors) or 'reference'."""
     return _sample(('tdt', durations), logits, targets, logit_lengths, target_lengths, blank, sigma, n, generator, backend,
                    'sample_alignments')
 
@@ -1260,6 +1267,24 @@ def _divergence_cuda(s):
     grad_q = grad(xq, lse_q, gedge[K * nodes:]) if s.with_grad and kl else empty
     value, logz_p, logz_q = (out[:, j].to(xp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
     return value, logz_p, logz_q, grad_p, grad_q
+
+_sample_kernels = {dtype: load_kernel('tdt.cu', 'tdt_sample', **Log.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
+resource_budget(list(_sample_kernels.values()), block=256, min_threads=1024, why="one thread per sample and sequence, walking back")
+
+def _sample_cuda(c, uniforms, taken, path):
+    """`_tdt_sample_cpu` on the GPU: the loss's forward (`_cuda_lattice`, Log: alpha at every node), then tdt_sample, a
+    thread per (sample, sequence), writes the edges taken and the paths' scores; returns log Z (B,) in float64. No host
+    reads."""
+    x = c.x.detach().contiguous()
+    B, T, U1, W = x.shape
+    s = SimpleNamespace(x=x, il=c.il, tl=c.tl, y=c.y, table=c.table, V=c.V, L=1, sigmas=(c.sigma, 0.0), dp=0.0)
+    _, (lse, alpha, _, logz, table) = _cuda_lattice(s)
+    n, steps = uniforms.shape[0], uniforms.shape[2]
+    if n * B and steps: _sample_kernels[x.dtype]((math.ceil(n * B / 256),), (256,), logits=x, lse=lse, targets=c.y,
+        logit_lengths=c.il, target_lengths=c.tl, table=table, K=len(c.table), alpha=alpha, logz=logz,
+        u=uniforms.contiguous(), taken=taken, score=path, n_samples=n, B=B, T=T, U1=U1, V=c.V, W=W, steps=steps,
+        sigma=float(c.sigma))
+    return logz
 
 # %% ../nbs/09_tdt.ipynb #tdtq-op
 from .rnnt import transducer_divergence_backward, transducer_divergence_fake   # the RNN-T's: the same outputs

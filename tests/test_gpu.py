@@ -611,6 +611,25 @@ def test_gpu_rnnt_samples_and_kbest_equal_the_reference_without_a_host_sync(dtyp
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=tol, atol=tol)
     record('rnnt_questions')
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_gpu_tdt_samples_equal_the_cpu_without_a_host_sync(dtype, record):
+    """TDT sample_alignments on the GPU (the loss's forward, tdt_sample's walk): the reference's samples for the same
+    generator, and its log-probabilities; no host sync once warm."""
+    from seqdist.tdt import sample_alignments
+    g = _gen(3)
+    B, T, U, V, durations = 4, 30, 10, 8, (0, 1, 2, 3, 4)
+    x = torch.randn(B, T, U + 1, V + len(durations), generator=g, dtype=torch.float64).to(dtype)
+    targets, il, tl = torch.randint(0, V - 1, (B, U), generator=g), torch.tensor([30, 21, 30, 7]), torch.tensor([10, 6, 0, 10])
+    args = [x.cuda()] + [a.cuda() for a in (targets, il, tl)]
+    gen = lambda: torch.Generator(device='cuda').manual_seed(1)
+    got = sample_alignments(*args, durations, sigma=0.05, n=16, generator=gen())                 # (and a warm-up)
+    _no_sync(lambda: sample_alignments(*args, durations, sigma=0.05, n=16, generator=gen()))
+    want = sample_alignments(*args, durations, sigma=0.05, n=16, generator=gen(), backend='reference')
+    for a, b in zip(got[:3], want[:3]): assert torch.equal(a, b), "the CUDA kernels and the reference differ on the same uniforms"
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(got[3], want[3], rtol=tol, atol=tol)
+    record('tdt_questions')
+
 def test_gpu_forced_align_options_equal_the_cpu(record):
     """forced_align's wildcard, label priors and confidence on CUDA tensors (the priors on the GPU too): the CPU's labels
     and scores, its confidences to rounding."""
