@@ -1600,16 +1600,19 @@ def bench_tdt(quick=False, shapes=None, device='cpu', warmup=2, reps=7, memory=N
     return rows
 
 # %% ../nbs/09_tdt.ipynb #tdtq-bench
-def bench_tdt_questions(B=8, T=200, U=50, V=128, D=5, warmup=2, reps=7):
-    """The TDT lattice questions on the CPU at the first shape of `TDT_SHAPES`, each timed alternately with its anchor from
-    the same family, with both peak memories (`peak_extra_mb`): entropy and KL fwd+bwd against `tdt_loss` fwd+bwd (one
-    or two models), 8 samples against one loss forward, k-best (k = 4) against `tdt_best_path`. ratio = anchor / ours,
-    as `seqdist.rnnt.bench_rnnt_questions`'."""
-    from .timing import paired_median_ms, peak_extra_mb
+def bench_tdt_questions(B=8, T=200, U=50, V=128, D=5, warmup=2, reps=7, device='cpu'):
+    """The TDT lattice questions at the first shape of `TDT_SHAPES`, on the CPU or on `device`'s CUDA kernels, each timed
+    alternately with its anchor from the same family, with both peak memories (`peak_extra_mb` on the CPU, `peak_gpu_mb`
+    on a GPU): entropy and KL fwd+bwd against `tdt_loss` fwd+bwd (one or two models), 8 samples against one loss
+    forward, k-best (k = 4) against `tdt_best_path` (on the CPU only: on a GPU it runs the reference). ratio = anchor /
+    ours, as `seqdist.rnnt.bench_rnnt_questions`'."""
+    from .timing import paired_median_ms, peak_extra_mb, peak_gpu_mb
     durations = tuple(range(D))
-    x, y, il, tl = tdt_inputs_for(B, T, U, V, D)
-    xq = tdt_inputs_for(B, T, U, V, D, seed=1)[0]
+    x, y, il, tl = tdt_inputs_for(B, T, U, V, D, device)
+    xq = tdt_inputs_for(B, T, U, V, D, device, seed=1)[0]
     xd = x.detach()
+    cpu = torch.device(device).type == 'cpu'
+    peak = peak_extra_mb if cpu else lambda f: peak_gpu_mb(f, device)
     loss = lambda z: tdt_loss(z, y, il, tl, durations, reduction='sum')
     cases = [('alignment_entropy fwd+bwd', 'tdt_loss fwd+bwd',
               lambda: torch.autograd.grad(loss(x), x),
@@ -1619,12 +1622,12 @@ def bench_tdt_questions(B=8, T=200, U=50, V=128, D=5, warmup=2, reps=7):
               lambda: torch.autograd.grad(alignment_kl(x, xq, y, il, tl, durations, reduction='sum'), (x, xq))),
              ('sample_alignments n=8', 'tdt_loss forward',
               lambda: tdt_loss(xd, y, il, tl, durations),
-              lambda: sample_alignments(xd, y, il, tl, durations, n=8, generator=torch.Generator().manual_seed(0))),
+              lambda: sample_alignments(xd, y, il, tl, durations, n=8, generator=torch.Generator(device).manual_seed(0))),
              ('kbest_alignments k=4', 'tdt_best_path',
               lambda: tdt_best_path(xd, y, il, tl, durations), lambda: kbest_alignments(xd, y, il, tl, durations, k=4))]
     rows = []
-    for op, anchor, theirs, ours in cases:
+    for op, anchor, theirs, ours in cases if cpu else cases[:3]:
         t0, t1 = paired_median_ms(theirs, ours, warmup, reps)
         rows.append(dict(op=op, shape=f"B={B} T={T} U={U} V={V} D={D}", anchor='seqdist ' + anchor, anchor_ms=t0,
-                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs), ours_mb=peak_extra_mb(ours), check='-'))
+                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak(theirs), ours_mb=peak(ours), check='-'))
     return rows
