@@ -18,3 +18,95 @@ extern "C" __global__ void add_at_columns(FLOAT* __restrict__ out, const long lo
     for (int m = (int)start[(long long)n * J + k]; m <= k; m++) sum += (double)v[o[m]];
     out[tn * C + sc[k]] += (FLOAT)sum;
 }
+
+// ---- the lattice questions (entropy, KL) on a sparse lattice: the CRF's paths, or a read's alignments ----
+// One block per sequence n, its threads striding over the C states. The forward recursion of the algebra ALG into `fwd`
+// (3, N, T+1, C): state c at frame t + 1 sums its NZ in-edges, each its source's state at frame t times the edge's
+// scores Ms[t, n, c, j] (p's, and q's for KL), folded three, then two more, at a time as `_sparse_alpha_row` folds them;
+// out[n] = (log Z_p, log Z_q, accumulator) over the final states times vT. With `with_grad` the backward recursion runs
+// over each state's out-edges (`rev`, (C, D) flat edge indices c * NZ + j, -1 past the last) in two frames of `bwd`
+// (3, N, 2, C), and each edge's closed-form gradient (`alg_edge_grad`) goes into grad_p (and grad_q), (T, N, C, NZ); they
+// are left as they are (zero) for a sequence with no path. Scores of -inf are no edge.
+#include "semiring.cuh"
+#ifndef ALG
+#define ALG 1
+#endif
+
+// The state of a lattice edge: a state s's (p, q, c) times the edge's scores (q: -inf for Entropy).
+__device__ __forceinline__ AlgState crf_edge(const double* S, long long stride, long long at, const FLOAT* Mp,
+                                             const FLOAT* Mq, long long e) {
+    const AlgState x = alg_load(S, stride, at);
+    return alg_state(x.p + (double)Mp[e], ALG == ALG_KL ? x.q + (double)Mq[e] : -INFINITY, x.c);
+}
+
+extern "C" __global__ void crf_divergence(
+    const FLOAT* __restrict__ Mp, const FLOAT* __restrict__ Mq, const long long* __restrict__ idx,
+    const long long* __restrict__ rev, int D, const double* __restrict__ v0, const double* __restrict__ vT,
+    double* __restrict__ fwd, double* __restrict__ bwd, FLOAT* __restrict__ grad_p, FLOAT* __restrict__ grad_q,
+    double* __restrict__ out, int T, int N, int C, int NZ, int with_grad)
+{
+    const int n = blockIdx.x;
+    const bool kl = ALG == ALG_KL;
+    const AlgState zero = alg_state(-INFINITY, -INFINITY, 0.0);
+    const long long fs = (long long)N * (T + 1) * C, bs = (long long)N * 2 * C;   // a component's stride
+    double* F = fwd + (long long)n * (T + 1) * C;                                   // F[t * C + c]
+    double* Bk = bwd + (long long)n * 2 * C;                                        // Bk[(t % 2) * C + c]
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const double v = v0[(long long)n * C + c];
+        alg_store(F, fs, c, alg_state(v, kl ? v : -INFINITY, 0.0));
+    }
+    __syncthreads();
+    // in-edge j of state c at frame t (zero past NZ)
+    #define IN_EDGE(t, c, j) ((j) < NZ ? crf_edge(F, fs, (long long)(t) * C + idx[(long long)(c) * NZ + (j)], Mp, Mq, \
+                                                  row + (long long)(c) * NZ + (j)) : zero)
+    for (int t = 0; t < T; t++) {
+        const long long row = ((long long)t * N + n) * C * NZ;                      // Ms[t, n]
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            AlgState a = alg_plus3<ALG>(IN_EDGE(t, c, 0), IN_EDGE(t, c, 1), IN_EDGE(t, c, 2));
+            for (int j = 3; j < NZ; j += 2) a = alg_plus3<ALG>(a, IN_EDGE(t, c, j), IN_EDGE(t, c, j + 1));
+            alg_store(F, fs, (long long)(t + 1) * C + c, a);
+        }
+        __syncthreads();                                    // frame t + 1 is written before it is read
+    }
+    #undef IN_EDGE
+    AlgState fin = zero;                                    // every thread folds the final states alike, two at a time
+    for (int c = 0; c < C; c += 2) {
+        const double e0 = vT[(long long)n * C + c], e1 = c + 1 < C ? vT[(long long)n * C + c + 1] : -INFINITY;
+        const AlgState x = alg_load(F, fs, (long long)T * C + c), y = alg_load(F, fs, (long long)T * C + (c + 1 < C ? c + 1 : c));
+        fin = alg_plus3<ALG>(fin, alg_times(x, e0, e0), alg_times(y, e1, e1));
+    }
+    const double zp = fin.p, zq = kl ? fin.q : zp, total = fin.c;
+    if (threadIdx.x == 0) { out[3 * n] = zp; out[3 * n + 1] = zq; out[3 * n + 2] = total; }
+    if (!with_grad || zp == -INFINITY || zq == -INFINITY) return;     // (the whole block: no barrier is skipped by some)
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const double v = vT[(long long)n * C + c];
+        alg_store(Bk, bs, (long long)(T % 2) * C + c, alg_state(v, v, 0.0));
+    }
+    __syncthreads();
+    // out-edge i of state s at frame t: its end's backward state at frame t + 1 times the edge's scores (zero past D)
+    #define OUT_EDGE(s, i) ((i) < D && rev[(long long)(s) * D + (i)] >= 0 \
+        ? crf_edge(Bk, bs, (long long)cur * C + rev[(long long)(s) * D + (i)] / NZ, Mp, Mq, row + rev[(long long)(s) * D + (i)]) : zero)
+    for (int t = T - 1; t >= 0; t--) {
+        const long long row = ((long long)t * N + n) * C * NZ;
+        const int cur = (t + 1) % 2;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {       // frame t's edges into c: their gradients
+            const AlgState w = alg_load(Bk, bs, (long long)cur * C + c);
+            for (int j = 0; j < NZ; j++) {
+                const long long e = row + (long long)c * NZ + j;
+                const AlgState f = alg_load(F, fs, (long long)t * C + idx[(long long)c * NZ + j]);
+                double gp, gq;
+                alg_edge_grad<ALG>(f, (double)Mp[e], kl ? (double)Mq[e] : 0.0, w, zp, zq, total, &gp, &gq);
+                grad_p[e] = (FLOAT)gp;
+                if (kl) grad_q[e] = (FLOAT)gq;
+            }
+        }
+        if (t == 0) break;                                  // (the same t for every thread)
+        for (int s = threadIdx.x; s < C; s += blockDim.x) {       // frame t's backward states: the out-edges, folded
+            AlgState a = alg_plus3<ALG>(OUT_EDGE(s, 0), OUT_EDGE(s, 1), OUT_EDGE(s, 2));
+            for (int i = 3; i < D; i += 2) a = alg_plus3<ALG>(a, OUT_EDGE(s, i), OUT_EDGE(s, i + 1));
+            alg_store(Bk, bs, (long long)(1 - cur) * C + s, a);
+        }
+        __syncthreads();                                    // frame t is written before the next step reads it
+    }
+    #undef OUT_EDGE
+}

@@ -16,12 +16,12 @@ from numba import literally
 import torch
 from .core import semiring, Log, Max, SequenceDist, Entropy, KL, CrossEntropy, KMax, compute_dtype, choose_index
 from .core import question_backend, AlignmentPosterior
-from .core import ALG_ENTROPY, ALG_KL, ZERO_BELOW, alg_plus3, fast_exp
+from .core import ALG_ENTROPY, ALG_KL, ALGEBRAS, ZERO_BELOW, alg_plus3, fast_exp
 from . import sparse, ctc_simple
 from .kernel import load_kernel
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, parallel_for, AUTOGRAD
-from .memory import empty_large, empty_gradient
+from .memory import empty_large, empty_gradient, tensor_cached
 from .sparse import LANES, bundle_lanes, lane_rows, frame_weights, frame_scales, positive_min, SHARE_MIN
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -224,9 +224,10 @@ class CTC_CRF(SequenceDist):
         ending in any state as in `logZ`; given `targets` and `target_lengths` as `ctc_loss` takes them, of the posterior
         over each target's alignments (the paths `ctc_loss` sums over), 0 where a target cannot fit the frames.
         Differentiable, and accurate when tiny (the `Entropy` semiring adds only non-negative terms). `backend`: 'auto'
-        (the CPU kernel, with its closed-form backward, on CPU tensors; the reference on a GPU), 'cpu' or 'reference'."""
+        (the CPU kernel, with its closed-form backward, on CPU tensors; the CUDA kernel on a GPU), 'cpu', 'cuda'
+        (emulated on CPU tensors) or 'reference'."""
         lat = self._lattice(scores, targets, target_lengths)
-        return _lattice_divergence('Entropy', lat, None, question_backend(backend, lat.Ms, 'CTC_CRF.entropy', 'scores'))
+        return _lattice_divergence('Entropy', lat, None, question_backend(backend, lat.Ms, 'CTC_CRF.entropy', 'scores', cuda=True))
 
     def kl(self, scores_p, scores_q, targets=None, target_lengths=None, *, backend='auto'):
         """KL(p || q) (nats) (N,) between the path distributions of two score tensors (or, given targets, between their
@@ -281,7 +282,9 @@ class CTC_CRF(SequenceDist):
             raise ValueError("targets and target_lengths go together: give both (as ctc_loss takes them) or neither")
         if targets is None:
             ends = Ms.new_zeros(Ms.shape[1], self.n_states)
-            return SimpleNamespace(Ms=Ms, idx=self.idx.long().to(Ms.device), v0=ends, vT=ends, kmers=None)
+            # one idx tensor a device, so that what the kernels derive from it (its out-edges) is made once
+            idx = tensor_cached(self.idx, ('int64', Ms.device), lambda: self.idx.long().to(Ms.device))
+            return SimpleNamespace(Ms=Ms, idx=idx, v0=ends, vT=ends, kmers=None)
         lengths = self._check_targets(scores, targets, target_lengths)
         stay, move = self.prepare_ctc_scores(scores.to(Ms.dtype), targets)
         return SimpleNamespace(**vars(_target_lattice(stay, move, lengths + 1 - self.state_len)), kmers=stay.shape[2])
@@ -309,7 +312,7 @@ class CTC_CRF(SequenceDist):
             raise ValueError(f"scores_p and scores_q must be tensors of the same shape, got "
                              f"{tuple(getattr(scores_p, 'shape', ()))} and {tuple(getattr(scores_q, 'shape', ()))}")
         p, q = self._lattice(scores_p, targets, target_lengths), self._lattice(scores_q, targets, target_lengths)
-        return _lattice_divergence(algebra, p, q, question_backend(backend, p.Ms, what, 'scores'))
+        return _lattice_divergence(algebra, p, q, question_backend(backend, p.Ms, what, 'scores', cuda=True))
 
     def _paths(self, edges, lat):
         """Paths (..., T, N) given by each frame's edge of the lattice, in the question's format: the CRF's edges are
@@ -672,6 +675,37 @@ def _fast_entropy(Ms, idx, v0, vT, with_grad):
     bound = (T + 1) * (4 * 2.3e-16 * (logz.abs() + mean.abs() + 1) + (0.0 if precise else 3e-10))
     return value, logz, grad, ok & torch.isfinite(value) & (bound <= _CANCEL_TOL[Ms.dtype] * value)
 
+# %% ../nbs/05_crf.ipynb #crfq-cuda-glue
+_DIVERGENCE_BLOCK = 256          # crf_divergence's block: its threads stride over the states
+_divergence_kernels = {(dtype, algebra): load_kernel('crf.cu', 'crf_divergence', ALG=ALGEBRAS[algebra], **Log.cuda_macros(dtype))
+                       for dtype in (torch.float32, torch.float64) for algebra in ('Entropy', 'KL')}
+resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_BLOCK, min_threads=_DIVERGENCE_BLOCK,
+                why="the lattice questions: one block per sequence, float64 states in global memory")
+
+def _divergence_cuda(st):
+    """The CUDA kernel `crf_divergence` (both recursions and the edges' gradients, for g = 1, in one launch per batch):
+    the exact CPU kernel's values and gradients. The semiring's finite zero (a read's lattice has it) is written -inf
+    by a `where`, with no host read."""
+    kl = st.algebra == 'KL'
+    as_inf = lambda x: torch.where(x <= ZERO_BELOW, -math.inf, x).contiguous()
+    mp = as_inf(st.Ms_p.detach())
+    mq = as_inf(st.Ms_q.detach().to(mp.dtype)) if kl else mp
+    v0, vT = as_inf(st.v0.detach().double()), as_inf(st.vT.detach().double())
+    T, N, C, NZ = mp.shape
+    dev, f64 = mp.device, torch.float64
+    idx = tensor_cached(st.idx, ('crf idx', dev), lambda: st.idx.to(device=dev, dtype=torch.int64).contiguous())
+    rev = tensor_cached(st.idx, ('crf out-edges', dev), lambda: torch.as_tensor(_out_edges(st.idx)).to(dev))
+    out = mp.new_zeros(N, 3, dtype=f64)
+    grad_p = torch.zeros_like(mp) if st.with_grad else mp.new_empty(0)
+    grad_q = torch.zeros_like(mq) if st.with_grad and kl else mp.new_empty(0)
+    if N * C: _divergence_kernels[(mp.dtype, st.algebra)](
+        (N,), (min(_DIVERGENCE_BLOCK, 32 * math.ceil(C / 32)),), Mp=mp, Mq=mq, idx=idx, rev=rev, D=rev.shape[1], v0=v0,
+        vT=vT, fwd=mp.new_empty(3 * N * (T + 1) * C, dtype=f64), bwd=mp.new_empty(3 * N * 2 * C if st.with_grad else 3, dtype=f64),
+        grad_p=grad_p if st.with_grad else mp.new_empty(1), grad_q=grad_q if st.with_grad and kl else mp.new_empty(1),
+        out=out, T=T, N=N, C=C, NZ=NZ, with_grad=int(st.with_grad))
+    value, logz_p, logz_q = (out[:, j].to(mp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
+    return value, logz_p, logz_q, grad_p, grad_q
+
 # %% ../nbs/05_crf.ipynb #k3c4p5u6
 _DIVERGENCES = {'Entropy': (Entropy, _sparse_entropy_cpu), 'KL': (KL, _sparse_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
 
@@ -756,7 +790,7 @@ def _divergence_backward(st, outputs, grads):
     where the op layer hands them over (`consume`: one buffer of hundreds of MB, not two), else into a pooled buffer
     (`empty_gradient`: no page faults)."""
     g = grads[0][None, :, None, None].to(outputs[3].dtype)
-    scaled = lambda x: x.mul_(g) if st.consume else torch.mul(x, g, out=empty_gradient(x))
+    scaled = lambda x: x.mul_(g) if st.consume else torch.mul(x, g, out=empty_gradient(x)) if x.device.type == 'cpu' else x * g
     out = {'Ms_p': scaled(outputs[3]).to(st.Ms_p.dtype)}
     if st.Ms_q is not None: out['Ms_q'] = scaled(outputs[4]).to(st.Ms_q.dtype)
     return out
@@ -769,14 +803,16 @@ def _divergence_fake(a, backend):
 
 crf_divergence_op = Op(f'{_OPS}::crf_divergence', "(Tensor Ms_p, Tensor? Ms_q, Tensor idx, Tensor v0, Tensor vT, "
                        "str algebra, bool with_grad) -> (Tensor value, Tensor logz_p, Tensor logz_q, Tensor grad_p, Tensor grad_q)",
-                       prepare=_divergence_prepare, forward={'cpu': _divergence_numba, 'reference': _divergence_reference},
-                       backward={'cpu': _divergence_backward, 'reference': AUTOGRAD}, fake=_divergence_fake,
+                       prepare=_divergence_prepare,
+                       forward={'cpu': _divergence_numba, 'cuda': _divergence_cuda, 'reference': _divergence_reference},
+                       backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
+                       fake=_divergence_fake,
                        differentiable=('Ms_p', 'Ms_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
                        consumable=('grad_p', 'grad_q'))
 
 def _lattice_divergence(algebra, p, q, backend):
     "The `algebra`'s value (N,) over lattice p's paths (and q's, the same lattice with other scores), 0 where either has none."
-    if algebra == 'CrossEntropy' and backend == 'cpu':     # H(p) + KL(p || q): two kernels, each with its own gradient
+    if algebra == 'CrossEntropy' and backend in ('cpu', 'cuda'):   # H(p) + KL(p || q): two kernels, each its own gradient
         return _lattice_divergence('Entropy', p, None, backend) + _lattice_divergence('KL', p, q, backend)
     Ms_q = None if q is None else q.Ms
     with_grad = torch.is_grad_enabled() and (p.Ms.requires_grad or (Ms_q is not None and Ms_q.requires_grad))
