@@ -110,3 +110,56 @@ extern "C" __global__ void crf_divergence(
     }
     #undef OUT_EDGE
 }
+
+// Backward sampling over the forward scores `alpha` (T+1, N, C) in log space (the loss's, `sparse_fwd`): thread
+// i * N + n walks sample i of sequence n back, frame T - 1 taking an edge e = c * NZ + j among all in proportion to
+// exp(alpha[T-1, idx[e]] + Ms[T-1, n, e] + vT[n, c]), each earlier frame t one of the edges into the state that frame
+// t + 1's edge leaves, by the uniform u[i, t, n]: `choose_index`'s rule (weights relative to their largest, the first
+// whose running sum exceeds u times the total, never one of weight 0), in three passes over the candidates (no
+// per-thread arrays), so the same uniforms give the reference's samples. edges[i, t, n] = e; nothing is written for a
+// sequence with no path (log Z at the semiring's zero).
+__device__ __forceinline__ int crf_pick(const FLOAT* alpha_t, const FLOAT* ms_t, const long long* idx, const double* vT,
+                                        int first, int count, int NZ, double u) {
+    // the log-weight of candidate edge first + k: its source's alpha, its score and (last frame) its end's vT
+    #define LW(k) ((double)alpha_t[idx[first + (k)]] + (double)ms_t[first + (k)] + (vT ? vT[(first + (k)) / NZ] : 0.0))
+    double m = -INFINITY, total = 0.0, c = 0.0;
+    for (int k = 0; k < count; k++) m = fmax(m, LW(k));
+    int last = 0, pick = 0;
+    for (int k = 0; k < count; k++) {
+        const double w = LW(k), e = w > -INFINITY ? exp(w - m) : 0.0;
+        if (e > 0.0) last = k;
+        total += e;
+    }
+    const double bound = u * total;
+    for (int k = 0; k < count - 1; k++) {
+        const double w = LW(k);
+        c += w > -INFINITY ? exp(w - m) : 0.0;
+        pick += c <= bound ? 1 : 0;
+    }
+    #undef LW
+    return first + (pick < last ? pick : last);
+}
+
+extern "C" __global__ void crf_sample(
+    const FLOAT* __restrict__ Ms, const long long* __restrict__ idx, const FLOAT* __restrict__ alpha,
+    const double* __restrict__ vT, const double* __restrict__ logz, const double* __restrict__ u,
+    long long* __restrict__ edges, int n_samples, int T, int N, int C, int NZ)
+{
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (long long)n_samples * N) return;
+    const int n = (int)(id % N);
+    const long long i = id / N;
+    if (logz[n] <= -1e30) return;
+    const long long E = (long long)C * NZ;
+    #define AT(t) ((long long)(i * T + (t)) * N + n)                   // [i, t, n] of u and edges
+    int e = crf_pick(alpha + ((long long)(T - 1) * N + n) * C, Ms + ((long long)(T - 1) * N + n) * E, idx,
+                     vT + (long long)n * C, 0, (int)E, NZ, u[AT(T - 1)]);
+    edges[AT(T - 1)] = e;
+    for (int t = T - 2; t >= 0; t--) {
+        const int s = (int)idx[e];                          // the state frame t + 1's edge leaves: frame t enters it
+        e = crf_pick(alpha + ((long long)t * N + n) * C, Ms + ((long long)t * N + n) * E, idx, nullptr, s * NZ, NZ, NZ,
+                     u[AT(t)]);
+        edges[AT(t)] = e;
+    }
+    #undef AT
+}

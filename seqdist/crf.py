@@ -247,22 +247,25 @@ class CTC_CRF(SequenceDist):
         generator=generator, dtype=torch.float64)` on the generator's device (the CPU by default): u[i, t, b] picks frame
         t's edge of sample i of sequence b, so a seeded generator gives the same samples on every device. A target that
         cannot fit the frames gives paths of -1 and log-probability -inf. `backend`: 'auto' (the CPU kernels on CPU tensors,
-        the reference on a GPU), 'cpu' or 'reference'; both give the same samples for the same uniforms."""
+        the CUDA kernels on a GPU), 'cpu', 'cuda' (emulated on CPU tensors) or 'reference'; all give the same samples for
+        the same uniforms."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         lat = self._lattice(scores, targets, target_lengths)
-        backend = question_backend(backend, lat.Ms, 'CTC_CRF.sample', 'scores')
+        backend = question_backend(backend, lat.Ms, 'CTC_CRF.sample', 'scores', cuda=True)
         T, N = lat.Ms.shape[:2]
         u = torch.rand((int(n), T, N), generator=generator, dtype=torch.float64,
                        device=generator.device if generator is not None else 'cpu').to(lat.Ms.device)
-        edges, log_probs = (_sample_edges_cpu if backend == 'cpu' else _sample_edges)(lat.Ms, lat.idx, lat.v0, lat.vT, u)
+        sampler = {'cpu': _sample_edges_cpu, 'cuda': partial(_sample_edges_cuda, regular=lat.kmers is None)}.get(backend, _sample_edges)
+        edges, log_probs = sampler(lat.Ms, lat.idx, lat.v0, lat.vT, u)
         return self._paths(edges, lat), log_probs
 
     def kbest(self, scores, k=4, *, targets=None, target_lengths=None, backend='auto'):
         """The k best paths of each sequence, best first, and their scores (k, N) (differentiable; minus `logZ` they are
         log-probabilities). Paths as `sample` gives them: (k, T, N) score columns, or given targets (k, T, N, L - state_len
-        + 1) alignments. Where fewer than k paths exist the rest are -1 with score -inf. `backend` as `sample`'s."""
+        + 1) alignments. Where fewer than k paths exist the rest are -1 with score -inf. `backend`: 'auto' (the CPU kernel
+        on CPU tensors, the reference on a GPU: no CUDA kernel yet), 'cpu' or 'reference'."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
             raise ValueError(f"k must be an int in [1, 16], got {k!r}")
         lat = self._lattice(scores, targets, target_lengths)
@@ -705,6 +708,28 @@ def _divergence_cuda(st):
         out=out, T=T, N=N, C=C, NZ=NZ, with_grad=int(st.with_grad))
     value, logz_p, logz_q = (out[:, j].to(mp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
     return value, logz_p, logz_q, grad_p, grad_q
+
+_sample_kernels = {dtype: load_kernel('crf.cu', 'crf_sample', **Log.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
+resource_budget(list(_sample_kernels.values()), block=256, min_threads=1024, why="one thread per sample and sequence, walking back")
+
+def _sample_edges_cuda(Ms, idx, v0, vT, u, regular=True):
+    """`_sample_edges` on a GPU: the forward scores by `sparse_fwd` (log space), then `crf_sample`, a thread per
+    (sample, sequence): the reference's edges for the same uniforms. log Z, differentiable, by the loss's op
+    (`sparse.logZ`) on a `regular` lattice (the CRF's: every state with NZ out-edges, as its CUDA backward wants); on a
+    read's lattice from the forward scores, or by the reference where its gradient is wanted. No host reads."""
+    T, N, C, NZ = Ms.shape
+    n = u.shape[0]
+    v0, vT = v0.contiguous(), vT.contiguous()
+    ms = Ms.detach().contiguous()
+    alpha = sparse.fwd_scores_cupy(ms, idx, v0.detach(), Log, K=1, backend='cuda')
+    if regular: logz = sparse.logZ(Ms, idx, v0, vT, Log, backend='cuda')
+    elif torch.is_grad_enabled() and Ms.requires_grad: logz = sparse.logZ_reference(Ms, idx.long(), v0, vT, Log)
+    else: logz = Log.sum(alpha[-1] + vT, dim=-1)
+    edges = torch.full((n, T, N), -1, dtype=torch.long, device=Ms.device)
+    if n * N: _sample_kernels[ms.dtype]((math.ceil(n * N / 256),), (256,), Ms=ms, idx=idx.long().contiguous(),
+        alpha=alpha.contiguous(), vT=vT.detach().double().contiguous(), logz=logz.detach().double().contiguous(),
+        u=u.contiguous(), edges=edges, n_samples=n, T=T, N=N, C=C, NZ=NZ)
+    return _sampled(Ms, idx, v0, vT, edges, logz)
 
 # %% ../nbs/05_crf.ipynb #k3c4p5u6
 _DIVERGENCES = {'Entropy': (Entropy, _sparse_entropy_cpu), 'KL': (KL, _sparse_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}

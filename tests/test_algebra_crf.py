@@ -80,7 +80,7 @@ def test_sparse_reference_answers_every_semiring():
 # -- entropy, KL, cross-entropy ------------------------------------------------------------------------------------------
 
 BACKENDS = pytest.mark.parametrize('backend', ['cpu', 'reference'])
-DIVERGENCE_BACKENDS = pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])   # 'cuda': emulated
+DIVERGENCE_BACKENDS = pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])   # entropy, KL, samples; 'cuda': emulated
 
 @DIVERGENCE_BACKENDS
 @pytest.mark.parametrize('state_len, T', [(1, 4), (2, 3)])
@@ -122,9 +122,9 @@ def test_gradcheck(backend):
         assert check(lambda x: crf.entropy(x, **t), sp)
         assert check(lambda x, y: crf.kl(x, y, **t), sp, sq)
         assert check(lambda x, y: crf.cross_entropy(x, y, **t), sp, sq)
-        if backend == 'cuda': continue                     # (samples and k-best: no CUDA kernel yet)
-        assert check(lambda x: crf.kbest(x, k=3, **t)[1], sp)
         assert check(lambda x: crf.sample(x, n=4, generator=torch.Generator().manual_seed(0), **t)[1], sp)
+        if backend == 'cuda': continue                     # (k-best: no CUDA kernel yet)
+        assert check(lambda x: crf.kbest(x, k=3, **t)[1], sp)
 
 @DIVERGENCE_BACKENDS
 def test_entropy_of_a_peaky_model_is_accurate(backend):
@@ -274,7 +274,7 @@ def check_draws(drawn, logprob, n):
     shuffled = logprob.exp()[torch.randperm(len(logprob), generator=torch.Generator().manual_seed(0))]
     assert chi_square(counts, shuffled, n)[0] > chi_square_bound(df)       # the test has power
 
-@BACKENDS
+@DIVERGENCE_BACKENDS
 def test_samples_of_the_paths_match_the_exact_probabilities(backend):
     crf, T, n = CTC_CRF(1, 'NACGT'), 2, 20000
     scores = random_scores(crf, T, 2, 12, scale=0.7)
@@ -292,7 +292,7 @@ def test_samples_of_the_paths_match_the_exact_probabilities(backend):
     freq = torch.nn.functional.one_hot(paths, crf.n_score()).double().mean(0)
     assert ((freq - post).abs() <= 5 * (post * (1 - post) / n).clamp(min=0).sqrt() + 1e-12).all()
 
-@BACKENDS
+@DIVERGENCE_BACKENDS
 def test_samples_of_the_alignments_match_the_exact_probabilities(backend):
     crf, T, n = CTC_CRF(1, 'NACGT'), 5, 20000
     scores = random_scores(crf, T, 2, 13, scale=0.7)
@@ -334,8 +334,8 @@ def test_samples_are_reproducible_from_the_generator():
 
 @pytest.mark.parametrize('state_len, T, T_read', [(2, 9, 3), (3, 6, 2)])
 def test_cpu_samples_and_kbest_equal_the_reference(state_len, T, T_read):
-    """The CPU kernels give the reference's samples for the same uniforms, its k best paths, and the same (differentiable)
-    scores, on both lattices, in float64 and float32: the CRF's paths (scaled forward scores) and a batch of reads of
+    """The CPU kernels (and the CUDA kernels, emulated, for samples) give the reference's samples for the same uniforms, its
+    k best paths, and the same (differentiable) scores, on both lattices, in float64 and float32: the CRF's paths (scaled forward scores) and a batch of reads of
     several lengths (log-space ones), the first of which cannot fit its frames."""
     crf = CTC_CRF(state_len, 'NACGT')
     tg = torch.tensor([[1, 2, 3, 4, 1, 2], [2, 2, 4, 1, 3, 0], [3, 1, 1, 2, 0, 0], [4, 4, 4, 4, 4, 4]])
@@ -344,9 +344,10 @@ def test_cpu_samples_and_kbest_equal_the_reference(state_len, T, T_read):
         for t, frames in (({}, T), (dict(targets=tg, target_lengths=tl), T_read)):
             x = random_scores(crf, frames, 4, 40 + frames, scale=2.0, dtype=dtype)
             xs = [x.clone().requires_grad_() for _ in range(2)]
-            for ask in (lambda b: crf.sample(xs[b == 'cpu'], 64, torch.Generator().manual_seed(5), backend=b, **t),
-                        lambda b: crf.kbest(xs[b == 'cpu'], 5, backend=b, **t)):
-                (p_ref, s_ref), (p_cpu, s_cpu) = (ask(b) for b in ('reference', 'cpu'))
+            for kernel, ask in (('cpu', lambda b: crf.sample(xs[b != 'reference'], 64, torch.Generator().manual_seed(5), backend=b, **t)),
+                                ('cuda', lambda b: crf.sample(xs[b != 'reference'], 64, torch.Generator().manual_seed(5), backend=b, **t)),
+                                ('cpu', lambda b: crf.kbest(xs[b != 'reference'], 5, backend=b, **t))):
+                (p_ref, s_ref), (p_cpu, s_cpu) = (ask(b) for b in ('reference', kernel))
                 assert torch.equal(p_cpu, p_ref) and len({str(p) for p in p_cpu[:, :, 2].tolist()}) > 1
                 assert torch.isinf(s_cpu[:, 0]).all() == bool(t)
                 close(s_cpu, s_ref, rtol=tol, atol=tol)
@@ -389,7 +390,6 @@ def test_bad_inputs_are_clear_errors():
         (lambda: crf.entropy(scores, tg + 1, tl), ValueError, 'bases in \\[1, 4\\]'),
         (lambda: crf.entropy(scores, tg, torch.tensor([2, 3])), ValueError, 'target_lengths must be in \\[state_len, L\\]'),
         (lambda: crf.entropy(scores, tg, torch.tensor([2])), ValueError, 'target_lengths must be 2 integers'),
-        (lambda: crf.sample(scores, backend='cuda'), NotImplementedError, "CTC_CRF.sample has no 'cuda' backend"),
         (lambda: crf.kbest(scores, backend='fast'), ValueError, 'backend must be'),
         (lambda: crf.kbest(scores, backend='cuda'), NotImplementedError, "no 'cuda' backend"),
         (lambda: crf.entropy(scores, backend='fast'), ValueError, 'backend must be'),

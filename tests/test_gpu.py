@@ -633,6 +633,22 @@ def test_gpu_tdt_samples_equal_the_cpu_without_a_host_sync(dtype, record):
     torch.testing.assert_close(got[3], want[3], rtol=tol, atol=tol)
     record('tdt_questions')
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_gpu_crf_samples_equal_the_reference_without_a_host_sync(dtype, record):
+    """CTC_CRF.sample on the GPU (sparse_fwd's forward scores, crf_sample's walk): the reference's samples for the same
+    generator and its log-probabilities, of the paths and of a read's alignments; the paths' with no host sync once warm."""
+    crf, scores, targets, lengths = crf_inputs(T=40, N=3, state_len=3)
+    x = scores.to(dtype)
+    gen = lambda: torch.Generator(device='cuda').manual_seed(2)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    for t in ({}, dict(targets=targets, target_lengths=lengths)):
+        got = crf.sample(x, n=16, generator=gen(), **t)
+        want = crf.sample(x, n=16, generator=gen(), backend='reference', **t)
+        assert torch.equal(got[0], want[0]), "the CUDA kernels and the reference differ on the same uniforms"
+        torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol)
+    _no_sync(lambda: crf.sample(x, n=16, generator=gen()))
+    record('crf_questions')
+
 def test_gpu_forced_align_options_equal_the_cpu(record):
     """forced_align's wildcard, label priors and confidence on CUDA tensors (the priors on the GPU too): the CPU's labels
     and scores, its confidences to rounding."""
