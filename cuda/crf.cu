@@ -116,28 +116,19 @@ extern "C" __global__ void crf_divergence(
 // exp(alpha[T-1, idx[e]] + Ms[T-1, n, e] + vT[n, c]), each earlier frame t one of the edges into the state that frame
 // t + 1's edge leaves, by the uniform u[i, t, n]: `choose_index`'s rule (weights relative to their largest, the first
 // whose running sum exceeds u times the total, never one of weight 0), in three passes over the candidates (no
-// per-thread arrays), so the same uniforms give the reference's samples. edges[i, t, n] = e; nothing is written for a
-// sequence with no path (log Z at the semiring's zero).
+// per-thread arrays: semiring.cuh's `choose_log`), so the same uniforms give the reference's samples.
+// edges[i, t, n] = e; nothing is written for a sequence with no path (log Z at the semiring's zero).
+struct CrfEdgeWeights {   // the log-weight of candidate edge first + k: its source's alpha, its score, (last frame) its end's vT
+    const FLOAT* alpha_t; const FLOAT* ms_t; const long long* idx; const double* vT; int first, NZ;
+    __device__ double operator()(int k) const {
+        const int e = first + k;
+        return (double)alpha_t[idx[e]] + (double)ms_t[e] + (vT ? vT[e / NZ] : 0.0);
+    }
+};
 __device__ __forceinline__ int crf_pick(const FLOAT* alpha_t, const FLOAT* ms_t, const long long* idx, const double* vT,
                                         int first, int count, int NZ, double u) {
-    // the log-weight of candidate edge first + k: its source's alpha, its score and (last frame) its end's vT
-    #define LW(k) ((double)alpha_t[idx[first + (k)]] + (double)ms_t[first + (k)] + (vT ? vT[(first + (k)) / NZ] : 0.0))
-    double m = -INFINITY, total = 0.0, c = 0.0;
-    for (int k = 0; k < count; k++) m = fmax(m, LW(k));
-    int last = 0, pick = 0;
-    for (int k = 0; k < count; k++) {
-        const double w = LW(k), e = w > -INFINITY ? exp(w - m) : 0.0;
-        if (e > 0.0) last = k;
-        total += e;
-    }
-    const double bound = u * total;
-    for (int k = 0; k < count - 1; k++) {
-        const double w = LW(k);
-        c += w > -INFINITY ? exp(w - m) : 0.0;
-        pick += c <= bound ? 1 : 0;
-    }
-    #undef LW
-    return first + (pick < last ? pick : last);
+    const CrfEdgeWeights w = {alpha_t, ms_t, idx, vT, first, NZ};
+    return first + choose_log(w, count, u);
 }
 
 extern "C" __global__ void crf_sample(

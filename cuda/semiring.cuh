@@ -112,6 +112,27 @@ __device__ __forceinline__ int pick_log3(double a0, double a1, double a2, double
     return pick3(a0 > -INFINITY ? exp(a0 - m) : 0.0, a1 > -INFINITY ? exp(a1 - m) : 0.0, a2 > -INFINITY ? exp(a2 - m) : 0.0, u);
 }
 
+// For the CUDA samplers over many candidates: the index that the uniform u picks among `count` log-weights w(k) (a
+// functor, called three times a candidate so that a thread keeps no array), as `choose_index` picks: the weights
+// relative to their largest, the first whose running sum exceeds u times the total, never one of weight 0.
+template <class Weights> __device__ __forceinline__ int choose_log(const Weights& w, int count, double u) {
+    double m = -INFINITY, total = 0.0, c = 0.0;
+    for (int k = 0; k < count; k++) m = fmax(m, w(k));
+    int last = 0, pick = 0;
+    for (int k = 0; k < count; k++) {
+        const double x = w(k), e = x > -INFINITY ? exp(x - m) : 0.0;
+        if (e > 0.0) last = k;
+        total += e;
+    }
+    const double bound = u * total;
+    for (int k = 0; k < count - 1; k++) {                   // the running sums at most u times the total
+        const double x = w(k);
+        c += x > -INFINITY ? exp(x - m) : 0.0;
+        pick += c <= bound ? 1 : 0;
+    }
+    return pick < last ? pick : last;
+}
+
 // For the CUDA k-best kernels (KMax(k)'s sum of three states), as the CPU kernels' `merge_top3`: the k largest of three
 // sorted (descending) lists a, b, c of length k, into out, and for each where it came from, `code` = 16 * list + rank
 // (ties: the earlier list first; a signed char holds it for k <= 16). -inf past the values that exist.

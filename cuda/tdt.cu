@@ -384,11 +384,16 @@ __device__ __forceinline__ double enter_weight(const FLOAT* logits, const double
     const long long m = node_index(b, ts, us, T, U1);
     return alpha[m] + edge_score(logits, lse, y, e, m, ts, us, Tb, V, W, sigma, 0.0, 0.0);
 }
+struct TdtEnterWeights {  // `enter_weight` of each edge kind k into (t, j), for `choose_log`
+    const FLOAT* logits; const double* lse; const long long* y; const int* table; const double* alpha;
+    int b, t, j, Tb, T, U1, V, W; double sigma;
+    __device__ double operator()(int k) const { return enter_weight(logits, lse, y, table, k, alpha, b, t, j, Tb, T, U1, V, W, sigma); }
+};
 
 // Backward sampling over the loss's forward (`tdt_alpha_beta`'s alpha, Log): thread i * B + b walks sample i of
 // sequence b back from the end (T_b, U_b), at step s entering its node by the edge kind that `_choose` draws from the
 // weights `enter_weight` with the uniform u[i, b, s] (the CPU kernel's candidates and arithmetic, in three passes over
-// the kinds: no per-thread arrays), so the same uniforms give the same samples. The edges taken go to
+// the kinds: no per-thread arrays, semiring.cuh's `choose_log`), so the same uniforms give the same samples. The edges taken go to
 // taken[:, i, b, s] = (start t, start u, kind) and the path's summed edge scores to score[i, b]; nothing is written for
 // a sequence without a path (log Z at the semiring's zero).
 extern "C" __global__ void tdt_sample(
@@ -408,29 +413,14 @@ extern "C" __global__ void tdt_sample(
     long long* tk = taken + id * steps;
     int t = Tb, j = Ub, s = 0;
     double path = 0.0;
-    #define WEIGHT(k) enter_weight(logits, lse, y, table, k, alpha, b, t, j, Tb, T, U1, V, W, sigma)
     while (t > 0 || j > 0) {
-        double m = -INFINITY, total = 0.0, c = 0.0;
-        for (int k = 0; k < K; k++) m = fmax(m, WEIGHT(k));
-        int last = 0, pick = 0;
-        for (int k = 0; k < K; k++) {
-            const double w = WEIGHT(k), e = w > -INFINITY ? exp(w - m) : 0.0;
-            if (e > 0.0) last = k;
-            total += e;
-        }
-        const double bound = ui[s] * total;
-        for (int k = 0; k < K - 1; k++) {                   // the running sums at most u times the total
-            const double w = WEIGHT(k);
-            c += w > -INFINITY ? exp(w - m) : 0.0;
-            pick += c <= bound ? 1 : 0;
-        }
-        const int k = pick < last ? pick : last;
+        const TdtEnterWeights w = {logits, lse, y, table, alpha, b, t, j, Tb, T, U1, V, W, sigma};
+        const int k = choose_log(w, K, ui[s]);
         const int* e = table + 6 * k;
         t -= e[2]; j -= e[1];
         path += edge_score(logits, lse, y, e, node_index(b, t, j, T, U1), t, j, Tb, V, W, sigma, 0.0, 0.0);
         tk[s] = t; tk[plane + s] = j; tk[2 * plane + s] = k;
         s++;
     }
-    #undef WEIGHT
     score[id] = path;
 }
