@@ -27,6 +27,14 @@ def both_paths(monkeypatch, every, *args, **kw):
     monkeypatch.setattr(ctc, '_CHECKPOINT_EVERY', every)
     return one_pass, forced_align(*args, **kw)
 
+def on_cuda_and_cpu(monkeypatch, tile, every, *args, **kw):
+    """forced_align on the CPU, then by the CUDA kernel (emulated on CPU tensors) with blocks of `tile` states and
+    back-pointers for every frame (every=None), or segments of `every` frames (0: sqrt(8 T)) from checkpoints."""
+    monkeypatch.setattr(ctc, '_VITERBI_TILE', tile)
+    monkeypatch.setattr(ctc, '_CUDA_FULL_TABLE_BYTES', 1 << 62 if every is None else 0)
+    monkeypatch.setattr(ctc, '_CHECKPOINT_EVERY', every or 0)
+    return forced_align(*args, backend='cpu', **kw), forced_align(*args, backend='cuda', **kw)
+
 @pytest.mark.parametrize('every', [0, 1, 2, 3, 7, 1000])   # 0: sqrt(8 T); 1000: one segment
 @pytest.mark.parametrize('seed', range(3))
 def test_checkpointed_path_is_the_one_pass_path(seed, every, monkeypatch):
@@ -37,26 +45,56 @@ def test_checkpointed_path_is_the_one_pass_path(seed, every, monkeypatch):
         (l1, s1), (l2, s2) = both_paths(monkeypatch, every, lp, targets, il, tl, blank)
         assert torch.equal(l1, l2) and torch.equal(s1, s2), (blank, ties, dtype, T)
 
-def test_short_and_degenerate_sequences(monkeypatch):
+def two_ways(kernel, monkeypatch, every, *args):
+    "The one-pass CPU kernel and the checkpointed one (kernel='cpu'), or the CPU and the CUDA kernel in blocks of 32 states."
+    return both_paths(monkeypatch, every, *args) if kernel == 'cpu' else on_cuda_and_cpu(monkeypatch, 32, every, *args)
+
+@pytest.mark.parametrize('kernel', ['cpu', 'cuda'])
+def test_short_and_degenerate_sequences(kernel, monkeypatch):
     "T = 1, T = 2, empty targets, one label filling every frame, a target that needs exactly its frames."
     g = torch.Generator().manual_seed(5)
     lp = torch.randn(6, 4, 6, generator=g).log_softmax(-1)
     targets = torch.tensor([[1, 2, 2], [3, 0, 0], [1, 0, 0], [2, 2, 0], [1, 2, 3], [5, 5, 5]])
     il, tl = torch.tensor([1, 2, 4, 3, 3, 0]), torch.tensor([0, 1, 1, 2, 3, 0])
     for every in (0, 1, 2):
-        (l1, s1), (l2, s2) = both_paths(monkeypatch, every, lp, targets, il, tl)
+        (l1, s1), (l2, s2) = two_ways(kernel, monkeypatch, every, lp, targets, il, tl)
         assert torch.equal(l1, l2) and torch.equal(s1, s2)
     assert l2[4, :3].tolist() == [1, 2, 3] and l2[3, :3].tolist() == [2, 0, 2]
 
-def test_emissions_of_minus_infinity_as_before(monkeypatch):
-    "A label that no frame can emit leaves no finite path: both kernels give the blank path, as today, and no crash."
+@pytest.mark.parametrize('kernel', ['cpu', 'cuda'])
+def test_emissions_of_minus_infinity_as_before(kernel, monkeypatch):
+    """A label that no frame can emit leaves no finite path: both kernels give the blank path, as today, and no crash
+    (on CUDA: a target of 5 blocks, from checkpoints)."""
     g = torch.Generator().manual_seed(6)
     lp = torch.randn(2, 300, 6, generator=g).log_softmax(-1)
     lp[0, :, 4] = -float('inf')
     targets = torch.randint(1, 6, (2, 80), generator=g)
     targets[0, 40] = 4
-    (l1, s1), (l2, s2) = both_paths(monkeypatch, 0, lp, targets)
+    (l1, s1), (l2, s2) = two_ways(kernel, monkeypatch, 0, lp, targets)
     assert torch.equal(l1, l2) and torch.equal(s1, s2) and (l2[0] == 0).all()
+
+@pytest.mark.parametrize('tile, every', [(2048, None), (32, None), (32, 1), (32, 5), (64, 9), (32, 0), (2048, 4)])
+def test_cuda_kernel_across_blocks_and_checkpoints(tile, every, monkeypatch):
+    """The CUDA Viterbi with targets split across up to 7 blocks of `tile` states, and from checkpoints: the CPU's
+    paths and scores, among equal paths too (float32 and float64, variable lengths, empty and one-label targets)."""
+    g = torch.Generator().manual_seed(tile + (every or 0))
+    for blank, ties, dtype in [(0, False, torch.float32), (3, True, torch.float64)]:
+        T = int(torch.randint(200, 260, (1,), generator=g))
+        lp, targets, il, tl = random_case(g, 5, T, 6, 100, blank, ties, dtype)
+        (l1, s1), (l2, s2) = on_cuda_and_cpu(monkeypatch, tile, every, lp, targets, il, tl, blank)
+        assert ctc._viterbi_launch_plan(T, 5, 201)[3] == (7 if tile == 32 else 4 if tile == 64 else 1)
+        assert torch.equal(l1, l2) and torch.equal(s1, s2), (blank, ties, dtype, T)
+
+def test_cuda_memory_plan():
+    """The buffers `_viterbi_states_cuda` allocates: an hour (T = 180,000, L = 50,000) in under 1 GB (a back-pointer a
+    cell would be 18 GB), and at T = 20,000, L = 6,000 under a tenth of the back-pointer table of the one-pass kernel."""
+    def extra_bytes(T, L, N=1):
+        S = 2 * L + 1
+        k, segments, tile, tiles = ctc._viterbi_launch_plan(T, N, S)
+        return k * N * S + 8 * (segments - 1) * N * S + 16 * N * tiles * k * max(1, segments - 1) + 4 * (segments + 1) * (1 + N * tiles + N)
+    assert extra_bytes(180_000, 50_000) < 1e9 and 180_000 * 100_001 > 18e9
+    assert extra_bytes(20_000, 6_000) < 20_000 * 12_001 / 10
+    assert ctc._viterbi_launch_plan(200, 4, 101)[:2] == (199, 1)       # short: back-pointers for every frame, one launch
 
 @pytest.mark.torchaudio
 @pytest.mark.parametrize('seed', range(3))
@@ -179,3 +217,22 @@ def test_gpu_token_spans_agree_with_cpu_without_a_host_sync():
     assert torch.equal(got[0][:, :k].cpu(), want[0]) and torch.equal(got[1][:, :k].cpu(), want[1])
     torch.testing.assert_close(got[2][:, :k].cpu(), want[2], equal_nan=True, rtol=1e-6, atol=1e-6)
     assert (got[0][:, k:] == -1).all()
+
+@pytest.mark.gpu
+def test_gpu_long_alignments_across_blocks_from_checkpoints():
+    """On a GPU: T = 20,000, L = 6,000 (12,001 states: 6 blocks; checkpointed) gives the CPU's path and scores; the
+    hour, T = 180,000, L = 50,000 (49 blocks, 151 segments), collapses to its targets in under 1 GB of peak extra GPU
+    memory."""
+    g = torch.Generator().manual_seed(0)
+    lp, targets = torch.randn(1, 20_000, 32, generator=g).log_softmax(-1), torch.randint(1, 32, (1, 6_000), generator=g)
+    assert ctc._viterbi_launch_plan(20_000, 1, 12_001)[1:] == (51, 2048, 6)
+    labels, scores = forced_align(lp, targets)
+    gpu_labels, gpu_scores = forced_align(lp.cuda(), targets.cuda())
+    assert torch.equal(gpu_labels.cpu(), labels) and torch.equal(gpu_scores.cpu(), scores)
+    T, L = 180_000, 50_000
+    lp, targets = torch.randn(1, T, 32, device='cuda').log_softmax(-1), torch.randint(1, 32, (1, L), device='cuda')
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); before = torch.cuda.memory_allocated()
+    path = forced_align(lp, targets)[0][0]
+    extra = torch.cuda.max_memory_allocated() - before
+    starts = (path != 0) & torch.cat([torch.ones(1, dtype=torch.bool, device='cuda'), path[1:] != path[:-1]])
+    assert torch.equal(path[starts], targets[0]) and extra < 1e9, extra

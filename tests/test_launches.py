@@ -98,14 +98,29 @@ def test_rnnt_and_cross_entropy_check_gpu_values_on_the_device(monkeypatch):
 
 def test_forced_align_budget():
     """One Viterbi launch, whose last thread walks the path back on the device (no argmin over state posteriors). The
-    ops: ~50 of preparation and gather, and 13 of the check that every target fits its frames (`check_alignable`:
+    ops: ~53 of preparation, buffers and gather, and 13 of the check that every target fits its frames (`check_alignable`:
     a best path must exist; checked on the device for GPU-resident values, without a host read)."""
     import seqdist.ctc as ctc
     torch.manual_seed(0)
     lp, targets = torch.randn(1, 30, 8).log_softmax(2), torch.randint(1, 8, (1, 6))
     launches, ops = budget(lambda: ctc.forced_align(lp, targets, backend='cuda'))
     assert launches == {'ctc_viterbi': 1}
-    assert ops.total <= 63, ops.ops
+    assert ops.total <= 66, ops.ops
+
+def test_forced_align_checkpointed_budget(monkeypatch):
+    """Beyond `_CUDA_FULL_TABLE_BYTES`: one launch that keeps the checkpoints, then one a segment (T = 30 frames, k = 7:
+    5 segments), the targets (41 states) split across 2 blocks of 32; the walks back on the device. Beyond the one
+    launch's ops: a row of `sync` for each further launch, and the checkpoints' and the edges' buffers."""
+    import seqdist.ctc as ctc
+    torch.manual_seed(0)
+    lp, targets = torch.randn(2, 30, 8).log_softmax(2), torch.randint(1, 8, (2, 20))
+    _, one = budget(lambda: ctc.forced_align(lp, targets, backend='cuda'))
+    monkeypatch.setattr(ctc, '_CUDA_FULL_TABLE_BYTES', 0)
+    monkeypatch.setattr(ctc, '_CHECKPOINT_EVERY', 7)
+    monkeypatch.setattr(ctc, '_VITERBI_TILE', 32)
+    launches, ops = budget(lambda: ctc.forced_align(lp, targets, backend='cuda'))
+    assert launches == {'ctc_viterbi': 6} and ctc._viterbi_launch_plan(30, 2, 41) == (7, 5, 32, 2)
+    assert ops.total <= one.total + 5 + 2, ops.ops - one.ops
 
 def test_add_at_columns_budget():
     "CTC_CRF's deterministic scatter on a GPU: a small sort of the (N, J) columns, then one launch over the values."
