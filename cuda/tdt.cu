@@ -424,3 +424,90 @@ extern "C" __global__ void tdt_sample(
     }
     score[id] = path;
 }
+
+// The k best paths (KMax(k), k <= 16), one block per sequence, as the CPU kernel `_tdt_kbest_cpu`: each node keeps the
+// k best scores into it, sorted (`vals`, B x T x U1 x k), and for each rank the edge kind and the rank at its start it
+// came from (`kinds`, `ranks`, int8, the same shape); one anti-diagonal at a time. A node takes its K kinds' lists (the
+// start's list plus the edge's score) by a K-way merge, rank by rank the largest head, ties to the lower kind and then
+// the lower rank: the order `_kmax_node` gets by folding the kinds two at a time with `merge_top3`. A thread's edge
+// scores and list heads live in `scores` and `heads` (B x blockDim x K, global memory: a thread's arrays would be local
+// memory). Then thread r < k walks rank r back from the end: taken[:, r, b, s] = (start t, start u, kind) of its s-th
+// edge from the end and best[r, b] its score (-inf, taken as it is, where fewer than r + 1 paths exist).
+__device__ void tdt_kmax(int k, int K, const int* __restrict__ table, const double* __restrict__ vals, int b, int t, int u,
+                         int T, int U1, const double* sc, unsigned char* head, double* out, signed char* kind,
+                         signed char* rank) {
+    for (int r = 0; r < k; r++) {
+        double top = -INFINITY;
+        int pick = -1;
+        for (int i = 0; i < K; i++) {
+            if (head[i] >= k) continue;                     // no edge of this kind, or its list taken
+            const int* e = table + 6 * i;
+            const double v = vals[node_index(b, t - e[2], u - e[1], T, U1) * k + head[i]] + sc[i];
+            if (pick < 0 || v > top) { top = v; pick = i; }
+        }
+        out[r] = top;
+        kind[r] = (signed char)(pick < 0 ? 0 : pick);
+        rank[r] = (signed char)(pick < 0 ? 0 : head[pick]);
+        if (pick >= 0) head[pick]++;
+    }
+}
+
+extern "C" __global__ void tdt_kbest(
+    const FLOAT* __restrict__ logits, const double* __restrict__ lse, const long long* __restrict__ targets,
+    const long long* __restrict__ logit_lengths, const long long* __restrict__ target_lengths,
+    const int* __restrict__ table, int K, double* __restrict__ vals, signed char* __restrict__ kinds,
+    signed char* __restrict__ ranks, double* __restrict__ scores, unsigned char* __restrict__ heads,
+    double* __restrict__ best, long long* __restrict__ taken, int B, int T, int U1, int V, int W, int k, int steps,
+    double sigma)
+{
+    const int b = blockIdx.x, Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
+    const long long* y = targets + (long long)b * U1;
+    double* sc = scores + ((long long)b * blockDim.x + threadIdx.x) * K;
+    unsigned char* head = heads + ((long long)b * blockDim.x + threadIdx.x) * K;
+    __shared__ double fin[16];
+    __shared__ signed char fin_kind[16], fin_rank[16];
+    for (int r = threadIdx.x; r < k; r += blockDim.x) best[(long long)r * B + b] = -INFINITY;
+    for (int d = 0; d < Tb + Ub; d++) {
+        __syncthreads();                                    // the earlier diagonals are written
+        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
+            const int t = d - u;
+            if (t < 0 || t >= Tb) continue;
+            const long long n = node_index(b, t, u, T, U1);
+            for (int i = 0; i < K; i++) {                   // edge kind i enters (t, u) from (t - d_i, u - label_i)
+                const int* e = table + 6 * i;
+                const int ts = t - e[2], us = u - e[1];
+                head[i] = d > 0 && ts >= 0 && us >= 0 ? 0 : k;
+                if (head[i] == 0) sc[i] = edge_score(logits, lse, y, e, node_index(b, ts, us, T, U1), ts, us, Tb, V, W,
+                                                     sigma, 0.0, 0.0);
+            }
+            tdt_kmax(k, K, table, vals, b, t, u, T, U1, sc, head, vals + n * k, kinds + n * k, ranks + n * k);
+            if (d == 0) vals[n * k] = 0.0;                  // the start: the empty path
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {                                 // into the end: the blanks that land on frame Tb at Ub
+        for (int i = 0; i < K; i++) {
+            const int* e = table + 6 * i;
+            const int ts = Tb - e[2];
+            head[i] = !e[1] && ts >= 0 ? 0 : k;
+            if (head[i] == 0) sc[i] = edge_score(logits, lse, y, e, node_index(b, ts, Ub, T, U1), ts, Ub, Tb, V, W, sigma,
+                                                 0.0, 0.0);
+        }
+        tdt_kmax(k, K, table, vals, b, Tb, Ub, T, U1, sc, head, fin, fin_kind, fin_rank);
+    }
+    __syncthreads();
+    const int r = threadIdx.x;
+    if (r >= k || !(fin[r] > -INFINITY)) return;
+    best[(long long)r * B + b] = fin[r];
+    const long long plane = (long long)k * B * steps;
+    long long* tk = taken + ((long long)r * B + b) * steps;
+    int t = Tb, u = Ub, kind = fin_kind[r], rank = fin_rank[r];
+    for (int s = 0; ; s++) {
+        const int* e = table + 6 * kind;
+        t -= e[2]; u -= e[1];
+        tk[s] = t; tk[plane + s] = u; tk[2 * plane + s] = kind;
+        if (t == 0 && u == 0) break;
+        const long long n = node_index(b, t, u, T, U1) * k + rank;
+        kind = kinds[n]; rank = ranks[n];
+    }
+}

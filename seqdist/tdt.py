@@ -800,16 +800,20 @@ def _kbest(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     c = _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
-    backend, k = question_backend(backend, c.x, what, 'logits'), int(k)
+    backend, k = question_backend(backend, c.x, what, 'logits', cuda=True), int(k)
     differentiable = torch.is_grad_enabled() and logits.requires_grad
     B, T, U1, _ = c.x.shape
     steps = T + U1 - 1
-    if backend == 'cpu':                # the kernel's paths and scores (differentiable: summed again by autograd)
-        taken, best = torch.full((3, k, B, steps), -1, dtype=torch.long), np.empty((k, B))
-        parallel_for(_tdt_kbest_cpu, B, c.x.detach().contiguous().numpy(), c.y.numpy(), c.il.numpy(), c.tl.numpy(), c.V,
-                     c.D, c.table, np.array([c.sigma, 0.0]), c.x.dtype == torch.float64, k, taken.numpy(), best,
-                     work=c.x.numel() + k * B * T * U1 * len(c.table))
-        scores = torch.from_numpy(best).to(c.x.dtype)
+    if backend in ('cpu', 'cuda'):      # the kernel's paths and scores (differentiable: summed again by autograd)
+        taken = torch.full((3, k, B, steps), -1, dtype=torch.long, device=c.x.device)
+        if backend == 'cpu':
+            best = np.empty((k, B))
+            parallel_for(_tdt_kbest_cpu, B, c.x.detach().contiguous().numpy(), c.y.numpy(), c.il.numpy(), c.tl.numpy(), c.V,
+                         c.D, c.table, np.array([c.sigma, 0.0]), c.x.dtype == torch.float64, k, taken.numpy(), best,
+                         work=c.x.numel() + k * B * T * U1 * len(c.table))
+            best = torch.from_numpy(best)
+        else: best = _kbest_cuda(c, k, taken)
+        scores = best.to(c.x.dtype)
         if differentiable: scores = torch.where(torch.isinf(scores), -math.inf, _path_scores(_scores(c), taken))
     else:
         S = KMax(k)
@@ -1233,6 +1237,14 @@ resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_BLOCK, min
 resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024,
                 why="a memory-bound pass over the logits' rows: half the SM's threads in flight")
 
+def _row_lse(x, il, tl, V):
+    "tdt_lse: each row's token and duration log-sum-exp (B x T x (U+1) x 2, float64; zeros outside the lattice)."
+    B, T, U1, W = x.shape
+    out = x.new_zeros(2 * B * T * U1, dtype=torch.float64)
+    if out.numel(): _tdt_kernels[(x.dtype, Log, 'tdt_lse')]((B * T * U1,), (_threads(W, 256),), logits=x, logit_lengths=il,
+                                                           target_lengths=tl, lse=out, T=T, U1=U1, V=V, W=W)
+    return out
+
 def _divergence_cuda(s):
     """The CUDA kernels: tdt_lse per side, tdt_divergence (both recursions, one block per sequence) and, with
     `with_grad`, tdt_divergence_grad per side: the CPU kernel's values and closed-form gradients (for g = 1, scaled in
@@ -1242,13 +1254,8 @@ def _divergence_cuda(s):
     B, T, U1, W = xp.shape
     nodes, K, f64 = B * T * U1, len(s.table), torch.float64
     table = _device_table(s.table, xp.device)
-    def lse(x):
-        out = x.new_zeros(2 * nodes, dtype=f64)
-        if nodes: _tdt_kernels[(x.dtype, Log, 'tdt_lse')]((nodes,), (_threads(W, 256),), logits=x, logit_lengths=s.il,
-                                                         target_lengths=s.tl, lse=out, T=T, U1=U1, V=s.V, W=W)
-        return out
-    lse_p = lse(xp)
-    lse_q = lse(xq) if kl else lse_p
+    lse_p = _row_lse(xp, s.il, s.tl, s.V)
+    lse_q = _row_lse(xq, s.il, s.tl, s.V) if kl else lse_p
     kept = nodes if s.with_grad else 1                     # the backward's states and edge gradients, if asked for
     out, gedge = xp.new_zeros(B, 3, dtype=f64), xp.new_zeros(2 * K * kept, dtype=f64)
     if B: _divergence_kernels[(xp.dtype, s.algebra)](
@@ -1270,6 +1277,26 @@ def _divergence_cuda(s):
 
 _sample_kernels = {dtype: load_kernel('tdt.cu', 'tdt_sample', **Log.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
 resource_budget(list(_sample_kernels.values()), block=256, min_threads=1024, why="one thread per sample and sequence, walking back")
+
+_kbest_kernels = {dtype: load_kernel('tdt.cu', 'tdt_kbest', **Log.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
+resource_budget(list(_kbest_kernels.values()), block=_DIVERGENCE_BLOCK, min_threads=_DIVERGENCE_BLOCK,
+                why="k-best: one block per sequence, k scores per node in global memory")
+
+def _kbest_cuda(c, k, taken):
+    """`_tdt_kbest_cpu` on the GPU: tdt_lse, then tdt_kbest (one block per sequence: the nodes' K-way merges an
+    anti-diagonal at a time, then a thread per rank walking back), writing the paths' edges into taken (3, k, B, steps);
+    returns their scores (k, B) in float64. No host reads."""
+    x = c.x.detach().contiguous()
+    B, T, U1, W = x.shape
+    K, threads, cells = len(c.table), min(_DIVERGENCE_BLOCK, _threads(U1)), B * T * U1 * k
+    new = lambda n, dtype=torch.float64: torch.empty(n, dtype=dtype, device=x.device)
+    best = new(k * B).view(k, B)
+    if B: _kbest_kernels[x.dtype]((B,), (threads,), logits=x, lse=_row_lse(x, c.il, c.tl, c.V), targets=c.y,
+        logit_lengths=c.il, target_lengths=c.tl, table=_device_table(c.table, x.device), K=K, vals=new(cells),
+        kinds=new(cells, torch.int8), ranks=new(cells, torch.int8), scores=new(B * threads * K),
+        heads=new(B * threads * K, torch.uint8), best=best, taken=taken, B=B, T=T, U1=U1, V=c.V, W=W, k=k,
+        steps=taken.shape[3], sigma=float(c.sigma))
+    return best
 
 def _sample_cuda(c, uniforms, taken, path):
     """`_tdt_sample_cpu` on the GPU: the loss's forward (`_cuda_lattice`, Log: alpha at every node), then tdt_sample, a
@@ -1604,8 +1631,7 @@ def bench_tdt_questions(B=8, T=200, U=50, V=128, D=5, warmup=2, reps=7, device='
     """The TDT lattice questions at the first shape of `TDT_SHAPES`, on the CPU or on `device`'s CUDA kernels, each timed
     alternately with its anchor from the same family, with both peak memories (`peak_extra_mb` on the CPU, `peak_gpu_mb`
     on a GPU): entropy and KL fwd+bwd against `tdt_loss` fwd+bwd (one or two models), 8 samples against one loss
-    forward, k-best (k = 4) against `tdt_best_path` (on the CPU only: on a GPU it runs the reference). ratio = anchor /
-    ours, as `seqdist.rnnt.bench_rnnt_questions`'."""
+    forward, k-best (k = 4) against `tdt_best_path`. ratio = anchor / ours, as `seqdist.rnnt.bench_rnnt_questions`'."""
     from .timing import paired_median_ms, peak_extra_mb, peak_gpu_mb
     durations = tuple(range(D))
     x, y, il, tl = tdt_inputs_for(B, T, U, V, D, device)
@@ -1626,7 +1652,7 @@ def bench_tdt_questions(B=8, T=200, U=50, V=128, D=5, warmup=2, reps=7, device='
              ('kbest_alignments k=4', 'tdt_best_path',
               lambda: tdt_best_path(xd, y, il, tl, durations), lambda: kbest_alignments(xd, y, il, tl, durations, k=4))]
     rows = []
-    for op, anchor, theirs, ours in cases if cpu else cases[:3]:
+    for op, anchor, theirs, ours in cases:
         t0, t1 = paired_median_ms(theirs, ours, warmup, reps)
         rows.append(dict(op=op, shape=f"B={B} T={T} U={U} V={V} D={D}", anchor='seqdist ' + anchor, anchor_ms=t0,
                          ours_ms=t1, ratio=t0 / t1, anchor_mb=peak(theirs), ours_mb=peak(ours), check='-'))

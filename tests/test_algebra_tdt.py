@@ -237,12 +237,14 @@ def test_kbest_equals_the_sorted_enumeration(lat, k):
 
 @pytest.mark.parametrize('k', [1, 4, 16])
 @pytest.mark.parametrize('lat', LATTICES, ids=repr)
-def test_cpu_kbest_equals_the_reference(lat, k):
-    "The CPU kernel's k best paths (back-pointers) are the reference's (gradient marks), scores and their gradients too."
+@pytest.mark.parametrize('kernel', ['cpu', 'cuda'])
+def test_kernel_kbest_equals_the_reference(kernel, lat, k):
+    """The CPU kernel's k best paths (back-pointers), and the CUDA kernel's (K-way merges; through the emulator here),
+    are the reference's (gradient marks), scores and their gradients too."""
     x, _, y, il, tl = batch(lat, 40 + k, scale=2.0)                         # random fp64: no ties
     for differentiable in (False, True):
         x = x.detach().requires_grad_(differentiable)
-        got, want = (lat.kbest(x, y, il, tl, k=k, backend=backend) for backend in ('cpu', 'reference'))
+        got, want = (lat.kbest(x, y, il, tl, k=k, backend=backend) for backend in (kernel, 'reference'))
         for a, b in zip(got[:3], want[:3]): assert torch.equal(a, b)
         torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=1e-12)
         assert got[3].requires_grad == differentiable
@@ -421,7 +423,6 @@ def test_bad_inputs_are_clear_errors():
     for lat, x_, y_ in ((TDT, x, y), (MULTIBLANK, xm, ym)):
         V = lat.V(x_)
         for f in (lat.entropy, lat.kbest, lat.sample):
-            if f is lat.kbest: expect(NotImplementedError, r"no 'cuda' backend yet", f, x_, y_, il, tl, backend='cuda')
             expect(ValueError, r'logit_lengths must be in \[1, T\]', f, x_, y_, torch.tensor([6, 5, 4, 3, 2]), tl)
             expect(ValueError, r'target_lengths must be in', f, x_, y_, il, torch.tensor([4, 0, 2, 1, 2]))
             expect(TypeError, r'targets must hold integers', f, x_, y_.float(), il, tl)

@@ -617,8 +617,9 @@ def test_gpu_rnnt_samples_and_kbest_equal_the_reference_without_a_host_sync(dtyp
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_gpu_tdt_samples_equal_the_cpu_without_a_host_sync(dtype, record):
     """TDT sample_alignments on the GPU (the loss's forward, tdt_sample's walk): the reference's samples for the same
-    generator, and its log-probabilities; no host sync once warm."""
-    from seqdist.tdt import sample_alignments
+    generator, and its log-probabilities; kbest_alignments (tdt_kbest): the CPU kernel's paths and scores, bitwise
+    repeatable. No host sync once warm."""
+    from seqdist.tdt import sample_alignments, kbest_alignments
     g = _gen(3)
     B, T, U, V, durations = 4, 30, 10, 8, (0, 1, 2, 3, 4)
     x = torch.randn(B, T, U + 1, V + len(durations), generator=g, dtype=torch.float64).to(dtype)
@@ -631,6 +632,13 @@ def test_gpu_tdt_samples_equal_the_cpu_without_a_host_sync(dtype, record):
     for a, b in zip(got[:3], want[:3]): assert torch.equal(a, b), "the CUDA kernels and the reference differ on the same uniforms"
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     torch.testing.assert_close(got[3], want[3], rtol=tol, atol=tol)
+    want = kbest_alignments(x, targets, il, tl, durations, sigma=0.05, k=8, backend='cpu')
+    got = kbest_alignments(*args, durations, sigma=0.05, k=8)
+    _no_sync(lambda: kbest_alignments(*args, durations, sigma=0.05, k=8))
+    again = kbest_alignments(*args, durations, sigma=0.05, k=8)
+    for a, b, c in zip(got[:3], want[:3], again[:3]): assert torch.equal(a.cpu(), b) and torch.equal(a, c)
+    assert torch.equal(got[3], again[3])
+    torch.testing.assert_close(got[3].cpu(), want[3], rtol=tol, atol=tol)
     record('tdt_questions')
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
