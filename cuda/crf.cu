@@ -154,3 +154,78 @@ extern "C" __global__ void crf_sample(
     }
     #undef AT
 }
+
+// The k best paths (KMax(k), k <= 16) of a sparse lattice, one block per sequence, as the CPU kernel
+// `_sparse_kbest_cpu`: each state's k best scores into it, sorted, by merging its NZ in-edges' lists rank by rank (a
+// head per edge: its score plus its source's next best; the largest wins, ties to the lower edge), two frames of them
+// in `vals` (N x 2 x C x k), and for each (frame, state, rank) where it came from, 16 * j + the source's rank (`back`,
+// int16, T x N x C x k). A thread's heads live in `heads` (N x blockDim x NZ, global memory: no per-thread arrays).
+// Then thread 0 takes the k best ends (state, rank) with vT, in the states' order (an insertion into the sorted top k,
+// as the CPU kernel does), and thread q < k walks the q-th back: edges[q, t, n] = c * NZ + j (left as they are where
+// there are fewer than k paths). Scores at or below -1e30 (the semiring's finite zero, or sums of it) are no edge.
+extern "C" __global__ void crf_kbest(
+    const FLOAT* __restrict__ Ms, const long long* __restrict__ idx, const double* __restrict__ v0,
+    const double* __restrict__ vT, double* __restrict__ vals, short* __restrict__ back, unsigned char* __restrict__ heads,
+    long long* __restrict__ edges, int T, int N, int C, int NZ, int k)
+{
+    const int n = blockIdx.x;
+    const double none_below = -1e30;                        // ZERO_BELOW
+    unsigned char* at = heads + ((long long)n * blockDim.x + threadIdx.x) * NZ;
+    double* V = vals + (long long)n * 2 * C * k;            // frame t's lists (before its edges: v0) at V + (t % 2) * C * k
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        const double v = v0[(long long)n * C + c];
+        for (int r = 0; r < k; r++) V[c * k + r] = r == 0 && v > none_below ? v : -INFINITY;
+    }
+    for (int t = 0; t < T; t++) {
+        __syncthreads();                                    // the frame before is written
+        const double* prev = V + (t % 2) * C * k;
+        double* cur = V + ((t + 1) % 2) * C * k;
+        const FLOAT* m = Ms + ((long long)t * N + n) * C * NZ;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            for (int j = 0; j < NZ; j++) at[j] = 0;
+            int r = 0;
+            for (; r < k; r++) {
+                double best = -INFINITY;
+                int bj = -1;
+                for (int j = 0; j < NZ; j++) {
+                    const double x = (double)m[c * NZ + j];
+                    if (at[j] >= k || !(x > none_below)) continue;
+                    const double h = x + prev[idx[c * NZ + j] * k + at[j]];
+                    if (h > best) { best = h; bj = j; }
+                }
+                if (bj < 0) break;
+                cur[c * k + r] = best;
+                back[(((long long)t * N + n) * C + c) * k + r] = (short)(16 * bj + at[bj]);
+                at[bj]++;
+            }
+            for (; r < k; r++) cur[c * k + r] = -INFINITY;
+        }
+    }
+    __syncthreads();
+    const double* last = V + (T % 2) * C * k;
+    __shared__ double top[16];
+    __shared__ int top_c[16], top_r[16];
+    if (threadIdx.x == 0) {                                 // the k best ends
+        for (int r = 0; r < k; r++) top[r] = -INFINITY;
+        for (int c = 0; c < C; c++) {
+            const double end = vT[(long long)n * C + c];
+            if (!(end > none_below)) continue;
+            for (int r = 0; r < k; r++) {
+                const double x = last[c * k + r] + end;
+                if (!(x > top[k - 1])) break;               // (a state's list is sorted: the rest are no better)
+                int q = k - 1;
+                for (; q > 0 && top[q - 1] < x; q--) { top[q] = top[q - 1]; top_c[q] = top_c[q - 1]; top_r[q] = top_r[q - 1]; }
+                top[q] = x; top_c[q] = c; top_r[q] = r;
+            }
+        }
+    }
+    __syncthreads();
+    const int q = threadIdx.x;
+    if (q >= k || top[q] == -INFINITY) return;
+    int c = top_c[q], r = top_r[q];
+    for (int t = T - 1; t >= 0; t--) {
+        const int code = back[(((long long)t * N + n) * C + c) * k + r], j = code >> 4;
+        edges[((long long)q * T + t) * N + n] = (long long)c * NZ + j;
+        c = (int)idx[c * NZ + j]; r = code & 15;
+    }
+}

@@ -79,7 +79,7 @@ def test_sparse_reference_answers_every_semiring():
 
 # -- entropy, KL, cross-entropy ------------------------------------------------------------------------------------------
 
-BACKENDS = pytest.mark.parametrize('backend', ['cpu', 'reference'])
+BACKENDS = pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])   # ('cuda': the CUDA kernels, emulated)
 DIVERGENCE_BACKENDS = pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])   # entropy, KL, samples; 'cuda': emulated
 
 @DIVERGENCE_BACKENDS
@@ -333,8 +333,8 @@ def test_samples_are_reproducible_from_the_generator():
     close(a[1], crf.sample(scores.float(), n=50, generator=torch.Generator().manual_seed(7))[1].double(), rtol=1e-4, atol=1e-4)
 
 @pytest.mark.parametrize('state_len, T, T_read', [(2, 9, 3), (3, 6, 2)])
-def test_cpu_samples_and_kbest_equal_the_reference(state_len, T, T_read):
-    """The CPU kernels (and the CUDA kernels, emulated, for samples) give the reference's samples for the same uniforms, its
+def test_kernel_samples_and_kbest_equal_the_reference(state_len, T, T_read):
+    """The CPU kernels and the CUDA kernels (emulated) give the reference's samples for the same uniforms, its
     k best paths, and the same (differentiable) scores, on both lattices, in float64 and float32: the CRF's paths (scaled forward scores) and a batch of reads of
     several lengths (log-space ones), the first of which cannot fit its frames."""
     crf = CTC_CRF(state_len, 'NACGT')
@@ -346,7 +346,8 @@ def test_cpu_samples_and_kbest_equal_the_reference(state_len, T, T_read):
             xs = [x.clone().requires_grad_() for _ in range(2)]
             for kernel, ask in (('cpu', lambda b: crf.sample(xs[b != 'reference'], 64, torch.Generator().manual_seed(5), backend=b, **t)),
                                 ('cuda', lambda b: crf.sample(xs[b != 'reference'], 64, torch.Generator().manual_seed(5), backend=b, **t)),
-                                ('cpu', lambda b: crf.kbest(xs[b != 'reference'], 5, backend=b, **t))):
+                                ('cpu', lambda b: crf.kbest(xs[b != 'reference'], 5, backend=b, **t)),
+                                ('cuda', lambda b: crf.kbest(xs[b != 'reference'], 5, backend=b, **t))):
                 (p_ref, s_ref), (p_cpu, s_cpu) = (ask(b) for b in ('reference', kernel))
                 assert torch.equal(p_cpu, p_ref) and len({str(p) for p in p_cpu[:, :, 2].tolist()}) > 1
                 assert torch.isinf(s_cpu[:, 0]).all() == bool(t)
@@ -391,7 +392,6 @@ def test_bad_inputs_are_clear_errors():
         (lambda: crf.entropy(scores, tg, torch.tensor([2, 3])), ValueError, 'target_lengths must be in \\[state_len, L\\]'),
         (lambda: crf.entropy(scores, tg, torch.tensor([2])), ValueError, 'target_lengths must be 2 integers'),
         (lambda: crf.kbest(scores, backend='fast'), ValueError, 'backend must be'),
-        (lambda: crf.kbest(scores, backend='cuda'), NotImplementedError, "no 'cuda' backend"),
         (lambda: crf.entropy(scores, backend='fast'), ValueError, 'backend must be'),
     ]
     for f, error, message in cases:

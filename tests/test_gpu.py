@@ -642,9 +642,10 @@ def test_gpu_tdt_samples_equal_the_cpu_without_a_host_sync(dtype, record):
     record('tdt_questions')
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
-def test_gpu_crf_samples_equal_the_reference_without_a_host_sync(dtype, record):
+def test_gpu_crf_samples_and_kbest_equal_the_reference_without_a_host_sync(dtype, record):
     """CTC_CRF.sample on the GPU (sparse_fwd's forward scores, crf_sample's walk): the reference's samples for the same
-    generator and its log-probabilities, of the paths and of a read's alignments; the paths' with no host sync once warm."""
+    generator and its log-probabilities, of the paths and of a read's alignments; the paths' with no host sync once warm.
+    CTC_CRF.kbest (crf_kbest): the CPU kernel's paths and scores, bitwise repeatable, with no host sync."""
     crf, scores, targets, lengths = crf_inputs(T=40, N=3, state_len=3)
     x = scores.to(dtype)
     gen = lambda: torch.Generator(device='cuda').manual_seed(2)
@@ -655,6 +656,12 @@ def test_gpu_crf_samples_equal_the_reference_without_a_host_sync(dtype, record):
         assert torch.equal(got[0], want[0]), "the CUDA kernels and the reference differ on the same uniforms"
         torch.testing.assert_close(got[1], want[1], rtol=tol, atol=tol)
     _no_sync(lambda: crf.sample(x, n=16, generator=gen()))
+    for t in ({}, dict(targets=targets, target_lengths=lengths)):
+        want = crf.kbest(x.cpu(), 8, backend='cpu', **{a: v.cpu() for a, v in t.items()})
+        got, again = crf.kbest(x, 8, **t), crf.kbest(x, 8, **t)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[0], again[0]) and torch.equal(got[1], again[1])
+        torch.testing.assert_close(got[1].cpu(), want[1], rtol=tol, atol=tol)
+    _no_sync(lambda: crf.kbest(x, 8))
     record('crf_questions')
 
 def test_gpu_forced_align_options_equal_the_cpu(record):
