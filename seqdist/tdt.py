@@ -907,8 +907,8 @@ def kbest_alignments(logits, targets, logit_lengths, target_lengths, durations=(
     """The k best TDT alignments of each sequence, best first: `tdt_best_path`'s frames and durations (k, B, U) of the
     labels, the duration of the blank leaving each frame (k, B, T) (0: none leaves it; two paths may differ in their
     blanks alone), and the summed score of each path (k, B) (differentiable). Fewer than k paths: the rest are -1 with
-    score -inf. k in [1, 16]. `backend`: 'auto' (the CPU kernel on CPU tensors, the reference on a GPU), 'cpu' or
-    'reference'."""
+    score -inf. k in [1, 16]. `backend`: 'auto' (the CPU kernel on CPU tensors, the CUDA kernel on a GPU), 'cpu', 'cuda'
+    (emulated on CPU tensors) or 'reference'."""
     return _kbest(('tdt', durations), logits, targets, logit_lengths, target_lengths, blank, sigma, k, backend,
                   'kbest_alignments')
 
