@@ -1350,16 +1350,22 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
     code of `merge_top3`, int8); then each rank's path is walked back from the final states. states[r, n, t] gets the
     r-th path's state at frame t and best[r, n] its score (-inf, states left as they are, where fewer than k paths exist).
 
-    Vectorised across states: K >= k (a power of 2) rows of values, rank-major, each candidate's code packed into its low
-    bits (`pack_code`), so the K best of stay and move is their elementwise max with move's ranks reversed (a bitonic
-    sequence), sorted by `sort_bitonic_rows`; then the same against skip. The same paths and ties as `merge_top3` would
-    give, except between scores within 2^-46 of each other; emissions below -1e30 count as log 0 (`NO_PATH_BELOW`)."""
+    Vectorised across states, blanks and labels in rows of their own (as `_viterbi_checkpointed_cpu` keeps them): K >= k
+    (a power of 2) rows of values each, rank-major, each candidate's code packed into its low bits (`pack_code`), so the
+    K best of stay and move is their elementwise max with move's ranks reversed (a bitonic sequence), sorted by
+    `sort_bitonic_rows`; then, for the labels alone (a blank is never entered by a skip), the same against skip. The same
+    paths and ties as `merge_top3` would give, except between scores within 2^-46 of each other; emissions below -1e30
+    count as log 0 (`NO_PATH_BELOW`)."""
     T_max, N, C = lp.shape
     K = 1
     while K < k: K *= 2
+    L_max = (ext.shape[1] - 1) // 2
     # the buffers, once for the slice (allocating per sequence cost a page fault per page in pool threads)
-    buf_V, buf_m = np.empty((2, K, ext.shape[1] + 2)), np.empty((K, ext.shape[1] + 2))
-    buf_skip, buf_emit, buf_back = np.empty(ext.shape[1] + 2), np.empty(ext.shape[1] + 2), np.empty(T_max * K * ext.shape[1], np.int8)
+    buf_B, buf_L = np.empty((2, K, L_max + 3)), np.empty((2, K, L_max + 3))   # blank i at [i + 1], label i at [i + 1]
+    buf_mB, buf_mL = np.empty((K, L_max + 3)), np.empty((K, L_max + 3))      # the merged candidates, from column 0
+    buf_skip, buf_emit = np.empty(L_max + 3), np.empty(L_max + 3)
+    buf_bB = np.empty(T_max * K * (L_max + 1), np.int8)
+    buf_bL = np.empty(T_max * K * max(L_max, 1), np.int8)
     for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
         n_states = 2 * L + 1
@@ -1368,50 +1374,65 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
         if T == 0:
             best[0, n] = 0.0
             continue
-        e = ext[n]
-        W = n_states + 2
-        V = buf_V[:, :, :W]                             # two frames of values, rank-major; column s + 2 is state s
-        V[:] = NO_PATH
-        m = buf_m[:, :W]                                # the merged candidates of the band's states, from column 0
-        skip = buf_skip[:W]                             # 0 where state s may be entered from s - 2 (column s + 2)
+        tg = ext[n, 1:n_states:2]                       # the labels
+        B, Lb = buf_B[:, :, :L + 3], buf_L[:, :, :L + 3]
+        B[:] = NO_PATH
+        Lb[:] = NO_PATH
+        skip = buf_skip[:L + 3]                         # 0 where label i may be entered from label i - 1 ([i + 1])
         skip[:] = NO_PATH
-        for s in range(2, n_states):
-            if e[s] != blank and e[s] != e[s - 2]: skip[s + 2] = 0.0
-        back = buf_back[:T * K * n_states].reshape((T, K, n_states))   # (written before it is read: the walk back reads
-        emit = buf_emit                                                  # only codes of paths that exist)
-        for s in range(min(2, n_states)): V[0, 0, s + 2] = max(lp[0, n, e[s]], -1e30)
+        for i in range(1, L):
+            if tg[i] != blank and tg[i] != tg[i - 1]: skip[i + 1] = 0.0
+        back_B = buf_bB[:T * K * (L + 1)].reshape((T, K, L + 1))     # (written before they are read: the walk back
+        back_L = buf_bL[:T * K * max(L, 1)].reshape((T, K, max(L, 1)))   # reads only codes of paths that exist)
+        B[0, 0, 1] = max(lp[0, n, blank], -1e30)
+        if L > 0: Lb[0, 0, 1] = max(lp[0, n, tg[0]], -1e30)
         for t in range(1, T):
-            prev, cur = V[(t - 1) % 2], V[t % 2]
+            pB, pL, cB, cL = B[(t - 1) % 2], Lb[(t - 1) % 2], B[t % 2], Lb[t % 2]
             lo_s, hi_s = _band(t, T, n_states)
-            a0, a1 = lo_s + 2, hi_s + 3                 # the band's columns
-            w = a1 - a0
-            em, lpt, es = emit[:w], lp[t, n], e[lo_s:hi_s + 1]
-            for j in range(w):                          # (a gather: one state at a time)
+            b0, b1 = (lo_s + 1) // 2, hi_s // 2         # the band's blanks (state 2i) and labels (state 2i + 1)
+            l0, l1 = lo_s // 2, (hi_s - 1) // 2
+            wb, wl = b1 + 1 - b0, l1 + 1 - l0
+            eb = max(lp[t, n, blank], -1e30)
+            mB, mL = buf_mB, buf_mL
+            for i in range(K):                          # blanks: stay (list 0) against move from label i - 1 (list 1)
+                x, y, o = pB[i][b0 + 1:b1 + 2], pL[K - 1 - i][b0:b1 + 1], mB[i][:wb]
+                cx, cy = i, 16 + K - 1 - i
+                for j in range(wb): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
+            sort_bitonic_rows(K, mB, wb)
+            em, lpt, es = buf_emit[:wl], lp[t, n], tg[l0:l1 + 1]
+            for j in range(wl):                         # (a gather: one label at a time)
                 x = lpt[es[j]]
                 em[j] = x if x > -1e30 else -1e30
-            for i in range(K):                          # stay (list 0) against move (list 1) reversed: the K best, bitonic
-                x, y, o = prev[i][a0:a1], prev[K - 1 - i][a0 - 1:a1 - 1], m[i][:w]
+            for i in range(K):                          # labels: stay (list 0) against move from blank i (list 1)
+                x, y, o = pL[i][l0 + 1:l1 + 2], pB[K - 1 - i][l0 + 1:l1 + 2], mL[i][:wl]
                 cx, cy = i, 16 + K - 1 - i
-                for j in range(w): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
-            sort_bitonic_rows(K, m, w)
-            for i in range(K):                          # then against skip (list 2) reversed
-                y, sk, o = prev[K - 1 - i][a0 - 2:a1 - 2], skip[a0:a1], m[i][:w]
+                for j in range(wl): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
+            sort_bitonic_rows(K, mL, wl)
+            for i in range(K):                          # then against skip from label i - 1 (list 2)
+                y, sk, o = pL[K - 1 - i][l0:l1 + 1], skip[l0 + 1:l1 + 2], mL[i][:wl]
                 cy = 32 + K - 1 - i
-                for j in range(w): o[j] = max(o[j], pack_code(y[j] + sk[j], cy))
-            sort_bitonic_rows(K, m, w)
+                for j in range(wl): o[j] = max(o[j], pack_code(y[j] + sk[j], cy))
+            sort_bitonic_rows(K, mL, wl)
             for i in range(K):                          # codes out; values plus the emission (never below NO_PATH)
-                o, c, b = m[i][:w], cur[i], back[t, i][lo_s:hi_s + 1]
-                c[:a0] = NO_PATH
-                c[a1:] = NO_PATH
-                y = c[a0:a1]
-                for j in range(w):
+                o, c, b = mB[i][:wb], cB[i], back_B[t, i][b0:b1 + 1]
+                c[:b0 + 1] = NO_PATH
+                c[b1 + 2:] = NO_PATH
+                y = c[b0 + 1:b1 + 2]
+                for j in range(wb):
+                    v, b[j] = unpack_code(o[j])
+                    y[j] = max(v + eb, NO_PATH)
+                o, c, b = mL[i][:wl], cL[i], back_L[t, i][l0:l1 + 1]
+                c[:l0 + 1] = NO_PATH
+                c[l1 + 2:] = NO_PATH
+                y = c[l0 + 1:l1 + 2]
+                for j in range(wl):
                     v, b[j] = unpack_code(o[j])
                     y[j] = max(v + em[j], NO_PATH)
-        last = V[(T - 1) % 2]
+        lastB, lastL = B[(T - 1) % 2], Lb[(T - 1) % 2]
         fa, fb, none = np.full(k, -np.inf), np.full(k, -np.inf), np.full(k, -np.inf)   # the final states: last, one before
         for r in range(k):
-            if last[r, n_states + 1] > NO_PATH_BELOW: fa[r] = last[r, n_states + 1]
-            if n_states > 1 and last[r, n_states] > NO_PATH_BELOW: fb[r] = last[r, n_states]
+            if lastB[r, L + 1] > NO_PATH_BELOW: fa[r] = lastB[r, L + 1]
+            if L > 0 and lastL[r, L] > NO_PATH_BELOW: fb[r] = lastL[r, L]
         finals, code = np.empty(k), np.empty(k, np.int8)
         merge_top3(k, fa, fb, none, finals, code)
         for r in range(k):
@@ -1421,7 +1442,7 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
             for t in range(T - 1, -1, -1):
                 states[r, n, t] = s
                 if t > 0:
-                    c = back[t, rank, s]
+                    c = back_B[t, rank, s // 2] if s % 2 == 0 else back_L[t, rank, s // 2]
                     s, rank = s - c // 16, c % 16
 
 # %% ../nbs/02_ctc.ipynb #a19e0c01
