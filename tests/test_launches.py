@@ -167,3 +167,20 @@ def test_joint_rnnt_budget(monkeypatch):
                         'rnnt_edges': 1}, launches
     assert ops.host_reads == 0, ops.ops
     assert ops.total <= 200 + 60 * tiles, ops.total  # checks, the lattice's own (~200: most views); per tile ~55 (half views)
+
+def test_kbest_budgets():
+    """k-best on the CUDA kernels (emulated): one launch of the lattice's k-best kernel a call, the walks back on the
+    device (TDT's after the rows' log-sum-exp, tdt_lse); the paths' scores are then summed by PyTorch."""
+    from seqdist.tdt import kbest_alignments
+    from seqdist.crf import CTC_CRF
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 6, 4, 8 + 3), torch.randint(0, 7, (2, 3))
+    launches, _ = budget(lambda: kbest_alignments(x, y, torch.tensor([6, 5]), torch.tensor([3, 2]), (0, 1, 2), k=4, backend='cuda'))
+    assert launches == {'tdt_lse': 1, 'tdt_kbest': 1}
+    crf = CTC_CRF(2, 'NACGT')
+    scores = torch.randn(8, 2, crf.n_score())
+    launches, _ = budget(lambda: crf.kbest(scores, 4, backend='cuda'))
+    assert launches == {'crf_kbest': 1}
+    launches, _ = budget(lambda: crf.kbest(scores, 4, targets=torch.tensor([[1, 2, 3, 4], [2, 2, 1, 0]]),
+                                           target_lengths=torch.tensor([4, 3]), backend='cuda'))
+    assert launches == {'crf_kbest': 1}
