@@ -22,7 +22,7 @@ from .rnnt import bench_rnnt
 from .gru import bench_gru
 from .cross_entropy import bench_cross_entropy
 from .timing import median_ms, alternated_median_ms, paired_median_ms, load_torchaudio, peak_gpu_mb, markdown_table   # (also bench's names)
-from .timing import peak_extra_mb, machine_name
+from .timing import peak_extra_mb, machine_name, question_rows
 
 # %% ../nbs/10_bench.ipynb #fa7ed2ec
 CTC_SHAPES = [(500, 128, 20, 80, 100), (200, 32, 1000, 40, 60), (2000, 8, 5, 400, 500)]   # T, N, C, L_min, L_max
@@ -83,7 +83,7 @@ def sweep_ctc(Ts=(125, 250, 500, 1000, 2000, 4000), N=16, C=20, labels_per_frame
 # %% ../nbs/10_bench.ipynb #31bd392f
 def bench_ctc_questions(T=500, N=32, C=20, L_min=80, L_max=100, warmup=2, reps=7, device='cpu'):
     """The CTC lattice questions (on the CPU, or on `device`'s CUDA kernels), each timed alternately with its anchor from
-    the same family, with both peak memories on the CPU (`peak_extra_mb`; GPU memory is not measured here): entropy and
+    the same family, with both peak memories (`peak_extra_mb` on the CPU, `peak_gpu_mb` on a GPU): entropy and
     KL fwd+bwd against `ctc_loss` fwd+bwd, 8 samples against one loss forward, k-best (k = 4) against `forced_align`."""
     from seqdist.ctc import alignment_entropy, alignment_kl, sample_alignments, kbest_alignments
     lp, targets, il, tl = ctc_inputs_for(T, N, C, L_min, L_max, device)
@@ -103,14 +103,7 @@ def bench_ctc_questions(T=500, N=32, C=20, L_min=80, L_max=100, warmup=2, reps=7
              ('kbest_alignments k=4', 'forced_align (target: ratio >= 0.5)',
               lambda: forced_align(lp.transpose(0, 1), targets, il, tl),
               lambda: kbest_alignments(lp, targets, il, tl, k=4))]
-    rows = []
-    cpu = torch.device(device).type == 'cpu'
-    for op, anchor, theirs, ours in cases:
-        t0, t1 = timed_pair(theirs, ours, device, warmup, reps)
-        rows.append(dict(op=op, shape=f"T={T} N={N} C={C} L={L_min}-{L_max}", anchor='seqdist ' + anchor, anchor_ms=t0,
-                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak_extra_mb(theirs) if cpu else float('nan'),
-                         ours_mb=peak_extra_mb(ours) if cpu else float('nan'), check='-'))
-    return rows
+    return question_rows(cases, f"T={T} N={N} C={C} L={L_min}-{L_max}", device, warmup, reps)
 
 # %% ../nbs/10_bench.ipynb #89624098
 def bench_sparse(shapes=((500, 16, 4), (500, 8, 5)), warmup=2, reps=7):

@@ -1082,20 +1082,18 @@ class CTC_CRFAlignments(AlignmentPosterior):
 
 # %% ../nbs/05_crf.ipynb #30e639a5
 def bench_crf_questions(T=1000, N=16, state_len=5, warmup=2, reps=7, device='cpu'):
-    """The CTC_CRF questions on the CPU at `bench_ctc_crf`'s basecaller shape (float32 scores), each timed alternately
-    with its anchor from the same family, with both peak memories (`peak_extra_mb`), of the CRF's paths and of a read's
+    """The CTC_CRF questions at `bench_ctc_crf`'s basecaller shape (float32 scores), each timed alternately with its
+    anchor from the same family, with both peak memories (`peak_extra_mb` on the CPU), of the CRF's paths and of a read's
     alignments: entropy fwd+bwd against `logZ` (the read's: `ctc_loss`) fwd+bwd, 8 samples against one forward, k-best
     (k = 4) against `viterbi` (`ctc_viterbi_alignments`). ratio = anchor / ours, as in `seqdist.bench.bench_ctc_questions`.
     On a GPU (`device`) the CUDA kernels, peak memory by `peak_gpu_mb`."""
-    from .timing import paired_median_ms, peak_extra_mb, peak_gpu_mb
+    from .timing import question_rows
     crf = CTC_CRF(state_len, 'NACGT')
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, N, crf.n_score(), generator=g).to(device).requires_grad_()
     L = T // 5
     targets = torch.randint(1, 5, (N, L), generator=g)
     lengths = torch.randint(int(0.9 * L), L + 1, (N,), generator=g)
-    cpu = torch.device(device).type == 'cpu'
-    peak = peak_extra_mb if cpu else lambda f: peak_gpu_mb(f, device)
     grad = lambda f: (lambda: torch.autograd.grad(f(x).sum(), x))
     fwd = lambda f: (lambda: f(x.detach()))
     read = dict(targets=targets, target_lengths=lengths)
@@ -1112,12 +1110,7 @@ def bench_crf_questions(T=1000, N=16, state_len=5, warmup=2, reps=7, device='cpu
               fwd(lambda x: crf.kbest(x, 4))),
              ("CTC_CRF.kbest k=4, a read's alignments", 'CTC_CRF.ctc_viterbi_alignments (target: ratio >= 0.5)',
               fwd(lambda x: crf.ctc_viterbi_alignments(x, targets, lengths)), fwd(lambda x: crf.kbest(x, 4, **read)))]
-    rows = []
-    for op, anchor, theirs, ours in cases:
-        t0, t1 = paired_median_ms(theirs, ours, warmup, reps)
-        rows.append(dict(op=op, shape=f"T={T} N={N} state_len={state_len} L~{L}", anchor='seqdist ' + anchor, anchor_ms=t0,
-                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak(theirs), ours_mb=peak(ours), check='-'))
-    return rows
+    return question_rows(cases, f"T={T} N={N} state_len={state_len} L~{L}", device, warmup, reps)
 
 # %% ../nbs/05_crf.ipynb #05253b4b
 resource_budget(_add_at_columns_kernels.values(), block=256, min_threads=1024,   # as add_at_columns launches it

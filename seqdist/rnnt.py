@@ -1127,11 +1127,10 @@ def bench_rnnt_questions(B=8, T=200, U=50, V=128, warmup=2, reps=7, device='cpu'
     memories (`peak_extra_mb` on the CPU, `peak_gpu_mb` on a GPU): entropy and KL fwd+bwd against `rnnt_loss` fwd+bwd
     (one or two models), 8 samples against one loss forward, k-best (k = 4) against `best_path`. ratio = anchor / ours,
     as in `seqdist.bench.bench_ctc_questions`."""
-    from .timing import peak_extra_mb, peak_gpu_mb
+    from .timing import question_rows
     x, y, il, tl = rnnt_inputs_for(B, T, U, V, device)
     xq = rnnt_inputs_for(B, T, U, V, device, seed=1)[0]
     xd = x.detach()
-    peak = peak_extra_mb if torch.device(device).type == 'cpu' else lambda f: peak_gpu_mb(f, device)
     loss = lambda z: rnnt_loss(z, y, il, tl, blank=0, reduction='sum')
     cases = [('alignment_entropy fwd+bwd', 'rnnt_loss fwd+bwd (target: ratio >= 0.67)',
               lambda: torch.autograd.grad(loss(x), x),
@@ -1144,12 +1143,7 @@ def bench_rnnt_questions(B=8, T=200, U=50, V=128, warmup=2, reps=7, device='cpu'
               lambda: sample_alignments(xd, y, il, tl, blank=0, n=8, generator=torch.Generator(device).manual_seed(0))),
              ('kbest_alignments k=4', 'best_path (target: ratio >= 0.5)',
               lambda: best_path(xd, y, il, tl, blank=0), lambda: kbest_alignments(xd, y, il, tl, blank=0, k=4))]
-    rows = []
-    for op, anchor, theirs, ours in cases:
-        t0, t1 = paired_median_ms(theirs, ours, warmup, reps)
-        rows.append(dict(op=op, shape=f"B={B} T={T} U={U} V={V}", anchor='seqdist ' + anchor, anchor_ms=t0, ours_ms=t1,
-                         ratio=t0 / t1, anchor_mb=peak(theirs), ours_mb=peak(ours), check='-'))
-    return rows
+    return question_rows(cases, f"B={B} T={T} U={U} V={V}", device, warmup, reps)
 
 
 # %% ../nbs/06_rnnt.ipynb #f90c7740

@@ -1632,13 +1632,11 @@ def bench_tdt_questions(B=8, T=200, U=50, V=128, D=5, warmup=2, reps=7, device='
     alternately with its anchor from the same family, with both peak memories (`peak_extra_mb` on the CPU, `peak_gpu_mb`
     on a GPU): entropy and KL fwd+bwd against `tdt_loss` fwd+bwd (one or two models), 8 samples against one loss
     forward, k-best (k = 4) against `tdt_best_path`. ratio = anchor / ours, as `seqdist.rnnt.bench_rnnt_questions`'."""
-    from .timing import paired_median_ms, peak_extra_mb, peak_gpu_mb
+    from .timing import question_rows
     durations = tuple(range(D))
     x, y, il, tl = tdt_inputs_for(B, T, U, V, D, device)
     xq = tdt_inputs_for(B, T, U, V, D, device, seed=1)[0]
     xd = x.detach()
-    cpu = torch.device(device).type == 'cpu'
-    peak = peak_extra_mb if cpu else lambda f: peak_gpu_mb(f, device)
     loss = lambda z: tdt_loss(z, y, il, tl, durations, reduction='sum')
     cases = [('alignment_entropy fwd+bwd', 'tdt_loss fwd+bwd',
               lambda: torch.autograd.grad(loss(x), x),
@@ -1651,9 +1649,4 @@ def bench_tdt_questions(B=8, T=200, U=50, V=128, D=5, warmup=2, reps=7, device='
               lambda: sample_alignments(xd, y, il, tl, durations, n=8, generator=torch.Generator(device).manual_seed(0))),
              ('kbest_alignments k=4', 'tdt_best_path',
               lambda: tdt_best_path(xd, y, il, tl, durations), lambda: kbest_alignments(xd, y, il, tl, durations, k=4))]
-    rows = []
-    for op, anchor, theirs, ours in cases:
-        t0, t1 = paired_median_ms(theirs, ours, warmup, reps)
-        rows.append(dict(op=op, shape=f"B={B} T={T} U={U} V={V} D={D}", anchor='seqdist ' + anchor, anchor_ms=t0,
-                         ours_ms=t1, ratio=t0 / t1, anchor_mb=peak(theirs), ours_mb=peak(ours), check='-'))
-    return rows
+    return question_rows(cases, f"B={B} T={T} U={U} V={V} D={D}", device, warmup, reps)
