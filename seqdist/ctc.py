@@ -1343,6 +1343,30 @@ def _ctc_sample_cpu(lp, ext, input_lengths, target_lengths, blank, u, states, lo
                 s -= pick3(w0, w1, w2, u[i, n, t])
                 states[i, n, t] = s
 
+@numba.njit(inline='always')
+def _kbest_stay_move(K, m, stay, s0, move, m0, w):
+    """The K best of stay (list 0: rows `stay` from column s0) and move (list 1: rows `move` from m0) for w states, into
+    m[:, :w], sorted: their elementwise max with move's ranks reversed, each candidate's code packed into its value."""
+    for i in range(K):
+        x, y, o = stay[i][s0:s0 + w], move[K - 1 - i][m0:m0 + w], m[i][:w]
+        cx, cy = i, 16 + K - 1 - i
+        for j in range(w): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
+    sort_bitonic_rows(K, m, w)
+
+@numba.njit(inline='always')
+def _kbest_store(K, m, rows, back, i0, i1, em):
+    """States i0..i1 of a frame's rows (at [i + 1]; the rest NO_PATH, as the next frame reads them): the merged values
+    m[:, :w] plus the emissions em[:w] (never below NO_PATH), their codes into back[:, i0:i1 + 1]."""
+    w = i1 + 1 - i0
+    for i in range(K):
+        o, c, b = m[i][:w], rows[i], back[i][i0:i1 + 1]
+        c[:i0 + 1] = NO_PATH
+        c[i1 + 2:] = NO_PATH
+        y = c[i0 + 1:i1 + 2]
+        for j in range(w):
+            v, b[j] = unpack_code(o[j])
+            y[j] = max(v + em[j], NO_PATH)
+
 @numba.njit(nogil=True, cache=_CACHE)
 def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, best, lo, hi):
     """The k best paths of each sequence lo <= n < hi: the KMax(k) recursion in log space (each state the k best scores
@@ -1363,7 +1387,7 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
     # the buffers, once for the slice (allocating per sequence cost a page fault per page in pool threads)
     buf_B, buf_L = np.empty((2, K, L_max + 3)), np.empty((2, K, L_max + 3))   # blank i at [i + 1], label i at [i + 1]
     buf_mB, buf_mL = np.empty((K, L_max + 3)), np.empty((K, L_max + 3))      # the merged candidates, from column 0
-    buf_skip, buf_emit = np.empty(L_max + 3), np.empty(L_max + 3)
+    buf_skip, buf_emit, buf_eB = np.empty(L_max + 3), np.empty(L_max + 3), np.empty(L_max + 3)
     buf_bB = np.empty(T_max * K * (L_max + 1), np.int8)
     buf_bL = np.empty(T_max * K * max(L_max, 1), np.int8)
     for n in range(lo, hi):
@@ -1392,42 +1416,21 @@ def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, bes
             b0, b1 = (lo_s + 1) // 2, hi_s // 2         # the band's blanks (state 2i) and labels (state 2i + 1)
             l0, l1 = lo_s // 2, (hi_s - 1) // 2
             wb, wl = b1 + 1 - b0, l1 + 1 - l0
-            eb = max(lp[t, n, blank], -1e30)
-            mB, mL = buf_mB, buf_mL
-            for i in range(K):                          # blanks: stay (list 0) against move from label i - 1 (list 1)
-                x, y, o = pB[i][b0 + 1:b1 + 2], pL[K - 1 - i][b0:b1 + 1], mB[i][:wb]
-                cx, cy = i, 16 + K - 1 - i
-                for j in range(wb): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
-            sort_bitonic_rows(K, mB, wb)
-            em, lpt, es = buf_emit[:wl], lp[t, n], tg[l0:l1 + 1]
+            mB, mL, eB, eL = buf_mB, buf_mL, buf_eB[:wb], buf_emit[:wl]
+            eB[:] = max(lp[t, n, blank], -1e30)         # a blank's emission, the same for all
+            lpt, es = lp[t, n], tg[l0:l1 + 1]
             for j in range(wl):                         # (a gather: one label at a time)
                 x = lpt[es[j]]
-                em[j] = x if x > -1e30 else -1e30
-            for i in range(K):                          # labels: stay (list 0) against move from blank i (list 1)
-                x, y, o = pL[i][l0 + 1:l1 + 2], pB[K - 1 - i][l0 + 1:l1 + 2], mL[i][:wl]
-                cx, cy = i, 16 + K - 1 - i
-                for j in range(wl): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
-            sort_bitonic_rows(K, mL, wl)
-            for i in range(K):                          # then against skip from label i - 1 (list 2)
+                eL[j] = x if x > -1e30 else -1e30
+            _kbest_stay_move(K, mB, pB, b0 + 1, pL, b0, wb)         # blanks: stay, or move from label i - 1
+            _kbest_stay_move(K, mL, pL, l0 + 1, pB, l0 + 1, wl)     # labels: stay, or move from blank i,
+            for i in range(K):                                      # then against skip from label i - 1 (list 2)
                 y, sk, o = pL[K - 1 - i][l0:l1 + 1], skip[l0 + 1:l1 + 2], mL[i][:wl]
                 cy = 32 + K - 1 - i
                 for j in range(wl): o[j] = max(o[j], pack_code(y[j] + sk[j], cy))
             sort_bitonic_rows(K, mL, wl)
-            for i in range(K):                          # codes out; values plus the emission (never below NO_PATH)
-                o, c, b = mB[i][:wb], cB[i], back_B[t, i][b0:b1 + 1]
-                c[:b0 + 1] = NO_PATH
-                c[b1 + 2:] = NO_PATH
-                y = c[b0 + 1:b1 + 2]
-                for j in range(wb):
-                    v, b[j] = unpack_code(o[j])
-                    y[j] = max(v + eb, NO_PATH)
-                o, c, b = mL[i][:wl], cL[i], back_L[t, i][l0:l1 + 1]
-                c[:l0 + 1] = NO_PATH
-                c[l1 + 2:] = NO_PATH
-                y = c[l0 + 1:l1 + 2]
-                for j in range(wl):
-                    v, b[j] = unpack_code(o[j])
-                    y[j] = max(v + em[j], NO_PATH)
+            _kbest_store(K, mB, cB, back_B[t], b0, b1, eB)
+            _kbest_store(K, mL, cL, back_L[t], l0, l1, eL)
         lastB, lastL = B[(T - 1) % 2], Lb[(T - 1) % 2]
         fa, fb, none = np.full(k, -np.inf), np.full(k, -np.inf), np.full(k, -np.inf)   # the final states: last, one before
         for r in range(k):
