@@ -338,6 +338,7 @@ def _families(quick, device, gpu=None):
                 ('joint', lambda: bench_joint(quick=True, device=device)), ('tdt', lambda: bench_tdt(quick=True, device=device)),
                 ('tdt_questions', lambda: bench_tdt_questions(2, 50, 10, 64, device=device, **q)),
                 ('crf_questions', lambda: bench_crf_questions(100, 4, 3, device=device, **q)),
+                ('beam_search', lambda: bench_beam_search([(8, 200, 4)], device=device, **q)),
                 ('gru', lambda: bench_gru(quick=True, device=device)),
                 ('cross_entropy', lambda: bench_cross_entropy(quick=True, device=device))]
     return [('ctc', lambda: bench_ctc_gpu(device=device)), ('ctc_crf', lambda: bench_crf_gpu(device)),
@@ -348,6 +349,7 @@ def _families(quick, device, gpu=None):
             ('joint', lambda: bench_joint(device=device)), ('tdt', lambda: bench_tdt(device=device)),
             ('tdt_questions', lambda: bench_tdt_questions(device=device)),
             ('crf_questions', lambda: bench_crf_questions(device=device)),
+            ('beam_search', lambda: bench_beam_search(device=device)),
             ('gru', lambda: bench_gru(device=device)),
             ('cross_entropy', lambda: bench_cross_entropy(ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[(4096, 1024, 32768)], device=device))]
 

@@ -64,8 +64,8 @@ def install_as_koi():
     """Make `import koi.ctc` and `from koi.ctc import ...` give `seqdist.koi`; call it before importing bonito. Where
     ONT's koi is installed, only its `ctc` module is replaced (its LSTM and its CUDA beam search, `koi.lstm` and
     `koi.decode`, stay); where it is not, a stand-in `koi` package is registered whose `decode` is seqdist's
-    (`seqdist.koi.decode`: `beam_search` and `to_str`, on the CPU) and whose `lstm` module imports (bonito's CRF model
-    imports it) and raises NotImplementedError when one of its functions is called."""
+    (`seqdist.koi.decode`: `beam_search` and `to_str`, on the CPU and GPUs) and whose `lstm` module imports (bonito's
+    CRF model imports it) and raises NotImplementedError when one of its functions is called."""
     this = importlib.import_module("seqdist.koi")
     try:
         import koi

@@ -386,9 +386,7 @@ def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype):
         assert torch.equal(cpu[0], cuda[0]) and torch.equal(cpu[1], cuda[1])
     assert (cuda[0][3] != 0).sum() == 3
     with pytest.raises(ValueError, match="backend must be"): forced_align(lp, targets, il, tl, backend='numba')
-    long = torch.ones(1, 5300, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"targets of 5300 labels are longer than the CUDA Viterbi kernel .*5215 labels\): use backend='cpu'"):
-        forced_align(torch.randn(1, 10700, 3).log_softmax(2), long, backend='cuda')
+    # (targets of any length: tests/test_align.py runs the kernel across blocks and from checkpoints)
 
 @pytest.mark.parametrize('C', [5, 40])            # 5: label posteriors (want=1); 40: more classes than states (want=2)
 @pytest.mark.parametrize('zero_infinity', [False, True])
