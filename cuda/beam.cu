@@ -10,6 +10,9 @@
 #ifndef HASH_MUL
 #define HASH_MUL 0x100000001B3ULL
 #endif
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)   // (NVRTC has no <cmath>; semiring.cuh's definition)
+#endif
 
 struct BeamWork {             // one read's scratch: the frames' back-pointers, the candidates, the merged, the beam
     int* parent; signed char* bases; int* states;                      // (T, beam_width)
