@@ -17,7 +17,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.torchinductor-cache
 SITE := tools/site
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: install demo test gpu-check gpu-bench docs docs-html docs-check chromium readme colab-cells clean
+.PHONY: install install-bonito demo test gpu-check gpu-bench docs docs-html docs-check chromium readme colab-cells clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,18 @@ $(VENV)/.installed: pyproject.toml Makefile tools/torchaudio_cpu/build.sh
 	tools/torchaudio_cpu/build.sh $(VENV)/cuda-stubs
 	touch $@
 
+# bonito, for tests/test_koi_bonito.py (its basecaller with seqdist.koi in ONT's koi's place). It asks for torch ~= 2.9
+# and ONT's koi, so it goes into a folder of its own without its dependencies, with the ones its import needs; the
+# test runs it in a subprocess with that folder on its path.
+BONITO := $(VENV)/bonito
+BONITO_PKGS := ont-bonito==1.1.0 toml==0.10.2 tqdm==4.70.1 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 \
+	pandas==3.1.1 mappy==2.31 pysam==0.24.1 parasail==1.3.4 edlib==1.3.9.post1
+install-bonito: $(BONITO)/.installed
+
+$(BONITO)/.installed: Makefile | $(VENV)/.installed
+	$(PIP) install --no-deps --upgrade --target $(BONITO) $(BONITO_PKGS)
+	touch $@
+
 # The main job: the one-line switch of each family against the library it replaces, at training shapes (seqdist-demo).
 # The full benchmark is seqdist-bench; seqdist-selfcheck checks the CUDA toolchain and its emulator.
 demo: install
@@ -36,7 +48,7 @@ demo: install
 
 # chromium and the site's npm packages let tests/test_docs.py check a rendered site in a real browser (the full
 # site's check, `make docs-check`, executes every notebook: ~8 minutes, so it is a target of its own).
-test: install chromium $(SITE)/node_modules/.installed
+test: install install-bonito chromium $(SITE)/node_modules/.installed
 	@echo "== nbdev-export: seqdist/ must be exactly what the notebooks export"
 	time tools/unchanged.sh seqdist -- $(BIN)/nbdev-export
 	@echo "== nbdev-clean: notebooks must be committed clean"
@@ -50,7 +62,7 @@ test: install chromium $(SITE)/node_modules/.installed
 	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
 	time $(BIN)/seqdist-compile-check
 	@echo "== pytest, on two workers (pytest-xdist), each test file on one of them"
-	time SEQDIST_REQUIRE_TORCHAUDIO=1 OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile tests
+	time SEQDIST_REQUIRE_TORCHAUDIO=1 SEQDIST_REQUIRE_BONITO=1 SEQDIST_BONITO=$(abspath $(BONITO)) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 # On a machine with a GPU and torch, CuPy, numba and pytest already installed, and no network: no venv, no pip.
 # The GPU tests (marker `gpu`), every notebook with its `cuda` cells, and the quick GPU benchmark.

@@ -11,6 +11,7 @@ import torch
 from .core import SequenceDist, semiring, Log, Max
 from . import sparse, ctc_simple
 from . import koi_decode as decode   # koi.decode's beam_search and to_str: seqdist.koi.decode
+from . import koi_lstm as lstm       # koi.lstm's update_graph: seqdist.koi.lstm
 
 _all_ = ['SequenceDist', 'Max', 'Log', 'semiring']     # koi.ctc's names, which are seqdist.core's
 
@@ -51,28 +52,19 @@ def bwd_scores_cu_sparse(Ms, idx, vT, S:semiring=Log, K=1, *, backend='auto'):
     return sparse.bwd_scores_cupy(Ms, _graph(idx), vT, _semiring(S), K, backend)
 
 # %% ../nbs/05_crf.ipynb #koi-install-code
-class _NotProvided(types.ModuleType):
-    "A stand-in for one of koi's other modules: it imports; calling any of its functions says what is missing."
-    def __getattr__(self, name):
-        if name.startswith('__'): raise AttributeError(name)
-        def missing(*args, **kwargs):
-            raise NotImplementedError(f"{self.__name__}.{name} is ONT's closed CUDA code, which seqdist does not provide "
-                                      "(seqdist.koi stands in for koi.ctc and koi.decode)")
-        return missing
-
 def install_as_koi():
     """Make `import koi.ctc` and `from koi.ctc import ...` give `seqdist.koi`; call it before importing bonito. Where
     ONT's koi is installed, only its `ctc` module is replaced (its LSTM and its CUDA beam search, `koi.lstm` and
-    `koi.decode`, stay); where it is not, a stand-in `koi` package is registered whose `decode` is seqdist's
-    (`seqdist.koi.decode`: `beam_search` and `to_str`, on the CPU and GPUs) and whose `lstm` module imports (bonito's
-    CRF model imports it) and raises NotImplementedError when one of its functions is called."""
+    `koi.decode`, stay); where it is not, a stand-in `koi` package is registered whose `decode` and `lstm` are
+    seqdist's: `seqdist.koi.decode` (`beam_search` and `to_str`, on the CPU and GPUs) and `seqdist.koi.lstm`
+    (`update_graph`, the scores' layout change that bonito's basecaller asks of its model, in plain PyTorch)."""
     this = importlib.import_module("seqdist.koi")
     try:
         import koi
     except (ImportError, OSError):
         koi = types.ModuleType('koi', "A stand-in for ONT's koi: its `ctc` module is seqdist.koi (seqdist.koi.install_as_koi).")
         koi.__path__ = []
-        sys.modules['koi.lstm'] = koi.lstm = _NotProvided('koi.lstm')
+        sys.modules['koi.lstm'] = koi.lstm = lstm
         sys.modules['koi.decode'] = koi.decode = decode
         sys.modules['koi'] = koi
     sys.modules['koi.ctc'] = koi.ctc = this
