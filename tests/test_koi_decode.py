@@ -163,7 +163,7 @@ def test_bad_inputs(case):
     _, call, error, match = case
     with pytest.raises(error, match=match): call()
 
-def test_install_as_koi_gives_seqdists_decode(monkeypatch):
+def test_install_as_koi_gives_seqdists_decode_and_lstm(monkeypatch):
     for name in ('koi', 'koi.ctc', 'koi.lstm', 'koi.decode'): monkeypatch.delitem(sys.modules, name, raising=False)
     try:
         import koi as ont_koi              # ONT's koi, where installed, keeps its own CUDA decode
@@ -175,7 +175,8 @@ def test_install_as_koi_gives_seqdists_decode(monkeypatch):
         from koi.decode import beam_search, to_str
         assert beam_search is decode.beam_search and to_str is decode.to_str and seqdist_koi.decode is decode
         import koi.lstm as lstm
-        assert lstm is seqdist_koi.lstm                # update_graph: tests/test_koi_lstm.py
+        from koi.lstm import update_graph             # seqdist's (tests/test_koi_lstm.py checks it)
+        assert lstm is seqdist_koi.lstm and update_graph is seqdist_koi.lstm.update_graph
     finally:
         for name in ('koi', 'koi.ctc', 'koi.lstm', 'koi.decode'): sys.modules.pop(name, None)
 

@@ -1,11 +1,10 @@
 """seqdist.koi.lstm (koi.lstm's update_graph): a CRF encoder's training scores (T, N, 5 C), each state's stay column
-(a constant) then its four moves, come out as (N, T, 4 C), element for element; scores without stay
-columns are only transposed (a view); the decode of the wrapped encoder's output is the decode of the training scores' moves;
-stays that vary, odd widths and bad arguments are refused with errors naming the cause; install_as_koi registers it.
-(tests/test_koi_bonito.py runs bonito's own model and basecaller through it.)"""
-import sys, warnings
+(a constant) then its four moves, come out as (N, T, 4 C), element for element; scores without stay columns are only
+transposed (a view); the decode of the wrapped encoder's output is the decode of the training scores' moves; stays
+that vary, odd widths and bad arguments are refused with errors naming the cause. (install_as_koi registers it:
+tests/test_koi_decode.py; tests/test_koi_bonito.py runs bonito's own model and basecaller through it.)"""
+import warnings
 import pytest, torch
-import seqdist.koi as seqdist_koi
 from seqdist.koi import lstm, decode
 
 class Head(torch.nn.Module):
@@ -78,17 +77,3 @@ def test_quantize_warns_that_the_weights_stay_floating_point():
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         lstm.update_graph(Head(), quantize=False)
-
-def test_install_as_koi_gives_seqdists_lstm(monkeypatch):
-    for name in ('koi', 'koi.ctc', 'koi.lstm', 'koi.decode'): monkeypatch.delitem(sys.modules, name, raising=False)
-    try:
-        import koi as ont_koi              # ONT's koi, where installed, keeps its own LSTM
-        pytest.skip(f"ONT's koi is installed ({ont_koi.__file__})")
-    except (ImportError, OSError):
-        pass
-    try:
-        seqdist_koi.install_as_koi()
-        from koi.lstm import update_graph
-        assert update_graph is lstm.update_graph and seqdist_koi.lstm is lstm
-    finally:
-        for name in ('koi', 'koi.ctc', 'koi.lstm', 'koi.decode'): sys.modules.pop(name, None)
