@@ -96,11 +96,13 @@ def test_a_kernel_that_spills_fails_the_compile_check(tmp_path, capsys):
     assert len(failures) == 1 and 'local memory' in failures[0][2] and 'FAIL sm_90 resources: spills' in out
 
 @needs_compiler
-def test_every_package_kernel_declaring_a_budget_meets_it():
-    "The CTC kernels (whose budget 02_ctc declares) compile without spills and with their floor of resident threads."
+def test_a_package_kernel_declaring_a_budget_meets_it():
+    """A CTC kernel (whose budget 02_ctc declares) compiles without spills and with its floor of resident threads, for
+    sm_80 and sm_90. Every kernel is checked so by `seqdist-compile-check`, a step of `make test` of its own: here one,
+    to prove the check passes a real kernel (the tests above prove it fails a bad one)."""
     ks = [k for k in package_kernels() if k.path.name == 'ctc.cu']
-    assert all(getattr(k, 'budget', None) for k in ks)
-    assert check_gpu_compile(ks) == []
+    assert ks and all(getattr(k, 'budget', None) for k in ks)
+    assert check_gpu_compile(ks[:1]) == []
 
 def test_every_package_kernel_declares_a_budget():
     "A kernel cannot join the package without a resource budget (`resource_budget` next to its instantiation)."
