@@ -1,0 +1,230 @@
+// The lattice questions over the CTC lattice (written by nbs/02b_ctc_questions.ipynb).
+#include "semiring.cuh"
+
+// The lattice questions (seqdist.core's algebras, ALG a macro: ALG_ENTROPY or ALG_KL) over the CTC lattice, one block
+// per sequence, as the CPU kernel `_ctc_alg_cpu` computes them: the forward recursion keeps the state (p, q, c) of
+// every (frame, state) in `fwd` (N, T_max, 3, S_max + 4: two zero states pad each end of a row), out[n] = (log Z_p,
+// log Z_q, accumulator); with `with_grad`, the backward recursion of the same algebra runs in `back` (N, 6, S_max + 4:
+// the states of frame t, and of frame t + 1 times its emissions) and at each frame the closed-form gradient of the
+// accumulator w.r.t. each state's emission (`gs`, N x 2 x S_max, p's and q's) is summed into grad_p[t, n, label] (and
+// grad_q) by the thread that owns the label's first state, in the states' order: no atomics, and the CPU kernel's
+// order of addition. Thread j owns states j, j + blockDim.x, ...; one barrier per frame and pass. Rows live in global
+// memory (a block reads what its own threads wrote before the barrier).
+#ifndef ALG
+#define ALG 1
+#endif
+__device__ __forceinline__ AlgState alg_at(const double* row, int stride, int i) {
+    AlgState x; x.p = row[i]; x.q = row[stride + i]; x.c = row[2 * stride + i]; return x;
+}
+__device__ __forceinline__ void alg_put(double* row, int stride, int i, AlgState x) {
+    row[i] = x.p; row[stride + i] = x.q; row[2 * stride + i] = x.c;
+}
+__device__ __forceinline__ AlgState alg_zero() { AlgState z; z.p = -INFINITY; z.q = -INFINITY; z.c = 0.0; return z; }
+
+extern "C" __global__ void ctc_divergence(
+    const FLOAT* __restrict__ lp, const FLOAT* __restrict__ lq, const long long* __restrict__ ext,
+    const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths, double* __restrict__ fwd,
+    double* __restrict__ back, double* __restrict__ gs, double* __restrict__ out, FLOAT* __restrict__ grad_p,
+    FLOAT* __restrict__ grad_q, int N, int C, int S_max, int T_max, int blank, int with_grad)
+{
+    const int n = blockIdx.x, B = blockDim.x, j = threadIdx.x;
+    const int T = (int)input_lengths[n], L = (int)target_lengths[n], S = 2 * L + 1, W = S_max + 4;
+    const long long* e = ext + (long long)n * S_max;
+    int repeats = 0;                                        // frames needed: labels, and a blank between equal ones
+    for (int k = 1; k < L; k++) repeats += e[2 * k + 1] == e[2 * k - 1];
+    if (T < L + repeats || T == 0) {                        // infeasible (no path), or no frames (the empty path)
+        if (j == 0) { const double z = T == 0 && T >= L + repeats ? 0.0 : -INFINITY;
+                      out[3 * n] = z; out[3 * n + 1] = z; out[3 * n + 2] = 0.0; }
+        return;                                             // (the whole block: no barrier is skipped by some only)
+    }
+    const long long frame = (long long)N * C;
+    double* F = fwd + (long long)n * T_max * 3 * W;         // row t: F + t * 3 * W, components p, q, c
+    for (int s = j; s < W; s += B) {                        // frame 0: a blank or the first label
+        const int st = s - 2;
+        AlgState x = alg_zero();
+        if (st >= 0 && st < 2 && st < S) {
+            x.p = (double)lp[n * (long long)C + e[st]];
+            x.q = ALG == ALG_KL ? (double)lq[n * (long long)C + e[st]] : -INFINITY;
+        }
+        alg_put(F, W, s, x);
+    }
+    for (int t = 1; t < T; t++) {
+        __syncthreads();
+        const double* prev = F + (long long)(t - 1) * 3 * W;
+        double* cur = F + (long long)t * 3 * W;
+        const int lo = max(0, S - 2 * (T - t)), hi = min(S - 1, 2 * t + 1);
+        for (int s = j; s < W; s += B) {
+            const int st = s - 2;
+            AlgState x = alg_zero();
+            if (st >= lo && st <= hi) {
+                AlgState c = alg_at(prev, W, s - 2);
+                if (!(st >= 2 && e[st] != blank && e[st] != e[st - 2])) c = alg_zero();
+                x = alg_plus3<ALG>(alg_at(prev, W, s), alg_at(prev, W, s - 1), c);
+                x.p += (double)lp[t * frame + n * (long long)C + e[st]];
+                if (ALG == ALG_KL) x.q += (double)lq[t * frame + n * (long long)C + e[st]];
+            }
+            alg_put(cur, W, s, x);
+        }
+    }
+    __syncthreads();
+    const double* last = F + (long long)(T - 1) * 3 * W;
+    const AlgState fin = S == 1 ? alg_at(last, W, S + 1)
+                                : alg_plus3<ALG>(alg_at(last, W, S + 1), alg_at(last, W, S), alg_zero());
+    if (j == 0) { out[3 * n] = fin.p; out[3 * n + 1] = ALG == ALG_KL ? fin.q : fin.p; out[3 * n + 2] = fin.c; }
+    if (!with_grad || fin.p == -INFINITY || (ALG == ALG_KL && fin.q == -INFINITY)) return;
+    const double zp = fin.p, zq = ALG == ALG_KL ? fin.q : fin.p, total = fin.c;
+    double* cb = back + (long long)n * 6 * W;               // frame t's backward states
+    double* nb = cb + 3 * W;                                // frame t + 1's, times its emissions
+    double* gp = gs + (long long)n * 2 * S_max;
+    double* gq = gp + S_max;
+    for (int s = j; s < W; s += B) {
+        AlgState x = alg_zero();
+        if (s == S + 1 || (S > 1 && s == S)) { x.p = 0.0; x.q = ALG == ALG_KL ? 0.0 : -INFINITY; }
+        alg_put(cb, W, s, x);
+    }
+    for (int t = T - 1; t >= 0; t--) {
+        const int lo = max(0, S - 2 * (T - t)), hi = min(S - 1, 2 * t + 1);
+        __syncthreads();
+        if (t < T - 1)
+            for (int s = j; s < W; s += B) {                // state st sums st, st + 1 and (a skip) st + 2 of frame t + 1
+                const int st = s - 2;
+                AlgState x = alg_zero();
+                if (st >= lo && st <= hi) {
+                    AlgState c = alg_at(nb, W, s + 2);
+                    if (!(st + 2 < S && e[st + 2] != blank && e[st + 2] != e[st])) c = alg_zero();
+                    x = alg_plus3<ALG>(alg_at(nb, W, s), alg_at(nb, W, s + 1), c);
+                }
+                alg_put(cb, W, s, x);
+            }
+        __syncthreads();
+        const double* f = F + (long long)t * 3 * W;
+        for (int st = lo + j; st <= hi; st += B) {          // the gradient at each node of the frame
+            const double lmp = f[st + 2] + cb[st + 2] - zp;
+            const double mp = lmp > -INFINITY ? exp(lmp) : 0.0;
+            if (ALG == ALG_ENTROPY) {
+                gp[st] = mp > 0.0 ? -mp * (lmp - f[2 * W + st + 2] - cb[2 * W + st + 2] + total) : 0.0;
+            } else {
+                const double lmq = f[W + st + 2] + cb[W + st + 2] - zq;
+                const double mq = lmq > -INFINITY ? exp(lmq) : 0.0;
+                gp[st] = mp > 0.0 ? mp * (lmp - lmq + f[2 * W + st + 2] + cb[2 * W + st + 2] - total) : 0.0;
+                gq[st] = mq - mp;
+            }
+        }
+        __syncthreads();
+        FLOAT* rp = grad_p + t * frame + n * (long long)C;
+        FLOAT* rq = grad_q + t * frame + n * (long long)C;
+        for (int st = lo + j; st <= hi; st += B) {          // each label's states summed by the owner of its first
+            bool first = true;
+            for (int s2 = lo; s2 < st && first; s2++) first = e[s2] != e[st];
+            if (!first) continue;
+            double sp = 0.0, sq = 0.0;
+            for (int s2 = st; s2 <= hi; s2++)
+                if (e[s2] == e[st]) { sp += gp[s2]; if (ALG == ALG_KL) sq += gq[s2]; }
+            rp[e[st]] = (FLOAT)sp;
+            if (ALG == ALG_KL) rq[e[st]] = (FLOAT)sq;
+        }
+        if (t == 0) break;
+        __syncthreads();
+        for (int s = j; s < W; s += B) {                    // frame t times its emissions, for frame t - 1
+            const int st = s - 2;
+            AlgState x = alg_zero();
+            if (st >= lo && st <= hi) {
+                x = alg_at(cb, W, s);
+                x.p += (double)lp[t * frame + n * (long long)C + e[st]];
+                if (ALG == ALG_KL) x.q += (double)lq[t * frame + n * (long long)C + e[st]];
+            }
+            alg_put(nb, W, s, x);
+        }
+    }
+}
+
+// Backward sampling over the forward states that ctc_divergence keeps (ALG_LOG: their p is log alpha): thread i * N + n
+// walks sample i of sequence n back from frame T - 1, picking a final state (the last blank, the last label) and then
+// at each frame a predecessor of the state after it (stay, move, skip) in proportion to exp(alpha), with the uniform
+// u[i, n, t], as `pick_log3` (semiring.cuh) picks: the CPU kernel's candidates in its order, so the same uniforms give
+// the same samples. states[i, n, t] gets the state; nothing is written for a sequence with no path (log Z, out[3 n],
+// -inf) or no frames.
+
+extern "C" __global__ void ctc_sample(
+    const double* __restrict__ fwd, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, const double* __restrict__ u, const double* __restrict__ out,
+    long long* __restrict__ states, int N, int S_max, int T_max, int n_samples, int blank)
+{
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (long long)n_samples * N) return;
+    const int n = (int)(id % N);
+    const int T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1, W = S_max + 4;
+    if (T == 0 || !(out[3 * n] > -INFINITY)) return;
+    const long long* e = ext + (long long)n * S_max;
+    const double* F = fwd + (long long)n * T_max * 3 * W;              // row t: F + t * 3 * W; p first
+    const double* ui = u + id * T_max;                                  // u[i, n, :]
+    long long* si = states + id * T_max;
+    const double* last = F + (long long)(T - 1) * 3 * W;
+    int s = S - 1 - pick_log3(last[S + 1], S > 1 ? last[S] : -INFINITY, -INFINITY, ui[T - 1]);
+    si[T - 1] = s;
+    for (int t = T - 2; t >= 0; t--) {
+        const double* a = F + (long long)t * 3 * W;
+        const bool skip = s >= 2 && e[s] != blank && e[s] != e[s - 2];
+        s -= pick_log3(a[s + 2], a[s + 1], skip ? a[s] : -INFINITY, ui[t]);
+        si[t] = s;
+    }
+}
+
+// The k best paths (KMax(k), k <= 16), one block per sequence, as the CPU kernel `_ctc_kbest_cpu`: each state keeps
+// the k best scores into it, sorted, merged from its predecessors' lists (stay, move, skip: `merge_top3`, ties to the
+// earlier list), and for each (frame, state, rank) a code 16 * list + rank of where it came from (`back`, int8,
+// N x T_max x S_max x k); two frames of values in `vals` (N x 2 x (S_max + 2) x k, index s + 2 is state s). Then thread
+// r < k walks rank r back from the final states: states[r, n, t] and best[r, n] (-inf where fewer than r + 1 exist).
+
+extern "C" __global__ void ctc_kbest(
+    const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, double* __restrict__ vals, signed char* __restrict__ back,
+    double* __restrict__ best, long long* __restrict__ states, int N, int C, int S_max, int T_max, int blank, int k)
+{
+    const int n = blockIdx.x, B = blockDim.x, j = threadIdx.x;
+    const int T = (int)input_lengths[n], L = (int)target_lengths[n], S = 2 * L + 1, W = S_max + 2;
+    const long long* e = ext + (long long)n * S_max;
+    for (int r = j; r < k; r += B) best[(long long)r * N + n] = -INFINITY;
+    int repeats = 0;
+    for (int m = 1; m < L; m++) repeats += e[2 * m + 1] == e[2 * m - 1];
+    if (T < L + repeats) return;                            // no path (the whole block returns)
+    if (T == 0) { if (j == 0) best[n] = 0.0; return; }     // the empty path
+    __shared__ double none[16], finals[16];                 // (shared, not per-thread arrays: no local memory)
+    __shared__ signed char code[16];
+    if (j < 16) none[j] = -INFINITY;
+    double* V = vals + (long long)n * 2 * W * k;            // frame t's row: V + (t % 2) * W * k; state s at (s + 2) * k
+    signed char* bk = back + (long long)n * T_max * S_max * k;
+    const long long frame = (long long)N * C;
+    for (int i = j; i < 2 * W * k; i += B) V[i] = -INFINITY;
+    __syncthreads();
+    if (j == 0) { V[2 * k] = (double)lp[n * (long long)C + e[0]];
+                  if (S > 1) V[3 * k] = (double)lp[n * (long long)C + e[1]]; }
+    for (int t = 1; t < T; t++) {
+        __syncthreads();
+        const double* prev = V + ((t - 1) % 2) * W * k;
+        double* cur = V + (t % 2) * W * k;
+        const int lo = max(0, S - 2 * (T - t)), hi = min(S - 1, 2 * t + 1);
+        for (int s = j; s < S; s += B) {
+            double* o = cur + (s + 2) * k;
+            if (s < lo || s > hi) { for (int r = 0; r < k; r++) o[r] = -INFINITY; continue; }
+            const bool skip = s >= 2 && e[s] != blank && e[s] != e[s - 2];
+            merge_top3(k, prev + (s + 2) * k, prev + (s + 1) * k, skip ? prev + s * k : none, o,
+                       bk + ((long long)t * S_max + s) * k);
+            const double x = (double)lp[t * frame + n * (long long)C + e[s]];
+            for (int r = 0; r < k; r++) o[r] += x;
+        }
+    }
+    __syncthreads();
+    const double* last = V + ((T - 1) % 2) * W * k;
+    if (j == 0) merge_top3(k, last + (S + 1) * k, S > 1 ? last + S * k : none, none, finals, code);
+    __syncthreads();
+    const int r = j;
+    if (r >= k || !(finals[r] > -INFINITY)) return;
+    best[(long long)r * N + n] = finals[r];
+    int s = S - 1 - code[r] / 16, rank = code[r] % 16;
+    long long* out = states + ((long long)r * N + n) * T_max;
+    for (int t = T - 1; t >= 0; t--) {
+        out[t] = s;
+        if (t > 0) { const int c = bk[((long long)t * S_max + s) * k + rank]; s -= c / 16; rank = c % 16; }
+    }
+}
