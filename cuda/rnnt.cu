@@ -36,9 +36,7 @@ extern "C" __global__ void rnnt_alpha_beta(
     const long long* y = targets + (long long)b * U1;
     for (int k = 0; k < Tb + Ub; k++) {
         const int d = fwd ? k : Tb + Ub - 1 - k;           // forward: diagonals 0, 1, ...; backward: the reverse
-        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
-            const int t = d - u;
-            if (t < 0 || t >= Tb) continue;
+        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
             double v = ZERO;
             const double delay = delay_offset(delay_penalty, t, Tb);

@@ -1,11 +1,7 @@
 // What rnnt.cu and rnnt_questions.cu share: the lattice's indexing and edge scores (written by 06_rnnt.ipynb).
 #pragma once
-#include "semiring.cuh"
+#include "transducer.cuh"
 
-// Offsets are 64-bit: B * T * (U+1) * V passes 2^31 at the sizes people train with.
-__device__ __forceinline__ long long node_index(int b, int t, int u, int T, int U1) {
-    return ((long long)b * T + t) * U1 + u;
-}
 __device__ __forceinline__ long long row_offset(int b, int t, int u, int T, int U1, int V) {
     return node_index(b, t, u, T, U1) * (long long)V;
 }

@@ -31,9 +31,7 @@ extern "C" __global__ void rnnt_divergence(
     #define LABEL_P(n, u) ((u) < Ub ? edge_lp(xp, lse_p, n, V, y[u]) : -INFINITY)
     #define LABEL_Q(n, u) (kl && (u) < Ub ? edge_lp(xq, lse_q, n, V, y[u]) : (kl ? -INFINITY : 0.0))
     for (int d = 0; d < Tb + Ub; d++) {
-        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
-            const int t = d - u;
-            if (t < 0 || t >= Tb) continue;
+        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
             AlgState x = alg_state(0.0, 0.0, 0.0);
             if (d > 0) {
@@ -51,9 +49,7 @@ extern "C" __global__ void rnnt_divergence(
     if (threadIdx.x == 0) { out[3 * b] = zp; out[3 * b + 1] = zq; out[3 * b + 2] = total; }
     if (!with_grad || zp == -INFINITY || zq == -INFINITY) return;     // (the whole block: no barrier is skipped by some)
     for (int d = Tb + Ub - 1; d >= 0; d--) {
-        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
-            const int t = d - u;
-            if (t < 0 || t >= Tb) continue;
+        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
             const AlgState after_blank = t < Tb - 1 ? alg_load(bwd, nodes, n + U1)
                                                     : (u == Ub ? alg_state(0.0, 0.0, 0.0) : zero);
@@ -163,9 +159,7 @@ extern "C" __global__ void rnnt_kbest(
     for (int r = threadIdx.x; r < k; r += blockDim.x) best[(long long)r * B + b] = -INFINITY;
     for (int d = 0; d < Tb + Ub; d++) {
         __syncthreads();                                    // the previous diagonal (and `none`) are written
-        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
-            const int t = d - u;
-            if (t < 0 || t >= Tb) continue;
+        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
             double* o = vals + n * k;
             if (d == 0) { o[0] = 0.0; for (int r = 1; r < k; r++) o[r] = -INFINITY; continue; }

@@ -54,9 +54,7 @@ extern "C" __global__ void tdt_alpha_beta(
     double* Bt = beta + (long long)lat * B * T * U1;
     for (int k = 0; k < Tb + Ub; k++) {
         const int d = fwd ? k : Tb + Ub - 1 - k;           // forward: diagonals 0, 1, ...; backward: the reverse
-        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
-            const int t = d - u;
-            if (t < 0 || t >= Tb) continue;
+        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
             double v = ZERO;
             for (int i = 0; i < K; i++) {

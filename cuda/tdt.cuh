@@ -1,13 +1,9 @@
 // What tdt.cu and tdt_questions.cu share: the lattice's indexing and edge scores (written by 09_tdt.ipynb).
 #pragma once
-#include "semiring.cuh"
+#include "transducer.cuh"      // node_index (64-bit: B * T * (U+1) * (V + D) passes 2^31), the wavefront
 
 #define MAX_EDGES 72   // 2 * MAX_DURATIONS edge kinds, plus the RNN-T lattice's two
 
-// Offsets are 64-bit: B * T * (U+1) * (V + D) passes 2^31 at the sizes people train with.
-__device__ __forceinline__ long long node_index(int b, int t, int u, int T, int U1) {
-    return ((long long)b * T + t) * U1 + u;
-}
 
 // The score of edge e leaving node n = (b, t, u): the token's log-probability (the target label y[u] for a label edge)
 // minus its lattice's sigma, plus the duration's log-probability, plus the delay offset (label edges).

@@ -35,9 +35,7 @@ extern "C" __global__ void tdt_divergence(
     #define SCORE_P(e, m, t, u) edge_score(xp, lse_p, y, e, m, t, u, Tb, V, W, sigma, 0.0, 0.0)
     #define SCORE_Q(e, m, t, u) (kl ? edge_score(xq, lse_q, y, e, m, t, u, Tb, V, W, sigma, 0.0, 0.0) : 0.0)
     for (int d = 0; d < Tb + Ub; d++) {
-        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
-            const int t = d - u;
-            if (t < 0 || t >= Tb) continue;
+        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             AlgState acc = d == 0 ? alg_state(0.0, 0.0, 0.0) : zero, pend = zero;
             bool has = false;
             for (int k = 0; d > 0 && k < K; k++) {          // edge k enters (t, u) from (t - d_k, u - label_k)
@@ -66,9 +64,7 @@ extern "C" __global__ void tdt_divergence(
     if (threadIdx.x == 0) { out[3 * b] = zp; out[3 * b + 1] = zq; out[3 * b + 2] = total; }
     if (!with_grad || zp == -INFINITY || zq == -INFINITY) return;     // (the whole block: no barrier is skipped by some)
     for (int d = Tb + Ub - 1; d >= 0; d--) {
-        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
-            const int t = d - u;
-            if (t < 0 || t >= Tb) continue;
+        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
             const AlgState f = alg_load(fwd, nodes, n);
             AlgState acc = zero, pend = zero;
@@ -233,9 +229,7 @@ extern "C" __global__ void tdt_kbest(
     for (int r = threadIdx.x; r < k; r += blockDim.x) best[(long long)r * B + b] = -INFINITY;
     for (int d = 0; d < Tb + Ub; d++) {
         __syncthreads();                                    // the earlier diagonals are written
-        for (int u = threadIdx.x; u <= Ub; u += blockDim.x) {
-            const int t = d - u;
-            if (t < 0 || t >= Tb) continue;
+        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
             for (int i = 0; i < K; i++) {                   // edge kind i enters (t, u) from (t - d_i, u - label_i)
                 const int* e = table + 6 * i;

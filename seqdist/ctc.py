@@ -15,7 +15,7 @@ import torch.nn as nn
 from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_sum2, choose_index, reference_only, ALG_ENTROPY, ALG_KL, alg_plus3, alg_plus3_inline, fast_exp, fast_exp8
 from .core import question_backend, pick3, merge_top3, ALGEBRAS, pack_code, unpack_code, sort_bitonic_rows, NO_PATH, NO_PATH_BELOW
 from .core import AlignmentPosterior
-from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
+from .kernel import load_kernel, dtype_kernels, algebra_kernels, EMULATOR_MAX_SHARED_MEM
 from .checks import to_device, on_host, require, check_labels
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, resolve_backend, max_threads, parallel_for, AUTOGRAD
@@ -1514,10 +1514,9 @@ def _exact_divergence(st):
     return value, logz_p, logz_q, grad_p, grad_q if st.algebra == 'KL' else lp.new_empty(0)
 
 _DIVERGENCE_THREADS = 256        # ctc_divergence's block: states loop over the threads
-_divergence_kernels = {(dtype, algebra): load_kernel('ctc_questions.cu', 'ctc_divergence', ALG=ALGEBRAS[algebra], **Log.cuda_macros(dtype))
-                       for dtype in (torch.float32, torch.float64) for algebra in ('Log', 'Entropy', 'KL')}
+_divergence_kernels = algebra_kernels('ctc_questions.cu', 'ctc_divergence', ('Log', 'Entropy', 'KL'))
 _sample_kernel = load_kernel('ctc_questions.cu', 'ctc_sample', **Log.cuda_macros(torch.float64))      # (float64 states only)
-_kbest_kernels = {dtype: load_kernel('ctc_questions.cu', 'ctc_kbest', **Log.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
+_kbest_kernels = dtype_kernels('ctc_questions.cu', 'ctc_kbest')
 
 def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad):
     """ctc_divergence (through the emulator on CPU tensors): one launch, one block per sequence. Returns out (N, 3)

@@ -15,7 +15,7 @@ import numba
 import torch
 from torch.nn.functional import pad
 from .core import semiring, Log, Max, SEMIRINGS, semiring_sum2
-from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
+from .kernel import load_kernel, dtype_kernels, EMULATOR_MAX_SHARED_MEM
 from .checks import on_host, require, to_device
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, max_threads, parallel_for
@@ -111,8 +111,7 @@ def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta, logz, lo, hi):
 # %% ../nbs/03_ctc_simple.ipynb #61191d71
 _simple_kernels = {(dtype, S): load_kernel('ctc_simple.cu', 'simple_alpha_beta', **S.cuda_macros(dtype))
                    for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
-_simple_posterior_kernels = {dtype: load_kernel('ctc_simple.cu', 'simple_posteriors', **Log.cuda_macros(dtype))
-                             for dtype in (torch.float32, torch.float64)}
+_simple_posterior_kernels = dtype_kernels('ctc_simple.cu', 'simple_posteriors')
 RECURSION_THREADS = 1024    # at most, per block of the recursion kernel (fewer inside `launch_limits`)
 POSTERIOR_THREADS = 128     # per (frame, sequence) block of the posterior kernel (a power of two)
 

@@ -71,13 +71,10 @@ def load_torchaudio():
 # %% ../nbs/01c_timing.ipynb #5c6ac7df
 _PEAK_RSS = r"""
 import sys, torch
+from seqdist.timing import peak_extra_mb
 torch.set_num_threads(2)
 exec(sys.argv[1])         # the set-up: imports, inputs, a warm-up call (compilation and thread pools are not measured)
-def status(key): return int(next(l for l in open('/proc/self/status') if l.startswith(key)).split()[1]) / 1024
-open('/proc/self/clear_refs', 'w').write('5')        # the high-water mark starts again from here
-base = status('VmRSS:')
-exec(sys.argv[2])
-print(status('VmHWM:') - base)
+print(peak_extra_mb(lambda: exec(sys.argv[2], globals())))   # what it assigns stays alive, as at the top level
 """
 
 def peak_rss_mb(setup, run):
@@ -97,7 +94,7 @@ def peak_extra_mb(fn):
     heap trimmed (`malloc_trim`: freed blocks that it kept for reuse would otherwise be reused unseen). Linux only
     (/proc); NaN elsewhere."""
     import ctypes, ctypes.util, gc
-    from .memory import release_large_buffers
+    from seqdist.memory import release_large_buffers
     if not os.path.exists('/proc/self/clear_refs'): return float('nan')
     release_large_buffers()
     gc.collect()

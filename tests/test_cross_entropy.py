@@ -6,6 +6,7 @@ import pytest, torch
 import torch.nn as nn
 import torch.nn.functional as F
 import seqdist.cross_entropy as ce
+import seqdist.benchmarks.cross_entropy as ce_benchmarks
 from seqdist.cross_entropy import (cross_entropy, cross_entropy_reference, CrossEntropyLoss, linear_cross_entropy,
                                    LinearCrossEntropy, LinearCrossEntropyLoss, vocab_parallel_cross_entropy, softcap_logits)
 from seqdist.utils import emulator_options
@@ -466,7 +467,7 @@ def test_vocab_parallel_needs_a_process_group():
         vocab_parallel_cross_entropy(torch.randn(2, 3), torch.tensor([0, 1]))
 
 def test_bench_quick_rows():
-    rows = ce.bench_cross_entropy(quick=True)
+    rows = ce_benchmarks.bench_cross_entropy(quick=True)
     linear = ['linear_cross_entropy fwd+bwd'] * (2 if hasattr(F, 'linear_cross_entropy') else 1)
     assert [r['op'] for r in rows] == ['cross_entropy fwd+bwd'] + linear + ['linear_token_stats fwd+bwd'] * 3
     assert all(set(r) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'} and r['ours_ms'] > 0 for r in rows)

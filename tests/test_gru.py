@@ -5,6 +5,7 @@ import itertools, math, re, pytest, torch
 import torch.nn as nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import seqdist.gru as sgru
+import seqdist.benchmarks.gru as gru_benchmarks
 from seqdist.gru import GRU, gru, gru_layer, gru_layer_reference
 from seqdist.utils import emulator_options, count_launches
 
@@ -313,7 +314,7 @@ def test_bad_backend_and_weights():
         m(pack_padded_sequence(x, [4, 2]), lengths=[4, 2])
 
 def test_bench_gru_quick_rows():
-    rows = sgru.bench_gru(quick=True)
+    rows = gru_benchmarks.bench_gru(quick=True)
     assert len(rows) == 1 and set(rows[0]) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'}
     assert rows[0]['ratio'] > 0 and 'rel diff' in rows[0]['check']
     diffs = [float(v) for v in re.findall(r'diff ([0-9.e+-]+)', rows[0]['check'])]

@@ -5,6 +5,7 @@ option, and stay within the composition's own float32 error; the delay penalty e
 import math, random, pytest, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import seqdist.joint as joint
+import seqdist.ops as ops
 from seqdist.joint import joint_rnnt_loss, joint_logits, delay_offsets, JointRNNTLoss, joint_rnnt_op
 from seqdist.rnnt import rnnt_loss, logz_brute_force, posteriors, grad_from_edges
 from seqdist.ops import launch_limits
@@ -336,7 +337,7 @@ def test_workers_agree_and_repeat():
     assert_relative(got, want, 1e-9)
     again = loss_and_grads(case, backend='cpu', activation='tanh', fastemit_lambda=0.1, tile_bytes=20000)
     for a, b in zip(got, again): assert torch.equal(a, b)
-    assert torch.get_num_threads() == threads and joint._POOL          # (the workers ran)
+    assert torch.get_num_threads() == threads and ops._POOL            # (the workers ran, in the shared pool)
 
 # The CUDA path, run by the emulator on CPU tensors (small shapes): the same tiles over the padded grid, the per-tile
 # reductions in joint.cu.

@@ -199,7 +199,7 @@ def test_gpu_scores_decode_on_the_gpu_as_on_the_cpu():
 
 def test_bench_rows_at_a_tiny_shape():
     "bench_beam_search (seqdist-bench's decoding rows) runs and reports a decode of every chunk."
-    from seqdist.koi_decode import bench_beam_search
+    from seqdist.benchmarks.koi_decode import bench_beam_search
     (row,) = bench_beam_search([(3, 40, 2)], beam_width=4, warmup=0, reps=1)
     assert row['shape'] == 'N=3 T=40 state_len=2 float16' and row['ours_ms'] > 0 and row['anchor_ms'] > 0
     assert 'chunks/s' in row['check'] and row['ratio'] == row['anchor_ms'] / row['ours_ms']

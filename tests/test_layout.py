@@ -62,4 +62,26 @@ def test_no_module_imports_a_family_s_private_names(module):
         if source in FAMILIES and source != module:
             private += [f"{source}.{a.name}" for a in n.names if a.name.startswith('_')]
     assert not private, f"seqdist.{module} imports {private}"
-    assert module == 'bench' or 'bench' not in seqdist_imports(module)
+    assert module == 'bench' or not {'bench', 'benchmarks'} & seqdist_imports(module)
+
+BENCHMARKS = sorted(p.stem for p in (ROOT / 'seqdist' / 'benchmarks').glob('*.py') if p.stem != '__init__')
+
+def test_each_family_with_a_benchmark_has_a_module_of_them():
+    "The benchmarks live beside the families (seqdist.benchmarks.<family>), each family's in a module of its own."
+    assert {'rnnt', 'tdt', 'gru', 'joint', 'cross_entropy', 'crf', 'koi_decode'} <= set(BENCHMARKS)
+    for family in BENCHMARKS:
+        assert (ROOT / 'seqdist' / f'{family}.py').exists(), family
+        source = (ROOT / 'seqdist' / f'{family}.py').read_text()
+        assert 'def bench_' not in source and '_SHAPES = ' not in source, f"seqdist.{family} still holds a benchmark"
+
+@pytest.mark.parametrize('module', BENCHMARKS)
+def test_a_benchmark_uses_only_public_names_and_no_runner(module):
+    "A benchmark module imports its family's public names and the timing helpers, never seqdist.bench (which runs it)."
+    tree = ast.parse((ROOT / 'seqdist' / 'benchmarks' / f'{module}.py').read_text())
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and (n.level or n.module.startswith('seqdist')):
+            source = n.module.split('.')[-1]
+            assert source != 'bench', f"seqdist.benchmarks.{module} imports seqdist.bench"
+            if source in FAMILIES: assert not [a.name for a in n.names if a.name.startswith('_')], (module, source)
+    r = subprocess.run([sys.executable, '-c', f'import seqdist.benchmarks.{module}'], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]

@@ -4,6 +4,7 @@ CUDA source in the emulator) agree; torchaudio agrees on 200+ randomised cases; 
 low precision, 64-bit offsets."""
 import math, random, pytest, torch
 import seqdist.rnnt as rnnt
+import seqdist.benchmarks.rnnt as rnnt_benchmarks
 from seqdist.core import Log, Max
 from seqdist.rnnt import (rnnt_loss, RNNTLoss, rnnt_op, rnnt_edges_op, posteriors, viterbi_alignments, best_path,
                           edge_log_probs, logz_reference, logz_brute_force, clean_targets, row_offsets, delay_offsets)
@@ -323,7 +324,7 @@ def test_row_offsets_are_64_bit():
 
 @pytest.mark.torchaudio
 def test_bench_quick_rows_have_the_shared_format():
-    rows = rnnt.bench_rnnt(quick=True)
+    rows = rnnt_benchmarks.bench_rnnt(quick=True)
     assert len(rows) == 1 and set(rows[0]) == {'op', 'shape', 'anchor', 'anchor_ms', 'ours_ms', 'ratio', 'check'}
     assert rows[0]['ours_ms'] > 0 and rows[0]['ratio'] == rows[0]['anchor_ms'] / rows[0]['ours_ms']
 
@@ -372,7 +373,7 @@ def test_bad_input_is_a_clear_error(bad, error, message):
 def test_peak_extra_memory_is_about_one_gradient():
     "fwd+bwd in a fresh process (the anchors' method): the gradient is the only logits-sized allocation."
     B, T, U, V = 8, 100, 30, 64
-    extra, logits_mb = rnnt.rnnt_peak_mb(B, T, U, V), B * T * (U + 1) * V * 4 / 2**20
+    extra, logits_mb = rnnt_benchmarks.rnnt_peak_mb(B, T, U, V), B * T * (U + 1) * V * 4 / 2**20
     assert extra <= 1.05 * logits_mb, f"peak extra {extra:.2f} MB for {logits_mb:.2f} MB of logits"
 
 def test_cuda_path_launches_three_kernels_per_fwd_bwd(monkeypatch):

@@ -4,6 +4,7 @@ CUDA source in the emulator) agree, pass gradcheck, and implement sigma, omega, 
 as stated; bad inputs, torch.compile, low precision, alignments."""
 import math, random, pytest, torch
 import seqdist.tdt as tdt
+import seqdist.benchmarks.tdt as tdt_benchmarks
 from seqdist.core import Log, Max
 from seqdist.rnnt import clean_targets, edge_log_probs, logz_reference as rnnt_logz_reference
 from seqdist.tdt import edge_table, edge_scores, logz_reference, tdt_brute_force, multiblank_brute_force
@@ -522,7 +523,8 @@ def test_targets_are_checked_and_cleaned_once_per_forward_and_backward(monkeypat
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The PyTorch TDT loss (the benchmarks' anchor): a third implementation, vectorised over anti-diagonals
-from seqdist.tdt import tdt_loss_pytorch, load_hf_tdt_loss, bench_tdt
+from seqdist.tdt import tdt_loss_pytorch
+from seqdist.benchmarks.tdt import load_hf_tdt_loss, bench_tdt
 
 @pytest.mark.parametrize('durations', [(0, 1, 2, 3, 4), (0, 1, 2), (1, 2), (0, 1, 2, 3, 4, 5, 6, 7, 8)])
 def test_pytorch_tdt_loss_equals_tdt_loss(durations):
@@ -545,7 +547,7 @@ def test_pytorch_tdt_loss_infeasible_is_inf_with_zero_gradient():
     assert_same(theirs[0], ours[0], **TOL64); assert_same(theirs[1], ours[1], **TOL64)
 
 def test_pytorch_tdt_loss_float32_close_to_float64():
-    x, y, il, tl = tdt.tdt_inputs_for(2, 30, 8, 20, dtype=torch.float64)
+    x, y, il, tl = tdt_benchmarks.tdt_inputs_for(2, 30, 8, 20, dtype=torch.float64)
     il, tl = torch.tensor([30, 17]), torch.tensor([8, 3])
     l64, g64 = loss_and_grad(tdt_loss_pytorch, x, y, il, tl, reduction='none')
     l32, g32 = loss_and_grad(tdt_loss_pytorch, x.float(), y, il, tl, reduction='none')
