@@ -138,8 +138,9 @@ extern "C" __global__ void ctc_posteriors(
 }
 
 // The gradient of the labels, in the backward pass: grad[t, n, c] = scale[t, n] * (exp(lp[t, n, c]) (with torch_grad,
-// PyTorch's convention) + minus_posteriors[t, n, c] (of the labels, if given)). One thread per element: one pass over
-// (T, N, C), where PyTorch ops (exp, add, mul) take three.
+// PyTorch's convention) + minus_posteriors[t, n, c] (of the labels, if given)), and 0 where scale is 0 (frames past an
+// input length, whose padding may hold anything, NaN included). One thread per element: one pass over (T, N, C),
+// where PyTorch ops (exp, add, mul) take three.
 extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* __restrict__ minus_posteriors,
                                     const FLOAT* __restrict__ scale, FLOAT* __restrict__ grad, long long rows, int C,
                                     int torch_grad)
@@ -148,7 +149,30 @@ extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* _
     if (i >= rows * C) return;
     FLOAT v = torch_grad ? exp(lp[i]) : (FLOAT)0;
     if (minus_posteriors) v += minus_posteriors[i];
-    grad[i] = scale[i / C] * v;
+    const FLOAT s = scale[i / C];
+    grad[i] = s == (FLOAT)0 ? (FLOAT)0 : s * v;
+}
+
+// PyTorch's semantics for non-finite scores: logz[n] becomes NaN where sequence n's log_probs hold a NaN or +inf at a
+// class its lattice reads (ext[n, s], s < 2 L_n + 1) in one of its frames (t < input_lengths[n]); the recursion takes
+// such a score for a path's end. One block per sequence, its threads striding over (frame, state); what a thread finds
+// goes to shared memory (any writer writes a non-finite value: no race matters), and bad - bad is the NaN written.
+extern "C" __global__ void ctc_poison(const FLOAT* __restrict__ lp, const long long* __restrict__ ext,
+                                      const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths,
+                                      FLOAT* __restrict__ logz, int N, int C, int S_max)
+{
+    const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
+    __shared__ int found;
+    __shared__ FLOAT bad;
+    if (threadIdx.x == 0) found = 0;
+    __syncthreads();
+    for (long long i = threadIdx.x; i < (long long)T * S; i += blockDim.x) {
+        const long long t = i / S, s = i % S;
+        const FLOAT v = lp[(t * N + n) * C + ext[(long long)n * S_max + s]];
+        if (!(v < (FLOAT)INFINITY)) { bad = v; found = 1; }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && found) logz[n] = bad - bad;      // NaN (from NaN, or from inf - inf)
 }
 
 // out[t, n, label of s] += scale[t, n] * minus_posteriors[t, n, s] for the states s of each valid frame (the labels'

@@ -27,8 +27,12 @@ _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this note
 
 # %% ../nbs/08_cross_entropy.ipynb #31cc1eb8
 def softcap_logits(x, softcap=None):
-    "Gemma 2's logit soft-capping: `softcap * tanh(x / softcap)` (x itself if softcap is None)."
-    return x if softcap is None else softcap * torch.tanh(x / softcap)
+    "Gemma 2's logit soft-capping: `softcap * tanh(x / softcap)` (x itself if softcap is None or inf: no cap)."
+    return x if softcap is None or math.isinf(softcap) else softcap * torch.tanh(x / softcap)
+
+def _cap(softcap):
+    "The kernels' softcap argument: 0.0 for no cap (None, or inf, whose cap * tanh(x / cap) would be inf * 0)."
+    return float(softcap) if softcap is not None and math.isfinite(softcap) else 0.0
 
 def cross_entropy_reference(input, target, weight=None, ignore_index=-100, reduction='mean', label_smoothing=0.0, *,
                             z_loss=0.0, softcap=None, return_lse=False):
@@ -387,11 +391,14 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction='mean
         z = _z_term(lse, torch.ones_like(lse, dtype=torch.bool), z_loss, reduction, lse.shape) if return_z_loss else None
         return _outputs(loss, z, lse, return_z_loss, return_lse)
     x2, t1 = checked
-    args = (x2, t1, weight, int(ignore_index), float(label_smoothing), float(softcap or 0.0))
+    args = (x2, t1, weight, int(ignore_index), float(label_smoothing), _cap(softcap))
     if inplace_backward: ce, lse = _CEInplace.apply(resolve_backend(backend, x2, cross_entropy_rows_op.backends, 'logits'),
                                                     *_check_inplace(input, args))
     else: ce, lse = cross_entropy_rows_op(*args, backend=backend)
     keep = t1 != ignore_index
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled() and \
+            resolve_backend(backend, x2, cross_entropy_rows_op.backends, 'logits') != 'reference':   # (autograd's own there)
+        ce = ce + _weight_path(x2, t1, keep, lse, weight, float(label_smoothing), softcap)
     wt = None
     if reduction == 'mean':
         wt = keep.to(ce.dtype) if weight is None else torch.where(keep, weight.to(ce.dtype)[torch.where(keep, t1, 0)], 0)
@@ -400,6 +407,19 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction='mean
     if input.dtype == torch.float64 or input.dtype == torch.float32:
         loss, z = loss.to(input.dtype), (z.to(input.dtype) if z is not None else None)
     return _outputs(loss, z, lse.reshape(target.shape), return_z_loss, return_lse)
+
+def _weight_path(x, t, keep, lse, weight, eps, softcap):
+    """Zero in value, and the rows' losses' gradient w.r.t. class weights that require grad (the op differentiates the
+    logits only). Row i's loss is (1 - eps) w[t_i] nll_i(t_i) + (eps / C) sum_c w_c nll_i(c), nll_i(c) = lse_i - x_ic
+    (x soft-capped), so with d = w - w.detach() (zero, carrying w's gradient) this adds (1 - eps) d[t_i] nll_i(t_i) +
+    (eps / C) (lse_i sum(d) - x_i . d) to each row kept: a gather and a matrix-vector product, the logits detached."""
+    x = softcap_logits(x.detach().to(lse.dtype), softcap or None)
+    d = weight.to(lse.dtype) - weight.detach().to(lse.dtype)
+    ti = torch.where(keep, t, 0)
+    lse = lse.detach()
+    path = (1 - eps) * d[ti] * (lse - x.gather(1, ti[:, None])[:, 0])
+    if eps: path = path + eps / x.shape[1] * (lse * d.sum() - x @ d)
+    return torch.where(keep, path, 0)
 
 def _check_inplace(input, args):
     "The op's arguments, once their logits (args[0]) are known to be computed, contiguous (N, C) ones."
@@ -749,7 +769,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     precompute_grads = reduction != 'none' and torch.is_grad_enabled() and any(
         v is not None and v.requires_grad for v in (input, linear_weight, linear_bias))
     loss, lse, *_ = linear_cross_entropy_op(a.hidden, a.weight, a.bias, a.target, a.ce_weight, a.ignore_index,
-                                            float(label_smoothing), float(z_loss), float(softcap or 0.0), reduction,
+                                            float(label_smoothing), float(z_loss), _cap(softcap), reduction,
                                             int(a.chunk_size or 0), precompute_grads, backend=backend)
     if reduction == 'none': loss = loss.reshape(a.shape)
     lse = lse.detach().reshape(a.shape)
@@ -1043,7 +1063,7 @@ def linear_token_stats(input, linear_weight, target, *, linear_bias=None, temper
     if group is None:
         if vocab_start is not None: raise ValueError("vocab_start places a shard of the head: it needs group=")
         logp, ent, _ = linear_token_stats_op(hidden, linear_weight, linear_bias, t, int(ignore_index), float(temperature),
-                                             float(softcap or 0.0), int(chunk_size or 0), backend=backend)
+                                             _cap(softcap), int(chunk_size or 0), backend=backend)
     else:
         start, V = _shard_layout(group, linear_weight.shape[0], hidden, t, vocab_start, 'linear_token_stats')
         _check_targets(t, V, ignore_index)
@@ -1187,7 +1207,7 @@ def _sharded_token_stats(hidden, weight, bias, t, ignore_index, temperature, sof
     cls = torch.where(here, t - start, 0)                       # the target's class in the shard, else the first
     h = _ReplicatedInput.apply(hidden, group)
     logp_r, ent_r, lse_r = linear_token_stats_op(h, weight, bias, torch.where(keep, cls, ignore_index), int(ignore_index),
-                                                 float(temperature), float(softcap or 0.0), int(chunk_size or 0), backend=backend)
+                                                 float(temperature), _cap(softcap), int(chunk_size or 0), backend=backend)
     lse_r = torch.where(keep, lse_r, 0)                         # the shard's log-normaliser (differentiable)
     x = logp_r + lse_r                                          # the logit of the target where this shard holds it
     m = lse_r.detach().clone()

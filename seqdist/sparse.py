@@ -476,11 +476,15 @@ def check_sparse_inputs(Ms, idx, v0=None, vT=None):
             raise ValueError(f"{name} must be a ({N}, {C}) tensor, got {getattr(v, 'shape', type(v).__name__)}")
         if v.dtype != Ms.dtype or v.device != Ms.device:
             raise TypeError(f"{name} must have Ms' dtype and device ({Ms.dtype}, {Ms.device}), got ({v.dtype}, {v.device})")
-    return tensor_cached(idx, ('checked', Ms.device), lambda: _checked_graph(idx, Ms.device))
+    snapshot, graph = tensor_cached(idx, ('checked', Ms.device), lambda: (idx.clone(), _checked_graph(idx, Ms.device)))
+    if idx.device.type == 'cpu' and not torch.equal(snapshot, idx):   # changed behind the version counter (a write
+        return _checked_graph(idx, Ms.device)                         # through a numpy view): checked as it is now
+    return graph
 
 def _checked_graph(idx, device):
-    """idx as int64 on `device` after checking its values: done once per idx tensor (`tensor_cached`), so that a
-    training step, which passes the same idx every time, neither copies it nor waits for the GPU to check it. idx
+    """idx as int64 on `device` after checking its values: done once per idx tensor and version (`tensor_cached`), so
+    that a training step, which passes the same idx every time, neither copies it nor waits for the GPU to check it; a
+    CPU idx is also compared with the copy checked, so that a change its version counter missed is checked too. idx
     may be on any device (bonito keeps it on the CPU with CUDA scores, as seqdist 0.0.3 allowed)."""
     C = idx.shape[0]
     if idx.numel():

@@ -553,3 +553,51 @@ def test_linear_compile_without_bias():
     compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
     ge, gc = (torch.autograd.grad(g(x, W), [x, W]) for g in (f, compiled))
     for a, b in zip(gc, ge): _close(a, b, 1e-6)
+
+def _weighted_composition(x, t, w, reduction, eps, cap, ignore_index=-100):
+    "log_softmax, then the weighted gather and smoothing term, written out: differentiable in the class weights too."
+    xx = x if cap is None else cap * torch.tanh(x / cap)
+    lp = xx.log_softmax(1)
+    keep = t != ignore_index
+    ti = torch.where(keep, t, 0)
+    row = (1 - eps) * w[ti] * -lp.gather(1, ti[:, None])[:, 0] + eps / x.shape[1] * -(lp * w).sum(1)
+    row = torch.where(keep, row, 0)
+    if reduction == 'none': return row
+    return row.sum() if reduction == 'sum' else row.sum() / torch.where(keep, w[ti], 0).sum()
+
+@pytest.mark.parametrize('reduction', ['mean', 'sum', 'none'])
+@pytest.mark.parametrize('eps, cap', [(0.0, None), (0.1, None), (0.0, 5.0), (0.2, 3.0)])
+@pytest.mark.parametrize('backend', ['cpu', 'reference', 'cuda'])
+def test_class_weights_that_require_grad_get_the_composition_s_gradient(reduction, eps, cap, backend):
+    """Class weights are differentiable, as in the composition log_softmax -> weighted gather (PyTorch's own
+    F.cross_entropy refuses a weight that requires grad): the rows' weighted losses and the 'mean' denominator both
+    depend on them. (Once, only the denominator's part reached the weights: -1.09 where the composition gives 0.34.)"""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 6, (9,), generator=g); t[4] = -100
+    w = torch.rand(6, generator=g, dtype=torch.float64).add(0.1).requires_grad_()
+    want = _weighted_composition(x, t, w, reduction, eps, cap)
+    got = ce.cross_entropy(x, t, w, reduction=reduction, label_smoothing=eps, softcap=cap, backend=backend)
+    gw, gx = torch.autograd.grad(want.sum(), (w, x)), None
+    gw_got = torch.autograd.grad(got.sum(), (w, x))
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(gw_got[0], gw[0], rtol=1e-10, atol=1e-12) and torch.allclose(gw_got[1], gw[1], rtol=1e-10, atol=1e-12)
+
+def test_class_weight_gradcheck():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([0, 3, -100, 1, 1])
+    w = torch.rand(4, generator=g, dtype=torch.float64).add(0.1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: ce.cross_entropy(x, t, w, label_smoothing=0.1, softcap=4.0), (x, w))
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
+def test_an_infinite_softcap_is_no_cap(backend):
+    "softcap=inf caps nothing (inf * tanh(x / inf) would be inf * 0 = NaN): the loss and gradient of softcap=None."
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 7, (6,), generator=g)
+    got, want = (ce.cross_entropy(x, t, softcap=s, backend=backend) for s in (math.inf, None))
+    assert torch.equal(got, want)
+    assert torch.equal(*(torch.autograd.grad(v, x)[0] for v in (got, want)))
+    h, w = torch.randn(6, 3, generator=g, dtype=torch.float64), torch.randn(7, 3, generator=g, dtype=torch.float64)
+    assert torch.equal(ce.linear_cross_entropy(h, w, t, softcap=math.inf), ce.linear_cross_entropy(h, w, t))

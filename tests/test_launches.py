@@ -35,7 +35,7 @@ def test_ctc_budget():
     lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
                                    torch.tensor([5, 3, 4]))
     launches, ops = budget(lambda: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, 0.0, backend='cuda'))
-    assert launches == {'ctc_alpha_beta': 1, 'ctc_posteriors': 1}
+    assert launches == {'ctc_alpha_beta': 1, 'ctc_poison': 1, 'ctc_posteriors': 1}
     assert ops.total <= 36, ops.ops          # lengths and labels on the CPU are checked there (host reads, no GPU wait)
 
 def test_ctc_with_lengths_on_the_gpu_reads_nothing_on_the_host(monkeypatch):
@@ -68,7 +68,7 @@ def test_sparse_budget_no_host_reads_once_warm():
         return op.backward['cuda'](st, outs, (torch.ones(3), None, None, None))
     launches, ops = budget(forward_backward)
     assert launches == {'sparse_fwd_bwd': 1, 'sparse_posteriors': 1}
-    assert ops.host_reads == 0 and ops.total <= 25, ops.ops      # idx is checked and transposed once, then cached; 4 of the
+    assert ops.host_reads == 0 and ops.total <= 26, ops.ops      # idx is checked and transposed once, then cached (+1: a CPU idx is compared with the copy checked); 4 of the
     # ops are views (alpha and beta out of the one (2, T+1, N, C) buffer that the fused launch writes)
 
 def test_ctc_simple_budget():
@@ -105,7 +105,7 @@ def test_forced_align_budget():
     lp, targets = torch.randn(1, 30, 8).log_softmax(2), torch.randint(1, 8, (1, 6))
     launches, ops = budget(lambda: ctc.forced_align(lp, targets, backend='cuda'))
     assert launches == {'ctc_viterbi': 1}
-    assert ops.total <= 66, ops.ops
+    assert ops.total <= 69, ops.ops          # (+3: the scores are checked for NaN, one host read on the CPU)
 
 def test_forced_align_checkpointed_budget(monkeypatch):
     """Beyond `_CUDA_FULL_TABLE_BYTES`: one launch that keeps the checkpoints, then one a segment (T = 30 frames, k = 7:
