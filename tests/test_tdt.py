@@ -523,7 +523,7 @@ def test_targets_are_checked_and_cleaned_once_per_forward_and_backward(monkeypat
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The PyTorch TDT loss (the benchmarks' anchor): a third implementation, vectorised over anti-diagonals
-from seqdist.tdt import tdt_loss_pytorch
+from seqdist.benchmarks.tdt import tdt_loss_pytorch
 from seqdist.benchmarks.tdt import load_hf_tdt_loss, bench_tdt
 
 @pytest.mark.parametrize('durations', [(0, 1, 2, 3, 4), (0, 1, 2), (1, 2), (0, 1, 2, 3, 4, 5, 6, 7, 8)])

@@ -73,6 +73,7 @@ def import_cell(cells, sources, module_name):
     defined, used = set(), set()
     for c in cells:
         if c['cell_type'] != 'code' or src(c).startswith('#| hide\n# what this notebook takes'): continue
+        if '# On Colab: install seqdist' in src(c): continue      # (it imports torch on Colab only)
         d, u = names(src(c)); used |= u - d - defined; defined |= d
     need = sorted(used - set(dir(builtins)))      # used before (or without) a cell of this notebook defines them
     if True:
@@ -115,7 +116,8 @@ def move(a, idx, b, at, module_name):
     na['cells'] = [c for i, c in enumerate(na['cells']) if i not in idx]
     nb['cells'][at:at] = cells
     lines, missing = import_cell(nb['cells'], [na, nb], module_name)
-    nb['cells'][1]['source'] = '\n'.join(lines).splitlines(keepends=True)
+    k = next(i for i, c in enumerate(nb['cells']) if src(c).startswith('#| hide\n# what this notebook takes'))
+    nb['cells'][k]['source'] = '\n'.join(lines).splitlines(keepends=True)
     for p, n in ((a, na), (b, nb)): Path(p).write_text(json.dumps(n, indent=1, ensure_ascii=False) + '\n')
     print(a, sum(len(src(c).splitlines()) for c in na['cells']), b, sum(len(src(c).splitlines()) for c in nb['cells']), 'needs:', missing)
 
