@@ -674,11 +674,14 @@ def _ctc_fake(a, backend):
 def poisoned_sequences(lp, ext, input_lengths, host, nan_only=False):
     """(N,) True where a sequence's log_probs (T, N, C) hold a NaN or +inf (or, `nan_only`, a NaN), within its frames,
     at a class its lattice reads (the blank or one of its labels, `ext` (N, 2L+1)): PyTorch's CTC loss is NaN there.
-    With `host` (CPU work), None when log_probs hold none anywhere (one pass: the common case costs no more); else
-    computed without a host read (on a GPU: eight small ops a call)."""
+    With `host` (CPU tensors), None when log_probs hold none anywhere, which their maximum tells (NaN if any is, +inf
+    if any is; numpy's, on this thread: a PyTorch reduction would leave OpenMP threads spinning on the cores the
+    kernels run on next); only then are frames and classes looked at. Without, PyTorch ops and no host read."""
     T, N, C = lp.shape
+    if host:
+        top = lp.numpy().max() if lp.numel() else -math.inf
+        if not (np.isnan(top) if nan_only else not top < math.inf): return None
     poisoned = torch.isnan if nan_only else lambda x: ~(x < math.inf)
-    if host and not bool(poisoned(lp).any()): return None
     frames = torch.arange(T, device=lp.device)[:, None, None] < to_device(input_lengths, lp.device)[None, :, None]
     bad = (poisoned(lp) & frames).any(0)                                                    # (N, C)
     read = torch.zeros(N, C, dtype=torch.bool, device=lp.device).scatter_(1, to_device(ext, lp.device), True)
