@@ -349,6 +349,17 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, delay, use_max, g, g
         if write_grad and z != -np.inf:
             _backward_log(n, T, n_states, ext[n], slot, skipf, alpha, emit, g[n], grad, beta, by_state)
 
+@numba.njit(inline='always')
+def _no_path_to_walk(ext_n, T, L, best, n):
+    "True, with best[n] set, when sequence n has no path (-inf; its states left as they are) or no frame (0)."
+    if T < _frames_needed(ext_n, L):
+        best[n] = -np.inf
+        return True
+    if T == 0:
+        best[n] = 0.0
+        return True
+    return False
+
 @numba.njit(nogil=True, cache=_CACHE)
 def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states, best, lo, hi):
     """The best path's state at each frame, states[n, t] (left as is past the input length), and its score best[n], for
@@ -357,12 +368,7 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states, b
     for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
         n_states = 2 * L + 1
-        if T < _frames_needed(ext[n], L):       # infeasible: no path, states[n] left as is
-            best[n] = -np.inf
-            continue
-        if T == 0:
-            best[n] = 0.0
-            continue
+        if _no_path_to_walk(ext[n], T, L, best, n): continue
         U, slot, labels, offset, skipf = _lattice(ext[n], L, blank, C, 0.0)
         alpha, emit, back = np.empty((T, n_states + 4)), np.empty((T, U)), np.empty((T, n_states), np.int8)
         z, s = _viterbi(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit, back)
@@ -904,12 +910,7 @@ def _viterbi_checkpointed_cpu(lp, ext, input_lengths, target_lengths, blank, eve
     for n in range(lo, hi):
         T, L = input_lengths[n], target_lengths[n]
         n_states = 2 * L + 1
-        if T < _frames_needed(ext[n], L):       # infeasible: no path, states[n] left as is
-            best[n] = -np.inf
-            continue
-        if T == 0:
-            best[n] = 0.0
-            continue
+        if _no_path_to_walk(ext[n], T, L, best, n): continue
         tg = ext[n, 1:n_states:2].copy()        # the labels
         skipneg = np.full(max(L, 1), -np.inf)   # 0 where label i may be entered from label i - 1
         for i in range(1, L):
