@@ -21,6 +21,7 @@ from .kernel import load_kernel, dtype_kernels, algebra_kernels
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, parallel_for, AUTOGRAD
 from .memory import empty_large, empty_gradient, tensor_cached
+from .checks import require, on_host
 from .sparse import LANES, bundle_lanes, lane_rows, frame_weights, frame_scales, positive_min, SHARE_MIN
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -186,6 +187,25 @@ class CTC_CRF(SequenceDist):
         move = stay[:, 1:] + 1 + bases[:, :n - 1]                             # entered from the k-mer before it
         return torch.cat([stay, move], 1), n
 
+    def _check_target_values(self, targets, target_lengths):
+        """targets (N, L): integers, bases 1..n_base within each target length (what lies past it is padding, never
+        read); else a TypeError or ValueError naming them (a 0, a -1 or a base past the alphabet would pick another
+        k-mer's columns, or columns past the scores)."""
+        if not isinstance(targets, torch.Tensor) or targets.dtype == torch.bool or targets.is_floating_point() or targets.is_complex():
+            raise TypeError(f"targets must be an integer tensor of bases 1..{self.n_base}, got "
+                            f"{getattr(targets, 'dtype', type(targets).__name__)}")
+        if targets.dim() != 2: raise ValueError(f"targets must be (N, L), got shape {tuple(targets.shape)}")
+        tl = torch.as_tensor(target_lengths, device=targets.device)
+        if tl.shape != targets.shape[:1]:
+            raise ValueError(f"target_lengths must have shape ({targets.shape[0]},), one per target, got {tuple(tl.shape)}")
+        bad = (torch.arange(targets.shape[1], device=targets.device) < tl[:, None]) & ((targets < 1) | (targets > self.n_base))
+        def message():
+            "targets must hold bases 1..n_base within their lengths"
+            n, j = bad.nonzero()[0].tolist()
+            return (f"targets must hold bases 1..{self.n_base} within target_lengths (0 pads past them), got "
+                    f"{targets[n, j].item()} at sequence {n}, position {j}")
+        require(~bad.any(), on_host(targets, tl) and not torch.compiler.is_compiling(), message)   # (compiled: on the device)
+
     def prepare_ctc_scores(self, scores, targets):
         """Stay scores (T, N, L - state_len + 1) and move scores (T, N, L - state_len) of the target's k-mers, for
         targets (N, L) of 1-based bases (0 = padding)."""
@@ -199,6 +219,7 @@ class CTC_CRF(SequenceDist):
         CRF's logZ: the loss is computed as (logZ - the target's logZ) without a normalised copy of the scores, and
         its gradient is written into one tensor (`normalised_target_logp`)."""
         if reduction not in ('mean', 'none', None): raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+        self._check_target_values(targets, target_lengths)
         target_lengths = torch.as_tensor(target_lengths, device=scores.device)
         lattice_lengths = target_lengths + 1 - self.state_len
         if normalise_scores and torch.is_grad_enabled() and scores.requires_grad:
@@ -213,6 +234,7 @@ class CTC_CRF(SequenceDist):
 
     def ctc_viterbi_alignments(self, scores, targets, target_lengths):
         "The best alignment of the target's k-mers to the frames, 0/1 per (frame, k-mer) (T, N, L - state_len + 1)."
+        self._check_target_values(targets, target_lengths)
         stay, move = self.prepare_ctc_scores(scores, targets)
         return ctc_simple.viterbi_alignments(stay, move, torch.as_tensor(target_lengths) + 1 - self.state_len)
 

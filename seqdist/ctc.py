@@ -961,22 +961,25 @@ class TokenSpan:
     def __len__(self): return self.end - self.start
 
 def _span_means(scores, start, end):
-    "Mean of scores[..., start:end] for each (start, end) pair, from prefix sums in float64 (scores (..., T))."
+    """Mean of scores[..., start:end] for each (start, end) pair, from prefix sums in float64 (scores (..., T)); in
+    scores' dtype if it is a float one, else float64 (the mean of integers is not an integer)."""
     prefix = torch.nn.functional.pad(scores.double().cumsum(-1), (1, 0))
     total = prefix.gather(-1, end) - prefix.gather(-1, start)
-    return (total / (end - start)).to(scores.dtype)
+    mean = total / (end - start)
+    return mean.to(scores.dtype) if scores.is_floating_point() else mean
 
 def merge_tokens(tokens, scores, blank=0):
     """`torchaudio.functional.merge_tokens`: the runs of equal tokens of one alignment (T,) other than the blank, as a
     list of `TokenSpan` (end exclusive), each scored by the mean of its frames' scores (T,)."""
     if tokens.dim() != 1 or scores.dim() != 1: raise ValueError("`tokens` and `scores` must be 1D Tensor.")
     if len(tokens) != len(scores): raise ValueError("`tokens` and `scores` must be the same length.")
+    given, tokens = tokens, tokens.long() if tokens.dtype == torch.bool else tokens   # (bool: runs of True, as torchaudio's)
     edge = tokens.new_tensor([-1])              # a run starts where the token changes, as torchaudio's diff finds it
     bounds = (torch.diff(tokens, prepend=edge, append=edge) != 0).nonzero()[:, 0]
     start, end = bounds[:-1], bounds[1:]
-    token = tokens[start]
-    keep = token != blank
-    start, end, token = start[keep], end[keep], token[keep]
+    keep = tokens[start] != blank
+    start, end = start[keep], end[keep]
+    token = given[start]
     score = _span_means(scores, start, end) if len(start) else scores.new_empty(0)
     return [TokenSpan(*x) for x in zip(token.tolist(), start.tolist(), end.tolist(), score.tolist())]
 
