@@ -17,7 +17,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.torchinductor-cache
 SITE := tools/site
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: install install-bonito demo test gpu-check gpu-bench docs docs-html docs-check chromium readme colab-cells clean
+.PHONY: install install-bonito demo test sanitize gpu-check gpu-bench docs docs-html docs-check chromium readme colab-cells clean
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,11 @@ test: install install-bonito chromium $(SITE)/node_modules/.installed
 	time $(BIN)/seqdist-compile-check
 	@echo "== pytest, on two workers (pytest-xdist), each test file on one of them"
 	time SEQDIST_REQUIRE_TORCHAUDIO=1 SEQDIST_REQUIRE_BONITO=1 SEQDIST_BONITO=$(abspath $(BONITO)) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile tests
+
+# Every row of the bad-input tables under the sanitizers: the emulated CUDA kernels with AddressSanitizer, the numba
+# CPU kernels with their bounds checks (tools/sanitize.py; `make test` runs a sample of it, tests/test_asan.py).
+sanitize: install
+	time OMP_WAIT_POLICY=PASSIVE $(BIN)/python tools/sanitize.py -n 2
 
 # On a machine with a GPU and torch, CuPy, numba and pytest already installed, and no network: no venv, no pip.
 # The GPU tests (marker `gpu`), every notebook with its `cuda` cells, and the quick GPU benchmark.

@@ -21,7 +21,7 @@ from .kernel import load_kernel, dtype_kernels, algebra_kernels
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, parallel_for, AUTOGRAD
 from .memory import empty_large, empty_gradient, tensor_cached
-from .checks import require, on_host
+from .checks import require, on_host, nonfinite_sequences, either_poisoned, refuse_nan
 from .sparse import LANES, bundle_lanes, lane_rows, frame_weights, frame_scales, positive_min, SHARE_MIN
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -89,7 +89,8 @@ def _target_logp_forward(backend, st):
     logz, *crf_saved = sparse.sparse_logz.forward[backend](st.crf)
     both = st.scores.gather(2, st.cols.expand(len(st.scores), -1, -1))       # the target's stay and move scores
     target = ctc_simple.stay_move_logz.prepare(SimpleNamespace(stay_scores=both[:, :, :st.n], move_scores=both[:, :, st.n:],
-                                               target_lengths=st.lengths, semiring='Log', with_posteriors=True), backend, True)
+                                               target_lengths=st.lengths, semiring='Log', with_posteriors=True,
+                                               zero_padding=False), backend, True)   # (NaN anywhere: all NaN)
     logp, stay_posteriors, move_posteriors = ctc_simple.stay_move_logz.forward[backend](target)
     return logp - logz, logz, *crf_saved, torch.cat([stay_posteriors, move_posteriors], 2)
 
@@ -111,7 +112,9 @@ normalised_target_logp = Op(f'{_OPS}::normalised_target_logp',
     forward={b: partial(_target_logp_forward, b) for b in ('cpu', 'cuda')},
     backward={b: partial(_target_logp_backward, b) for b in ('cpu', 'cuda')},
     fake=_target_logp_fake, differentiable=('scores',),
-    residuals=('crf_logz', 'crf_scores', 'crf_frame_scales', 'crf_exact', 'target_posteriors'))
+    residuals=('crf_logz', 'crf_scores', 'crf_frame_scales', 'crf_exact', 'target_posteriors'),
+    poisoned=lambda st: nonfinite_sequences(st.scores, 1),   # the CRF's logZ reads every score: NaN in, NaN out
+    per_sequence={'log_p': 0, 'scores': 1})
 
 # %% ../nbs/05_crf.ipynb #05e1fc0d
 class CTC_CRF(SequenceDist):
@@ -138,6 +141,17 @@ class CTC_CRF(SequenceDist):
 
     def _ends(self, Ms, S): return Ms.new_full((Ms.shape[1], self.n_states), S.one)
 
+    def _refuse_nan(self, scores, what):
+        "A ValueError naming the first sequence whose scores (T, N, n_score) hold a NaN: `what` (a best path, ...) is not defined."
+        self._Ms(scores)
+        refuse_nan(nonfinite_sequences(scores, 1, nan_only=True), on_host(scores), what, 'scores')
+
+    def _refuse_nan_lattice(self, lat, what):
+        "`_refuse_nan` for the lattice a question walks (`_lattice`: the target's, given targets): its scores and ends."
+        bad = either_poisoned(nonfinite_sequences(lat.Ms, 1, nan_only=True), nonfinite_sequences(lat.v0, 0, nan_only=True),
+                              nonfinite_sequences(lat.vT, 0, nan_only=True))
+        refuse_nan(bad, on_host(lat.Ms), what, 'scores')
+
     def logZ(self, scores, S:semiring=Log):
         "Semiring sum (N,) over all state paths, starting and ending anywhere."
         Ms = self._Ms(scores)
@@ -160,6 +174,7 @@ class CTC_CRF(SequenceDist):
 
     def viterbi(self, scores):
         "The best path's emitted label at each frame (T, N): 0 for a stay, 1 + base for a move into a state."
+        self._refuse_nan(scores, 'a best path')
         return self.edge_labels(self.posteriors(scores, Max).argmax(2))   # the best edge of each frame, (T, N)
 
     def edge_labels(self, edges):
@@ -235,6 +250,7 @@ class CTC_CRF(SequenceDist):
     def ctc_viterbi_alignments(self, scores, targets, target_lengths):
         "The best alignment of the target's k-mers to the frames, 0/1 per (frame, k-mer) (T, N, L - state_len + 1)."
         self._check_target_values(targets, target_lengths)
+        self._refuse_nan(scores, 'a best path')
         stay, move = self.prepare_ctc_scores(scores, targets)
         return ctc_simple.viterbi_alignments(stay, move, torch.as_tensor(target_lengths) + 1 - self.state_len)
 
@@ -274,6 +290,7 @@ class CTC_CRF(SequenceDist):
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         lat = self._lattice(scores, targets, target_lengths)
+        self._refuse_nan_lattice(lat, 'a sample')
         backend = question_backend(backend, lat.Ms, 'CTC_CRF.sample', 'scores', cuda=True)
         T, N = lat.Ms.shape[:2]
         u = torch.rand((int(n), T, N), generator=generator, dtype=torch.float64,
@@ -290,6 +307,7 @@ class CTC_CRF(SequenceDist):
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
             raise ValueError(f"k must be an int in [1, 16], got {k!r}")
         lat = self._lattice(scores, targets, target_lengths)
+        self._refuse_nan_lattice(lat, 'a k-best list')
         backend = question_backend(backend, lat.Ms, 'CTC_CRF.kbest', 'scores', cuda=True)
         kbest = _kbest_edges_cpu if backend == 'cpu' else _kbest_edges_cuda if backend == 'cuda' else _kbest_edges
         edges, best = kbest(lat.Ms, lat.idx, lat.v0, lat.vT, int(k))
@@ -862,6 +880,12 @@ def _divergence_backward(st, outputs, grads):
     if st.Ms_q is not None: out['Ms_q'] = scaled(outputs[4]).to(st.Ms_q.dtype)
     return out
 
+def _divergence_poisoned(st):
+    """The sequences whose p or q (scores or ends) hold a NaN or a +inf their lattice reads: value and gradients NaN,
+    as the reference's; the kernels' sums would drop a NaN."""
+    return either_poisoned(*(nonfinite_sequences(x, d) for x, d in ((st.Ms_p, 1), (st.Ms_q, 1), (st.v0, 0), (st.vT, 0))
+                             if x is not None))
+
 def _divergence_fake(a, backend):
     N = a.Ms_p.shape[1]
     new = lambda *shape: a.Ms_p.new_empty(shape)
@@ -875,7 +899,8 @@ crf_divergence_op = Op(f'{_OPS}::crf_divergence', "(Tensor Ms_p, Tensor? Ms_q, T
                        backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
                        fake=_divergence_fake,
                        differentiable=('Ms_p', 'Ms_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
-                       consumable=('grad_p', 'grad_q'))
+                       consumable=('grad_p', 'grad_q'), poisoned=_divergence_poisoned,
+                       per_sequence={'value': 0, 'Ms_p': 1, 'Ms_q': 1})
 
 def _lattice_divergence(algebra, p, q, backend):
     "The `algebra`'s value (N,) over lattice p's paths (and q's, the same lattice with other scores), 0 where either has none."

@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['device', 'RECURSION_THREADS', 'POSTERIOR_THREADS', 'stay_move_logz', 'mean', 'logZ_fwd', 'dot', 'check_simple_inputs',
-           'logZ', 'check_alignable', 'viterbi_alignments', 'soft_alignments', 'generate_sample_inputs', 'LogZ',
-           'logZ_py', 'logZ_cupy']
+           'stay_move_poisoned', 'logZ', 'check_alignable', 'viterbi_alignments', 'soft_alignments',
+           'generate_sample_inputs', 'LogZ', 'logZ_py', 'logZ_cupy']
 
 # %% ../nbs/03_ctc_simple.ipynb #c5d2247b
 import math
@@ -16,7 +16,7 @@ import torch
 from torch.nn.functional import pad
 from .core import semiring, Log, Max, SEMIRINGS, semiring_sum2
 from .kernel import load_kernel, dtype_kernels, EMULATOR_MAX_SHARED_MEM
-from .checks import on_host, require, to_device
+from .checks import on_host, require, to_device, nonfinite_sequences, either_poisoned, refuse_nan
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, max_threads, parallel_for
 
@@ -171,9 +171,19 @@ def check_simple_inputs(stay_scores, move_scores, target_lengths):
 def _simple_prepare(a, backend, check):
     "The state of a call: the scores detached, the lengths as int64 on the scores' device (checked with `check`), the semiring."
     lengths = check_simple_inputs(a.stay_scores, a.move_scores, a.target_lengths) if check else a.target_lengths.long()
-    stay = a.stay_scores.detach()
-    return SimpleNamespace(stay=stay, move=a.move_scores.detach(), lengths=to_device(lengths, stay.device),
-                           S=SEMIRINGS[a.semiring], with_posteriors=a.with_posteriors)
+    stay, move = a.stay_scores.detach(), a.move_scores.detach()
+    lengths = to_device(lengths, stay.device)
+    # a caller whose NaN poisons the whole sequence says zero_padding=False (the CTC-CRF's loss): no check, no copy
+    bad = stay_move_poisoned(stay, move, lengths) if getattr(a, 'zero_padding', True) else None
+    if bad is not None: stay, move = _padding_zeroed(stay, move, lengths)   # a NaN past a length: read by no path, nor
+                                                                            # by any gradient (on a GPU: always)
+    return SimpleNamespace(stay=stay, move=move, lengths=lengths, S=SEMIRINGS[a.semiring], with_posteriors=a.with_posteriors,
+                           bad=bad)
+
+def _padding_zeroed(stay, move, lengths):
+    "stay (T, N, L) and move (T, N, L - 1) scores with 0 past each sequence's states (u >= L_n; moves u >= L_n - 1)."
+    u = torch.arange(stay.shape[2], device=stay.device)
+    return (torch.where(u < lengths[:, None], stay, 0.0), torch.where(u[:-1] < lengths[:, None] - 1, move, 0.0))
 
 def _logz(st, alpha):
     "logZ (N,): alpha_T at each sequence's last state, -inf where no path reaches it."
@@ -203,6 +213,21 @@ def _scaled_posteriors(st, outputs, grads):
     g = grads[0][None, :, None]
     return {'stay_scores': gs * g.to(gs.dtype), 'move_scores': gm * g.to(gm.dtype)}
 
+def stay_move_poisoned(stay, move, lengths, nan_only=False):
+    """(N,) True where a sequence's stay scores (states u < L_n) or move scores (u < L_n - 1) hold a NaN or a +inf (or,
+    `nan_only`, a NaN), or None (`nonfinite_sequences`)."""
+    if stay.device.type == 'cpu' and all(nonfinite_sequences(x, 1, nan_only=nan_only) is None for x in (stay, move)):
+        return None                                        # (one numpy pass each: no mask built)
+    u = lambda x: torch.arange(x.shape[2], device=x.device)[None, None, :]
+    lengths = to_device(torch.as_tensor(lengths), stay.device)[None, :, None]
+    return either_poisoned(nonfinite_sequences(stay, 1, u(stay) < lengths, nan_only),
+                           nonfinite_sequences(move, 1, u(move) < lengths - 1, nan_only))
+
+def _simple_poisoned(st):
+    """logZ and its gradient NaN for the `stay_move_poisoned` sequences (found by prepare), on every backend (the
+    reference's sum makes a +inf +inf, the kernels' a NaN)."""
+    return st.bad
+
 def _simple_fake(a, backend):
     s, m, keep = a.stay_scores, a.move_scores, a.with_posteriors
     return s.new_empty(s.shape[1]), s.new_empty(s.shape if keep else (0,)), m.new_empty(m.shape if keep else (0,))
@@ -214,7 +239,8 @@ stay_move_logz = Op(f'{_OPS}::ctc_simple',
     forward={'cpu': lambda st: _logz_and_posteriors(st, *_scores_numba(st.stay, st.move, st.lengths, st.S)),
              'cuda': _simple_cuda, 'reference': _simple_reference},
     backward={'cpu': _scaled_posteriors, 'cuda': _scaled_posteriors, 'reference': _scaled_posteriors},
-    fake=_simple_fake, differentiable=('stay_scores', 'move_scores'), residuals=('stay_posteriors', 'move_posteriors'))
+    fake=_simple_fake, differentiable=('stay_scores', 'move_scores'), residuals=('stay_posteriors', 'move_posteriors'),
+    poisoned=_simple_poisoned, per_sequence={'logz': 0, 'stay_scores': 1, 'move_scores': 1})
 
 # %% ../nbs/03_ctc_simple.ipynb #29e3683e
 def logZ(stay_scores, move_scores, target_lengths, S:semiring=Log, backend='auto'):
@@ -236,7 +262,10 @@ def check_alignable(stay_scores, target_lengths):
 
 def _alignments(stay_scores, move_scores, target_lengths, S, backend='auto'):
     "The posteriors of each (frame, state) (T, N, L), a move credited to the state it leaves (as in seqdist 0.0.3)."
-    if S is Max: check_alignable(stay_scores, target_lengths)
+    if S is Max:
+        check_alignable(stay_scores, target_lengths)
+        refuse_nan(stay_move_poisoned(stay_scores, move_scores, target_lengths, nan_only=True), on_host(stay_scores),
+                   'a best path', 'stay_scores or move_scores')
     _, alignments, moves = stay_move_logz.compute(stay_scores, move_scores, torch.as_tensor(target_lengths), S.name, True, backend=backend)
     alignments[:, :, :-1] += moves
     return alignments

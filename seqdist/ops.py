@@ -6,7 +6,7 @@
 __all__ = ['BACKENDS', 'PARALLEL_MIN', 'AUTOGRAD', 'resolve_backend', 'launch_limits', 'max_threads', 'thread_pool', 'cpu_threads', 'parallel_for', 'op_namespace', 'Op']
 
 # %% ../nbs/01d_ops.ipynb #8c74b1de
-import threading
+import math, threading
 from concurrent.futures import ThreadPoolExecutor
 import numba
 import torch
@@ -112,6 +112,11 @@ class Op:
       autograd's saved tensors and hands them to the first backward (`state.consume` True); a later backward of the
       same graph (retain_graph) gets them computed again by the forward. A backward with `state.consume` False (the
       compiled graph's) must not write them.
+    - `poisoned(state)`: PyTorch's non-finite semantics, declared once: (N,) True where a sequence's scores hold a NaN
+      (or a +inf, a score no kernel can take) where the op reads them, or None where none does (the CPU's one-pass
+      check). Its per-sequence outputs and its gradients are then NaN, on every backend alike: `per_sequence` names
+      those outputs and differentiable inputs, with the dimension that indexes the sequence, e.g. {'value': 0,
+      'log_probs': 1}. (The kernels' max-based sums drop a NaN, and a +inf becomes a -inf or a 0.)
     `op(*inputs, backend='auto')` resolves the backend once, then runs the forward: eagerly through one
     autograd.Function (no dispatcher: host time matters for small calls; with nothing to differentiate, no_grad or
     no differentiable input requiring a gradient, the forward alone), or, while torch.compile traces, through the
@@ -121,8 +126,9 @@ class Op:
     has checked: prepare then runs without its checks (a call that torch.compile traces, whose custom op prepares
     with them, aside)."""
     def __init__(self, name, schema, *, prepare, forward, fake, backward=None, differentiable=(), residuals=(),
-                 consumable=()):
+                 consumable=(), poisoned=None, per_sequence=None):
         self.name, self.prepare, self.forward, self.backward, self.fake = name, prepare, forward, backward, fake
+        self.poisoned, self.per_sequence = poisoned, dict(per_sequence or {})
         self.backends = tuple(forward)
         parsed = torch._C.parse_schema(name + schema)
         self.inputs = tuple(a.name for a in parsed.arguments)
@@ -138,6 +144,9 @@ class Op:
             raise ValueError(f"{name}: no backward for the backends {sorted(missing)}")
         self.backward = backward
         if unknown := set(consumable) - set(residuals): raise ValueError(f"{name}: consumable names {sorted(unknown)}, not residuals")
+        if unknown := set(self.per_sequence) - set(self.outputs) - set(differentiable):
+            raise ValueError(f"{name}: per_sequence names {sorted(unknown)}, neither outputs nor differentiable inputs")
+        if (poisoned is None) != (per_sequence is None): raise ValueError(f"{name}: poisoned and per_sequence go together")
         self.differentiable, self.residuals = tuple(differentiable), tuple(residuals)
         self._consumable_idx = tuple(self.outputs.index(r) for r in consumable)
         self._diff_idx = tuple(self.inputs.index(n) for n in self.differentiable)
@@ -157,6 +166,27 @@ class Op:
         self.backward_op.register_fake(lambda *args: [self._grad_like(x, args[self._tensor[0]]) for x in self._diff_inputs(args)])
 
     def __repr__(self): return f"Op({self.name!r}, backends={self.backends})"
+
+    def _nan_at(self, bad, x, name):
+        "`x` with NaN in the sequences `bad` names (along its `per_sequence` dimension): added, so autograd passes through."
+        shape = [1] * x.dim()
+        shape[self.per_sequence[name]] = -1
+        return x + torch.where(bad.to(x.device), math.nan, 0.0).to(x.dtype).view(shape)
+
+    def _forward(self, backend, state):
+        "The backend's outputs, NaN for the sequences `poisoned` names (kept in the state for the backward)."
+        outs = tuple(self.forward[backend](state))
+        if self.poisoned is None: return outs
+        state.poisoned = bad = self.poisoned(state)
+        if bad is None: return outs
+        return tuple(self._nan_at(bad, o, n) if n in self.per_sequence and o.numel() else o for n, o in zip(self.outputs, outs))
+
+    def _poison_grads(self, state, grads):
+        "The backward's gradients {input: tensor}, NaN for the sequences the forward found poisoned."
+        if self.poisoned is None: return grads
+        bad = state.poisoned if hasattr(state, 'poisoned') else self.poisoned(state)
+        if bad is None: return grads
+        return {n: self._nan_at(bad, g, n) if n in self.per_sequence and g is not None else g for n, g in grads.items()}
     def _ns(self, args): return SimpleNamespace(**dict(zip(self.inputs, args)))
     def _one(self, outs): return outs[0] if len(self.outputs) == 1 else tuple(outs)
     def _diff_inputs(self, args): return [args[self.inputs.index(n)] for n in self.differentiable]
@@ -174,10 +204,10 @@ class Op:
             out = self.custom_op(*args, backend)
             return (out,) if len(self.outputs) == 1 else out
         if self.backward[backend] is AUTOGRAD:   # differentiable PyTorch: autograd records it as it runs
-            outs = tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))
+            outs = self._forward(backend, self.prepare(self._ns(args), backend, check))
             return tuple(o.detach() if i in self._residual_idx else o for i, o in enumerate(outs))
         if not (torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self._diff_idx)):
-            return tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))   # nothing to record
+            return self._forward(backend, self.prepare(self._ns(args), backend, check))   # nothing to record
         return _Eager.apply(self, backend, check, *args)
 
     def compute(self, *args, backend='auto', check=True):
@@ -189,13 +219,13 @@ class Op:
             with torch.no_grad(): out = self.custom_op(*args, backend)
             return (out,) if len(self.outputs) == 1 else tuple(out)
         if torch.is_grad_enabled() and any(args[i] is not None and args[i].requires_grad for i in self._tensor):
-            with torch.no_grad(): return tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))
-        return tuple(self.forward[backend](self.prepare(self._ns(args), backend, check)))   # (no_grad costs 4 us)
+            with torch.no_grad(): return self._forward(backend, self.prepare(self._ns(args), backend, check))
+        return self._forward(backend, self.prepare(self._ns(args), backend, check))   # (no_grad costs 4 us)
 
     # the compiled path: the custom op, its autograd formula and its backward op
     def _op_forward(self, *args):
         *inputs, backend = args
-        return self._one(self.forward[backend](self.prepare(self._ns(inputs), backend, True)))
+        return self._one(self._forward(backend, self.prepare(self._ns(inputs), backend, True)))
 
     def _op_setup_context(self, ctx, inputs, output):
         output = (output,) if len(self.outputs) == 1 else tuple(output)
@@ -219,7 +249,7 @@ class Op:
         grads = [torch.zeros_like(outs[i]) if g is None and i in self._output_idx else g for i, g in enumerate(grads)]
         state = self.prepare(a, backend, False)
         state.grad_wanted, state.consume = set(self.differentiable), False   # (the saved outputs: not to be written)
-        g = self.backward[backend](state, outs, grads)
+        g = self._poison_grads(state, self.backward[backend](state, outs, grads))
         return [self._grad_like(None, inputs[self._tensor[0]]) if getattr(a, n) is None else
                 torch.zeros_like(getattr(a, n)) if g.get(n) is None else g[n] for n in self.differentiable]
 
@@ -232,7 +262,7 @@ class _Eager(torch.autograd.Function):
         ctx.op, ctx.backend = op, backend
         ctx.set_materialize_grads(False)
         ctx.state = op.prepare(op._ns(args), backend, check)
-        outs = tuple(op.forward[backend](ctx.state))
+        outs = op._forward(backend, ctx.state)
         # the tensor inputs too, though the state holds what the backward uses: autograd's version check then
         # raises if one is modified in place before the backward, as for any PyTorch op
         # the consumable outputs outside them (a backward writes them: autograd's check would then refuse a second one)
@@ -256,5 +286,5 @@ class _Eager(torch.autograd.Function):
             ctx.kept = None
             outs = tuple(kept[i] if i in op._consumable_idx else o for i, o in enumerate(outs))
         ctx.state.consume = bool(op._consumable_idx)
-        g = op.backward[ctx.backend](ctx.state, outs, grads)
+        g = op._poison_grads(ctx.state, op.backward[ctx.backend](ctx.state, outs, grads))
         return (None, None, None, *map(g.get, op.inputs))

@@ -19,6 +19,7 @@ import torch
 from .core import semiring, Log, Max, SEMIRINGS, semiring_sum2, fast_exp, fast_exp8
 from .kernel import load_kernel, EMULATOR_MAX_SHARED_MEM
 from .memory import empty_large, tensor_cached
+from .checks import nonfinite_sequences, either_poisoned
 from .compile_check import resource_budget
 from .ctc import interleave_blanks
 from .ops import Op, AUTOGRAD, op_namespace, resolve_backend, max_threads, parallel_for
@@ -509,6 +510,11 @@ def _sparse_reference(st):
     if st.Ms.shape[0] == 0: logz = logz + st.Ms.sum((0, 2, 3))   # T = 0: logZ does not depend on Ms; its gradient is empty, not absent
     return logz, st.Ms.new_empty(0), st.Ms.new_empty(0, dtype=torch.float64), torch.ones_like(logz, dtype=torch.bool)
 
+def _sparse_poisoned(st):
+    """The sequences whose Ms, v0 or vT hold a NaN or a +inf (every path sum reads all of them): logZ and its gradient
+    NaN there, on every backend (the kernels' max-based sums would drop a NaN)."""
+    return either_poisoned(nonfinite_sequences(st.Ms, 1), nonfinite_sequences(st.v0, 0), nonfinite_sequences(st.vT, 0))
+
 def _sparse_fake(a, backend):
     T, N, C, NZ = a.Ms.shape
     keep = a.for_backward and backend in ('cpu', 'cuda')
@@ -524,7 +530,8 @@ sparse_logz = Op(f'{_OPS}::sparse_logz',
              'cuda': lambda st: _sparse_forward_cuda(st.Ms, st.idx, st.v0, st.vT, st.S, st.for_backward, st.K),
              'reference': _sparse_reference},
     backward={'cpu': _sparse_backward_numba, 'cuda': _sparse_backward_cuda, 'reference': AUTOGRAD},
-    fake=_sparse_fake, differentiable=('Ms',), residuals=('scores', 'frame_scales', 'exact'))
+    fake=_sparse_fake, differentiable=('Ms',), residuals=('scores', 'frame_scales', 'exact'),
+    poisoned=_sparse_poisoned, per_sequence={'logz': 0, 'Ms': 1})
 
 # %% ../nbs/04_sparse.ipynb #c88fa27d
 def logZ(Ms, idx, v0, vT, S:semiring=Log, K=1, backend='auto'):

@@ -18,7 +18,8 @@ from .core import semiring, Log, Max, compute_dtype, fast_exp, fast_exp8, fast_l
 from .rnnt import delay_offsets
 from .utils import load_kernel, dtype_kernels, algebra_kernels, empty_gradient, on_host, require, to_device, finite_real, resource_budget
 from .ops import Op, op_namespace, max_threads, resolve_backend, parallel_for
-from .rnnt import rnnt_loss, rnnt_inputs, clean_targets
+from .rnnt import rnnt_loss, rnnt_inputs, clean_targets, poisoned_lattices, nan_sequences, padding_zeroed
+from .checks import refuse_nan
 from .timing import alternated_median_ms, peak_rss_mb, markdown_table
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -431,10 +432,16 @@ def _prepare(a, backend, check):
     x = a.logits.detach().to(compute_dtype(a.logits.dtype)).contiguous()    # (a copy only for views and half types)
     y, il, tl = clean_targets(x[..., :V], a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
     if check and a.big_blank_durations: _check_big_blank_targets(y, tl, a.blank, len(a.big_blank_durations))
+    if backend == 'reference': x = padding_zeroed(x, il, tl)      # (a NaN there never reaches a gradient)
     table, sigmas, weights, L = _lattices(a.durations, a.big_blank_durations, a.blank, a.sigma, a.omega)
     return SimpleNamespace(x=x, y=y, il=il, tl=tl, V=V, D=D, blank=a.blank, table=table, sigmas=np.array(sigmas),
                            weights=np.array(weights), L=L, clamp=a.clamp, lam=a.fastemit_lambda, dp=a.delay_penalty,
-                           dtype=a.logits.dtype, precise=x.dtype == torch.float64)
+                           dtype=a.logits.dtype, precise=x.dtype == torch.float64, backend=backend)
+
+def _poisoned(s):
+    """The loss's `poisoned` sequences: a NaN or a +inf at a node of the lattice (both log-softmaxes read every column)
+    makes the cost and gradient NaN, on the CPU and the reference; the CUDA kernel's sums keep them as they are."""
+    return None if s.backend == 'cuda' else poisoned_lattices(s.x, s.y, s.il, s.tl, s.blank)
 
 def _costs(logz, weights):
     "The costs (B,): sum over the lattices of weight * -log Z (inf for an infeasible lattice)."
@@ -511,7 +518,7 @@ tdt_op = Op(f'{_OPS}::tdt',
             "float delay_penalty) -> (Tensor costs, Tensor lattice)",
             prepare=_prepare, forward={'cpu': _cpu_forward, 'cuda': _cuda_forward, 'reference': _ref_forward},
             backward={'cpu': _cpu_backward, 'cuda': _cuda_backward, 'reference': _ref_backward}, fake=_fake,
-            differentiable=('logits',), residuals=('lattice',))
+            differentiable=('logits',), residuals=('lattice',), poisoned=_poisoned, per_sequence={'costs': 0, 'logits': 0})
 
 # %% ../nbs/09_tdt.ipynb #f9fb32e2
 _REDUCTIONS = ('none', 'sum', 'mean', 'mean_volume')
@@ -669,6 +676,8 @@ def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 
     """Timestamps of the best (Viterbi) path: the frame (B, U) where each label is emitted and its duration (B, U)
     (-1 past the target length), and the path's log-probability (B,) (-inf if no path)."""
     durations, V, blank = tdt_inputs(logits, targets, logit_lengths, target_lengths, durations, blank)
+    il, tl = (torch.as_tensor(v, device=logits.device) for v in (logit_lengths, target_lengths))
+    refuse_nan(nan_sequences(logits, il, tl), on_host(logits), 'a best path', 'logits')
     score, edges = lattice_edges(logits, targets, logit_lengths, target_lengths, durations, (), blank,
                                  finite_real(sigma, 'sigma'), finite_real(delay_penalty, 'delay_penalty'), Max, backend)
     table = edge_table(durations, (), blank, False)
@@ -735,7 +744,7 @@ def _divergence(algebra, lattice, logits_p, logits_q, targets, logit_lengths, ta
     value, logz_p, logz_q, _, _ = tdt_divergence_op(logits_p, logits_q, targets, logit_lengths, target_lengths,
                                                     list(durations), list(big), blank, sigma, algebra, with_grad,
                                                     backend=backend)
-    return _reduce(torch.where(torch.isinf(logz_p) | torch.isinf(logz_q), 0.0, value), target_lengths, reduction)
+    return _reduce(torch.where((logz_p == -math.inf) | (logz_q == -math.inf), 0.0, value), target_lengths, reduction)
 
 # -- paths: a walk back from the last node, then the timestamps of the path it took
 
@@ -792,6 +801,7 @@ def _kbest(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
     c = _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
+    refuse_nan(nan_sequences(c.x, c.il, c.tl), on_host(c.x), 'a k-best list', 'logits')
     backend, k = question_backend(backend, c.x, what, 'logits', cuda=True), int(k)
     differentiable = torch.is_grad_enabled() and logits.requires_grad
     B, T, U1, _ = c.x.shape
@@ -829,6 +839,7 @@ def _sample(lattice, logits, targets, logit_lengths, target_lengths, blank, sigm
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     c = _checked(lattice, logits, targets, logit_lengths, target_lengths, blank, sigma)
+    refuse_nan(nan_sequences(c.x, c.il, c.tl), on_host(c.x), 'a sample', 'logits')
     backend, n = question_backend(backend, c.x, what, 'logits', cuda=True), int(n)
     B, T, U1, _ = c.x.shape
     steps = T + U1 - 1                                    # a path has at most T_b + U_b edges
@@ -1304,7 +1315,8 @@ def _sample_cuda(c, uniforms, taken, path):
     return logz
 
 # %% ../nbs/09b_tdt_questions.ipynb #tdtq-op
-from .rnnt import transducer_divergence_backward, transducer_divergence_fake   # the RNN-T's: the same outputs
+from .rnnt import (transducer_divergence_backward, transducer_divergence_fake,   # the RNN-T's: the same outputs
+                   transducer_divergence_poisoned)
 
 _DIVERGENCES = {'Entropy': (Entropy, _tdt_entropy_cpu), 'KL': (KL, _tdt_kl_cpu), 'CrossEntropy': (CrossEntropy, None)}
 
@@ -1319,6 +1331,7 @@ def _divergence_prepare(a, backend, check):
     a.V = xp.shape[-1] - a.D
     a.y, a.il, a.tl = clean_targets(xp[..., :a.V], a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
     if check and a.big_blank_durations: _check_big_blank_targets(a.y, a.tl, a.blank, len(a.big_blank_durations))
+    if backend == 'reference': xp, xq = (padding_zeroed(x, a.il, a.tl) for x in (xp, xq))   # (as the loss's reference)
     a.table = edge_table(tuple(a.durations), tuple(a.big_blank_durations), a.blank, False)
     a.xp, a.xq, a.precise = xp, xq, xp.dtype == torch.float64
     return a
@@ -1359,7 +1372,10 @@ tdt_divergence_op = Op(f'{_OPS}::tdt_divergence', "(Tensor logits_p, Tensor? log
                        backward={'cpu': transducer_divergence_backward, 'cuda': transducer_divergence_backward, 'reference': AUTOGRAD},
                        fake=transducer_divergence_fake,
                        differentiable=('logits_p', 'logits_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
-                       consumable=('grad_p', 'grad_q'))
+                       consumable=('grad_p', 'grad_q'),
+                       poisoned=lambda s: transducer_divergence_poisoned(s, lambda x, s: poisoned_lattices(x, s.y, s.il,
+                                                                                                          s.tl, s.blank)),
+                       per_sequence={'value': 0, 'logits_p': 0, 'logits_q': 0})
 
 
 # %% ../nbs/09b_tdt_questions.ipynb #tdtq-obj

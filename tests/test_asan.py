@@ -1,6 +1,6 @@
 """AddressSanitizer in a subprocess: it reports an out-of-bounds write into a PyTorch tensor and an overflow of a
 static __shared__ array (which the in-process guard pages cannot see)."""
-import shutil, subprocess, pytest
+import os, pathlib, shutil, subprocess, sys, pytest
 from seqdist.utils import asan_environment, run_under_asan, emulator_options, load_kernel
 from conftest import KERNELS
 
@@ -39,3 +39,22 @@ def test_sanitize_without_the_runtime_is_a_clear_error():
     with emulator_options(sanitize=True), pytest.raises(RuntimeError, match="needs AddressSanitizer's runtime loaded first"):
         import torch
         load_kernel(KERNELS / 'block_reduce.cu', 'block_sum', ASAN_PROBE=1)((1,), (32,), (torch.zeros(4), torch.zeros(1), 4))
+
+REPO = pathlib.Path(__file__).parent.parent
+
+def test_numba_bounds_checks_catch_a_write_past_the_end():
+    "The CPU kernels' half of the sweep: under NUMBA_BOUNDSCHECK=1 a numba write past an array raises IndexError."
+    code = ("import numba, numpy as np\n@numba.njit(nogil=True)\ndef fill(a, n):\n    for i in range(n + 1): a[i] = 1.0\n"
+            "fill(np.zeros(4), 4)\nprint('wrote past the end')")
+    r = subprocess.run([sys.executable, '-c', code], env={**os.environ, 'NUMBA_BOUNDSCHECK': '1'}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and 'IndexError' in r.stderr and 'wrote past the end' not in r.stdout, r.stderr[-2000:]
+
+@needs_asan
+def test_a_sample_of_the_bad_input_tables_runs_clean_under_the_sanitizers():
+    """tools/sanitize.py --sample: the k-best kernel fed NaN directly, and the NaN table's CTC and transducer rows on the
+    CPU kernels (bounds-checked) and the emulated CUDA kernels (AddressSanitizer); `make sanitize` runs every row."""
+    r = subprocess.run([sys.executable, 'tools/sanitize.py', '--sample', '-x'], cwd=REPO, capture_output=True, text=True,
+                       timeout=1200)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and 'ERROR: AddressSanitizer' not in out and ' passed' in out, out[-4000:]
