@@ -6,7 +6,6 @@ import threading
 import pytest, torch
 from seqdist import ctc, rnnt, tdt, joint, ctc_simple, sparse, gru, cross_entropy
 from seqdist.crf import CTC_CRF
-from seqdist.ops import PARALLEL_MIN
 
 def _gen(): return torch.Generator().manual_seed(0)
 
@@ -138,8 +137,3 @@ def test_four_threads_at_once_and_repeated_calls_are_bit_identical(family):
     if errors: raise errors[0]
     for got in [r for rs in results for r in rs] + [call()]:
         for w, x in zip(want, got): assert torch.equal(w, x), f"{family}: a result differs from the first call's"
-
-def test_the_shapes_reach_the_threaded_kernels():
-    "The CTC case's batch is split over threads (work past PARALLEL_MIN), so threads inside threads are exercised."
-    lp, *_ = ctc_case()
-    assert lp.numel() >= PARALLEL_MIN // 2
