@@ -128,7 +128,7 @@ extern "C" __global__ void beam_search(
             int K2 = 0;
             for (int r = 0; r < n_m && r < beam_width; r++) {
                 const int m = w.order[r];
-                if (w.m_guided[m] < best - log_cut) break;
+                if (r > 0 && w.m_guided[m] < best - log_cut) break;   // the best stays (beam_cut < 1 cuts under it)
                 const int k = w.m_index[m];
                 w.parent[(size_t)t * beam_width + K2] = w.c_parent[k];
                 w.bases[(size_t)t * beam_width + K2] = w.c_base[k];

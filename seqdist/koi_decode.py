@@ -80,7 +80,9 @@ def _beam_search_cpu(M, blank, alpha1, beta, beam_width, log_cut, best_score, pa
             rank = np.argsort(-m_guided[:n_m], kind='mergesort')
             K = 0
             for r in range(min(n_m, beam_width)):
-                if m_guided[rank[r]] < best - log_cut: break
+                if r > 0 and m_guided[rank[r]] < best - log_cut: break   # (the best stays: a beam_cut below 1
+                                                                          # cuts under the best, and a beam of none
+                                                                          # had no path to trace back)
                 k = m_index[rank[r]]
                 parent[t, K] = c_parent[k]; bases[t, K] = c_base[k]; states[t, K] = c_state[k]
                 n_score[K] = c_best[k]; n_hash[K] = c_hash[k]
@@ -110,9 +112,11 @@ def _check(scores, beam_width, beam_cut, scale, offset, blank_score, move_pad, r
     if scores.shape[1] < 1: raise ValueError("scores must have at least one frame, got T = 0")
     if isinstance(beam_width, bool) or not isinstance(beam_width, (int, np.integer)) or not 1 <= beam_width <= MAX_BEAM_WIDTH:
         raise ValueError(f"beam_width must be an int in [1, {MAX_BEAM_WIDTH}], got {beam_width!r}")
-    if not isinstance(beam_cut, (int, float)) or not beam_cut > 0: raise ValueError(f"beam_cut must be a number > 0 (inf: no cut), got {beam_cut!r}")
+    if isinstance(beam_cut, bool) or not isinstance(beam_cut, (int, float)) or not beam_cut > 0:
+        raise ValueError(f"beam_cut must be a number > 0 (inf: no cut), got {beam_cut!r}")
     for name, x in (('scale', scale), ('offset', offset), ('blank_score', blank_score)):
-        if not isinstance(x, (int, float)) or not math.isfinite(x): raise ValueError(f"{name} must be a finite number, got {x!r}")
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ValueError(f"{name} must be a finite number, got {x!r}")
     if not isinstance(move_pad, bool): raise ValueError(f"move_pad must be a bool, got {move_pad!r}")
     if return_hp_probs: raise NotImplementedError("beam_search(return_hp_probs=True): koi's homopolymer probabilities are not provided by seqdist")
     if not bool(torch.isfinite(scores).all()): raise ValueError("scores must be finite (no nan or inf)")
@@ -220,3 +224,13 @@ def _search_cuda(M, blank, alpha1, beta, beam_width, log_cut):
                        work=torch.empty(N * work_bytes, dtype=torch.uint8, device=dev), work_bytes=work_bytes, N=N, T=T,
                        C=C, n_cand=n_cand, P=P)
     return best, path_base, path_state
+
+# %% ../nbs/05b_koi.ipynb #ca6fd5ba
+from .checks import TensorArg, IntArg, RealArg, ChoiceArg, declared
+
+def _example():
+    "A valid call, small: 2 reads of 10 frames, state_len 2 (64 score columns)."
+    return dict(scores=torch.randn(2, 10, 64, generator=torch.Generator().manual_seed(0)))
+
+beam_search = declared(beam_search, _example, scores=TensorArg('N T S'), beam_width=IntArg(1), beam_cut=RealArg(0, finite=False),
+                       scale=RealArg(), offset=RealArg(), blank_score=RealArg(), backend=ChoiceArg('auto', 'cpu', 'cuda'))

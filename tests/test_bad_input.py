@@ -41,3 +41,41 @@ def test_merge_tokens_of_bool_tokens_as_torchaudio():
     if torchaudio is None: pytest.skip("torchaudio not installed")
     theirs = torchaudio.functional.merge_tokens(tokens, scores)
     assert [(s.token, s.start, s.end, s.score) for s in ours] == [(s.token, s.start, s.end, s.score) for s in theirs]
+
+def test_beam_search_with_a_cut_below_one_keeps_the_best_hypothesis():
+    """beam_cut < 1 (log_cut < 0) once cut under the best hypothesis itself: a beam of none, whose trace-back read
+    parents never written (SIGSEGV at beam_cut=0.5 and 1e-300, on both kernels). Now the best always stays, so a cut at
+    or below 1 keeps the best alone: beam_width=1's answer. In a process of its own, as it once crashed."""
+    import subprocess, sys, textwrap
+    code = textwrap.dedent("""
+        import torch
+        from seqdist import koi_decode
+        x = torch.randn(3, 12, 64, generator=torch.Generator().manual_seed(1))
+        for backend in ('cpu', 'cuda'):
+            want = koi_decode.beam_search(x, beam_width=1, backend=backend)
+            for cut in (1e-300, 0.5, 1.0):
+                got = koi_decode.beam_search(x, beam_cut=cut, backend=backend)
+                assert all(torch.equal(w, g) for w, g in zip(want, got)), (backend, cut)
+        print('same')
+    """)
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and 'same' in r.stdout, (r.returncode, r.stderr[-2000:])
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
+def test_sparse_logz_without_edges_is_a_clear_error(backend):
+    "NZ = 0 (no edge into any state): the CPU path once raised amax's IndexError; now every backend names Ms."
+    from seqdist import sparse
+    ends = torch.zeros(2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"Ms must have C >= 1 states and NZ >= 1 edges"):
+        sparse.logZ(torch.randn(3, 2, 4, 0, dtype=torch.float64), torch.zeros(4, 0, dtype=torch.long), ends, ends,
+                    backend=backend)
+
+def test_token_spans_names_its_bad_arguments():
+    from seqdist import ctc
+    labels, scores = torch.tensor([[0, 1, 1, 0, 2, 2]]), torch.zeros(1, 6)
+    with pytest.raises(ValueError, match=r"max_length must be an int in \[0, inf\], got -1"):
+        ctc.token_spans(labels, scores, torch.tensor([2]), max_length=-1)
+    with pytest.raises(ValueError, match=r"target_lengths must be of shape \(N,\) = \(1,\), got shape \(2,\)"):
+        ctc.token_spans(labels, scores, torch.tensor([2, 2]))
+    with pytest.raises(ValueError, match=r"target_lengths must be >= 0, got \[-1\]"):
+        ctc.token_spans(labels, scores, torch.tensor([-1]))

@@ -189,7 +189,7 @@ BAD = [  # (args, kwargs, exception, part of the message)
     (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(weight=torch.ones(5, dtype=torch.long)), TypeError, 'weight must be a float tensor'),
     (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(reduction='avg'), ValueError, "reduction must be 'none', 'sum' or 'mean'"),
     (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(label_smoothing=1.5), ValueError, 'label_smoothing must be a float in [0, 1]'),
-    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(z_loss=-1.0), ValueError, 'z_loss must be a float >= 0'),
+    (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(z_loss=-1.0), ValueError, 'z_loss must be a finite float >= 0'),
     (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(softcap=0.0), ValueError, 'softcap must be None or a float > 0'),
     (lambda: (torch.randn(3, 5), torch.tensor([0, 1, 1])), dict(backend='gpu'), ValueError, "backend must be 'auto'"),
     (lambda: (torch.randn(3, 0), torch.tensor([0, 1, 1])), {}, ValueError, 'at least one class'),

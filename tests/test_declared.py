@@ -1,0 +1,77 @@
+"""Every declared public call's bad-input table (`seqdist.checks.declared`): each row, one argument broken one way,
+must raise a TypeError or ValueError that names that argument, on the CPU kernels and through the emulated CUDA
+kernels, never a raw PyTorch or numba error, a crash or an answer. Each function's table runs in a process of its own,
+so that a crash (a kernel writing where it should not) fails that function's test instead of the run."""
+import json, subprocess, sys, textwrap
+import pytest
+import seqdist
+from seqdist import ctc
+
+MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode']
+
+def declared_functions():
+    import importlib
+    out = []
+    for m in MODULES:
+        mod = importlib.import_module(f'seqdist.{m}')
+        out += [f'{m}.{n}' for n in sorted(vars(mod)) if hasattr(getattr(mod, n), 'declaration')
+                and getattr(mod, n).__module__ == mod.__name__]
+    return out
+
+RUN = textwrap.dedent("""
+    import json, importlib, warnings
+    warnings.filterwarnings('ignore')
+    mod, name = {target!r}.split('.')
+    f = getattr(importlib.import_module('seqdist.' + mod), name)
+    d = f.declaration
+    backends = ['cpu', 'cuda'] if 'backend' in d.args else [None]
+    out = []
+    for b in backends:                            # the valid example answers on every backend
+        f(**d.example(), **({{'backend': b}} if b else {{}}))
+    for arg, what, kw in d.table():
+        for b in backends:
+            call = dict(kw, backend=b) if b and arg != 'backend' else kw
+            try:
+                f(**call)
+                res = 'returned'
+            except (TypeError, ValueError) as e: res = 'named' if arg in str(e) else 'unnamed: ' + str(e)[:200]
+            except Exception as e: res = f'raw {{type(e).__name__}}: {{e}}'[:240]
+            out.append((arg, what, b, res))
+    print('ROWS' + json.dumps(out))
+""")
+
+@pytest.mark.parametrize('target', declared_functions())
+def test_every_row_of_the_table_raises_an_error_naming_its_argument(target):
+    r = subprocess.run([sys.executable, '-c', RUN.format(target=target)], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and 'ROWS' in r.stdout, f"{target}: the process ended with {r.returncode}:\n{r.stderr[-3000:]}"
+    rows = json.loads(r.stdout.split('ROWS', 1)[1])
+    bad = [row for row in rows if row[3] != 'named']
+    assert rows and not bad, f"{target}: {len(bad)} of {len(rows)} rows:\n" + '\n'.join(map(str, bad))
+
+def test_the_main_calls_are_declared():
+    names = set(declared_functions())
+    for want in ['ctc.ctc_loss', 'ctc.forced_align', 'ctc.alignment_entropy', 'ctc.kbest_alignments']:
+        assert want in names
+
+def test_a_declared_call_keeps_its_signature_and_docs():
+    import inspect
+    assert inspect.signature(ctc.ctc_loss) == inspect.signature(ctc.ctc_loss.__wrapped__)
+    assert ctc.ctc_loss.__doc__ == ctc.ctc_loss.__wrapped__.__doc__ and ctc.ctc_loss.__name__ == 'ctc_loss'
+
+def _gather(x, positions, scale=1.0):
+    "A function without checks of its own: bad positions are PyTorch's IndexError, a bad scale Python's TypeError."
+    return x[positions] * scale
+
+def test_the_declaration_names_the_argument_under_a_raw_error_and_passes_named_errors_through():
+    import torch
+    from seqdist.checks import declared, TensorArg, RealArg
+    f = declared(_gather, lambda: dict(x=torch.randn(4), positions=torch.tensor([0, 2])),
+                 x=TensorArg('N'), positions=TensorArg('M', dtype='int'), scale=RealArg())
+    assert torch.equal(f(torch.arange(4.), torch.tensor([1, 3])), torch.tensor([1., 3.]))
+    with pytest.raises(TypeError, match=r"positions must be an integer tensor, got dtype torch.float32") as e:
+        f(torch.randn(4), torch.tensor([0.5]))                      # PyTorch: "tensors used as indices must be long..."
+    assert isinstance(e.value.__cause__, IndexError)             # the original, chained
+    with pytest.raises(TypeError, match=r"scale must be a real number, got str"):
+        f(torch.randn(4), torch.tensor([1]), scale='2')
+    with pytest.raises(IndexError):                                # valid as declared: the original error stands
+        f(torch.randn(4), torch.tensor([7]))
