@@ -6,9 +6,9 @@
 __all__ = ['ZERO_BELOW', 'Log', 'Max', 'SEMIRINGS', 'LOG2E', 'LN2_HI', 'LN2_LO', 'Entropy', 'CrossEntropy', 'KL', 'LN2',
            'ALG_LOG', 'ALG_ENTROPY', 'ALG_KL', 'ALGEBRAS', 'alg_plus3', 'alg_plus3_inline', 'NO_PATH', 'NO_PATH_BELOW',
            'max_grad', 'compute_dtype', 'semiring', 'bits_as_float64', 'float64_as_bits', 'pow2', 'semiring_sum2',
-           'fast_exp', 'fast_exp8', 'fast_logsumexp', 'grad', 'SequenceDist', 'log_softmax_parts', 'KMax',
-           'choose_index', 'reference_only', 'fast_log1p', 'question_backend', 'pick3', 'merge_top3', 'pack_code',
-           'unpack_code', 'sort_bitonic_rows', 'AlignmentPosterior']
+           'fast_exp', 'fast_exp8', 'fast_logsumexp', 'softmax_normaliser', 'grad', 'SequenceDist', 'log_softmax_parts',
+           'KMax', 'choose_index', 'reference_only', 'fast_log1p', 'question_backend', 'pick3', 'merge_top3',
+           'pack_code', 'unpack_code', 'sort_bitonic_rows', 'AlignmentPosterior']
 
 # %% ../nbs/00_core.ipynb #7d448610
 import math
@@ -171,6 +171,13 @@ def fast_logsumexp(row, precise):
     else:
         for v in range(row.shape[0]): s += fast_exp8(np.float64(row[v]) - mm)
     return mm + np.log(s)
+
+@numba.njit(inline='always')
+def softmax_normaliser(row, precise):
+    """`fast_logsumexp` as a log-softmax's normaliser: NaN for a row holding a +inf, whose log-softmax is NaN
+    (inf - inf) in PyTorch too, so that a lattice reading the row is NaN instead of losing the row's edges (-inf)."""
+    m = fast_logsumexp(row, precise)
+    return np.nan if m == np.inf else m
 
 # %% ../nbs/00_core.ipynb #d09904ba
 def grad(f, x):

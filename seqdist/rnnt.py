@@ -14,7 +14,7 @@ from numba import literally
 import torch
 import torch.nn as nn
 from .core import semiring, Log, Max, semiring_sum2, fast_exp, fast_exp8
-from .core import SEMIRINGS, compute_dtype, fast_logsumexp, Entropy, KL, CrossEntropy, KMax, choose_index
+from .core import SEMIRINGS, compute_dtype, fast_logsumexp, softmax_normaliser, Entropy, KL, CrossEntropy, KMax, choose_index
 from .core import ALG_ENTROPY, ALG_KL, ALGEBRAS, alg_plus3, question_backend, pick3, merge_top3, AlignmentPosterior
 from .kernel import load_kernel, dtype_kernels, algebra_kernels
 from .memory import empty_gradient
@@ -95,7 +95,7 @@ def _utterance_lse(x, b, Tb, Ub, fused, precise):
     lse = np.zeros((Tb, Ub + 1))
     if fused:
         for t in range(Tb):
-            for u in range(Ub + 1): lse[t, u] = fast_logsumexp(x[b, t, u], precise)
+            for u in range(Ub + 1): lse[t, u] = softmax_normaliser(x[b, t, u], precise)   # (+inf: NaN)
     return lse
 
 @numba.njit(cache=_CACHE)
@@ -443,12 +443,7 @@ def _prepare(a, backend, check):
     x = a.logits.detach().to(compute_dtype(a.logits.dtype)).contiguous()
     y, il, tl = clean_targets(x, a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
     if backend == 'reference': x = padding_zeroed(x, il, tl)
-    return SimpleNamespace(**vars(a), x=x, y=y, il=il, tl=tl, backend=backend)
-
-def _poisoned(s):
-    """The loss's `poisoned` sequences (NaN cost and gradient), on the CPU and the reference: the CUDA kernel's own
-    sums keep a NaN and turn a +inf into one (checked through the emulator), so a GPU reads the logits no more."""
-    return None if s.backend == 'cuda' else poisoned_lattices(s.x, s.y, s.il, s.tl, s.blank, s.fused_log_softmax)
+    return SimpleNamespace(**vars(a), x=x, y=y, il=il, tl=tl)
 
 def _costs_fake(a, backend):
     B, T, U1, V = a.logits.shape
@@ -467,8 +462,8 @@ rnnt_op = Op(f'{_OPS}::rnnt', f"({_INPUTS}, float clamp, float fastemit_lambda, 
              "-> (Tensor costs, Tensor lattice)",
              prepare=_prepare, forward={'cpu': _costs_cpu, 'cuda': _costs_cuda, 'reference': _costs_reference},
              backward={'cpu': _backward(_grad_cpu), 'cuda': _backward(_grad_cuda), 'reference': _backward(_grad_reference)},
-             fake=_costs_fake, differentiable=('logits',), residuals=('lattice',),
-             poisoned=_poisoned, per_sequence={'costs': 0, 'logits': 0})
+             fake=_costs_fake, differentiable=('logits',), residuals=('lattice',))   # (a NaN or +inf logit: its kernels'
+                                                                                     # sums give NaN cost and gradient)
 rnnt_edges_op = Op(f'{_OPS}::rnnt_edges', f"({_INPUTS}, str semiring, float delay_penalty) -> (Tensor logz, Tensor edges)",
                    prepare=_prepare, forward={'cpu': _edges_cpu, 'cuda': _edges_cuda, 'reference': _edges_reference},
                    backward=dict.fromkeys(('cpu', 'cuda', 'reference'), _no_gradient), fake=_edges_fake,

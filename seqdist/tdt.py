@@ -14,7 +14,7 @@ import numba
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .core import semiring, Log, Max, compute_dtype, fast_exp, fast_exp8, fast_logsumexp
+from .core import semiring, Log, Max, compute_dtype, fast_exp, fast_exp8, fast_logsumexp, softmax_normaliser
 from .rnnt import delay_offsets
 from .utils import load_kernel, dtype_kernels, algebra_kernels, empty_gradient, on_host, require, to_device, finite_real, resource_budget
 from .ops import Op, op_namespace, max_threads, resolve_backend, parallel_for
@@ -219,9 +219,9 @@ def _edge_scores(x, b, Tb, Ub, y, V, D, table, sigmas, delay_penalty, precise, E
             row = x[b, t, u]
             if saved: lt = lse_tok[t, u]
             else:
-                lt = fast_logsumexp(row[:V], precise)
+                lt = softmax_normaliser(row[:V], precise)          # (a +inf: NaN, as PyTorch's log-softmax)
                 lse_tok[t, u] = lt
-            ld = fast_logsumexp(row[V:], precise) if D > 0 else 0.0
+            ld = softmax_normaliser(row[V:], precise) if D > 0 else 0.0
             lse[t, u, 0], lse[t, u, 1] = lt, ld
             for k in range(K):
                 label = table[k, 1]
@@ -436,12 +436,7 @@ def _prepare(a, backend, check):
     table, sigmas, weights, L = _lattices(a.durations, a.big_blank_durations, a.blank, a.sigma, a.omega)
     return SimpleNamespace(x=x, y=y, il=il, tl=tl, V=V, D=D, blank=a.blank, table=table, sigmas=np.array(sigmas),
                            weights=np.array(weights), L=L, clamp=a.clamp, lam=a.fastemit_lambda, dp=a.delay_penalty,
-                           dtype=a.logits.dtype, precise=x.dtype == torch.float64, backend=backend)
-
-def _poisoned(s):
-    """The loss's `poisoned` sequences: a NaN or a +inf at a node of the lattice (both log-softmaxes read every column)
-    makes the cost and gradient NaN, on the CPU and the reference; the CUDA kernel's sums keep them as they are."""
-    return None if s.backend == 'cuda' else poisoned_lattices(s.x, s.y, s.il, s.tl, s.blank)
+                           dtype=a.logits.dtype, precise=x.dtype == torch.float64)
 
 def _costs(logz, weights):
     "The costs (B,): sum over the lattices of weight * -log Z (inf for an infeasible lattice)."
@@ -518,7 +513,7 @@ tdt_op = Op(f'{_OPS}::tdt',
             "float delay_penalty) -> (Tensor costs, Tensor lattice)",
             prepare=_prepare, forward={'cpu': _cpu_forward, 'cuda': _cuda_forward, 'reference': _ref_forward},
             backward={'cpu': _cpu_backward, 'cuda': _cuda_backward, 'reference': _ref_backward}, fake=_fake,
-            differentiable=('logits',), residuals=('lattice',), poisoned=_poisoned, per_sequence={'costs': 0, 'logits': 0})
+            differentiable=('logits',), residuals=('lattice',))
 
 # %% ../nbs/09_tdt.ipynb #f9fb32e2
 _REDUCTIONS = ('none', 'sum', 'mean', 'mean_volume')
