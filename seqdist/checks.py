@@ -114,8 +114,9 @@ def _describe(x):
     if isinstance(x, torch.Tensor): return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
     return f"{type(x).__name__} {x!r}" if not isinstance(x, (list, tuple)) else type(x).__name__
 
-def _bound(v, dims):
-    "A bound given as a number or as the name of a dimension (its size), or None."
+def _bound(v, dims, call=None):
+    "A bound given as a number, as the name of a dimension (its size), as a function of the call's arguments, or None."
+    if callable(v): return v(call) if call is not None else None
     return dims.get(v) if isinstance(v, str) else v
 
 class TensorArg(Arg):
@@ -148,16 +149,19 @@ class TensorArg(Arg):
         return rows
 
 class LabelArg(TensorArg):
-    """Integer labels of one of the `shapes`, in [low, high) (`high`: a number or a dimension's name) and not `exclude`
-    (an argument's name, e.g. the blank) where `lengths` (an argument's name) says they are read; the values are
-    checked where they are read (`check_labels`), the declaration gives the rows that break them."""
-    def __init__(self, *shapes, high, low=0, exclude=None, lengths=None):
-        super().__init__(*shapes, dtype='int')
-        self.high, self.low, self.exclude, self.lengths = high, low, exclude, lengths
+    """Integer labels of one of the `shapes`, in [low, high) (bounds: numbers, dimensions' names or functions of the
+    call's arguments) and not `exclude` (an argument's name, e.g. the blank); the values are checked where a lattice
+    reads them (`check_labels`), the declaration gives the rows that break them (at the first target's first label,
+    which the examples make read)."""
+    def __init__(self, *shapes, high, low=0, exclude=None, optional=False):
+        super().__init__(*shapes, dtype='int', optional=optional)
+        self.high, self.low, self.exclude = high, low, exclude
     def bad(self, name, x, dims, call):
         rows = super().bad(name, x, dims, call)
-        first = (0,) * x.dim()                  # the first label of the first target (the examples make it read)
-        for what, v in (('a label below the range', self.low - 1), ('a label past the range', _bound(self.high, dims)),
+        if x is None: return rows
+        first = (0,) * x.dim()
+        for what, v in (('a label below the range', _bound(self.low, dims, call) - 1),
+                        ('a label past the range', _bound(self.high, dims, call)),
                         ('the blank as a label', call.get(self.exclude))):
             if v is None: continue
             y = x.clone()
@@ -183,7 +187,8 @@ class LengthArg(Arg):
         x = torch.as_tensor(x)
         rows = [('float lengths', x.float()), ('one length too many', torch.cat([x, x[:1]])), ('a 2-D tensor', x[None]),
                 ('a string', 'lengths')]
-        for what, v in (('a length below the range', self.low - 1), ('a length past the range', _bound(self.high, dims))):
+        for what, v in (('a length below the range', _bound(self.low, dims, call) - 1),
+                        ('a length past the range', _bound(self.high, dims, call))):
             if v is None: continue
             y = x.clone()
             y[0] = v if what.endswith('below the range') else v + 1
@@ -232,8 +237,10 @@ class ChoiceArg(Arg):
     def __init__(self, *options): self.options = options
     def check(self, name, v, dims):
         if not any(v == o and type(v) is type(o) for o in self.options):
-            _fail(ValueError, name, ' or '.join(map(repr, self.options)), repr(v))
-    def bad(self, name, v, dims, call): return [('an unknown name', 'bogus'), ('None', None)] + ([('a number', 1)] if None not in self.options else [])
+            names = list(map(repr, self.options))
+            _fail(ValueError, name, ', '.join(names[:-1]) + ' or ' + names[-1] if len(names) > 1 else names[0], repr(v))
+    def bad(self, name, v, dims, call):
+        return [('an unknown name', 'bogus'), ('a number', 1)] + ([('None', None)] if None not in self.options else [])
 
 class Declaration:
     "The declared arguments of a public function: checks a call (`check`) and gives its bad-input table (`table`)."

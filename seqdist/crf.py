@@ -212,7 +212,8 @@ class CTC_CRF(SequenceDist):
         if targets.dim() != 2: raise ValueError(f"targets must be (N, L), got shape {tuple(targets.shape)}")
         tl = torch.as_tensor(target_lengths, device=targets.device)
         if tl.shape != targets.shape[:1]:
-            raise ValueError(f"target_lengths must have shape ({targets.shape[0]},), one per target, got {tuple(tl.shape)}")
+            raise ValueError(f"target_lengths must have shape ({targets.shape[0]},), one per target of targets "
+                             f"{tuple(targets.shape)}, got {tuple(tl.shape)}")
         bad = (torch.arange(targets.shape[1], device=targets.device) < tl[:, None]) & ((targets < 1) | (targets > self.n_base))
         def message():
             "targets must hold bases 1..n_base within their lengths"
@@ -234,6 +235,9 @@ class CTC_CRF(SequenceDist):
         CRF's logZ: the loss is computed as (logZ - the target's logZ) without a normalised copy of the scores, and
         its gradient is written into one tensor (`normalised_target_logp`)."""
         if reduction not in ('mean', 'none', None): raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+        if loss_clip is not None and (isinstance(loss_clip, bool) or not isinstance(loss_clip, (int, float))
+                                      or not 0 <= loss_clip < math.inf):
+            raise ValueError(f"loss_clip must be None or a finite number >= 0 (0: no clip), got {loss_clip!r}")
         self._check_target_values(targets, target_lengths)
         target_lengths = torch.as_tensor(target_lengths, device=scores.device)
         lattice_lengths = target_lengths + 1 - self.state_len
@@ -347,6 +351,7 @@ class CTC_CRF(SequenceDist):
             raise ValueError(f"target_lengths must be {N} integers, got {tuple(tl.shape)} {tl.dtype}")
         if not ((tl >= self.state_len) & (tl <= L)).all():
             raise ValueError(f"target_lengths must be in [state_len, L] = [{self.state_len}, {L}], got {tl.tolist()}")
+        self._check_target_values(targets, target_lengths)        # (no bool; bases 1..n_base within the lengths)
         return tl.long().to(scores.device)
 
     def _two_models(self, algebra, scores_p, scores_q, targets, target_lengths, backend, what):
@@ -370,6 +375,34 @@ class CTC_CRF(SequenceDist):
 # %% ../nbs/05_crf.ipynb #05253b4b
 resource_budget(_add_at_columns_kernels.values(), block=256, min_threads=1024,   # as add_at_columns launches it
                 why="a memory-bound scatter, one thread per (t, n, j): half the SM's threads in flight")
+
+# %% ../nbs/05_crf.ipynb #12f597e6
+from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared
+
+def _example():
+    "A valid call on a small CTC-CRF (state_len 2, ACGT): 8 frames, 3 reads, targets of 4, 3 and 4 bases."
+    crf = CTC_CRF(state_len=2, alphabet='NACGT')
+    g = torch.Generator().manual_seed(0)
+    return dict(self=crf, scores=torch.randn(8, 3, crf.n_score(), generator=g, dtype=torch.float64),
+                targets=torch.tensor([[1, 2, 3, 4], [2, 2, 1, 0], [4, 1, 1, 3]]), target_lengths=torch.tensor([4, 3, 4]))
+
+def _scores_only(): return {k: v for k, v in _example().items() if k in ('self', 'scores')}
+def _pq():
+    e = _example()
+    return dict(e, scores_p=e.pop('scores'), scores_q=_example()['scores'].flip(0))
+
+_TARGETS = dict(targets=LabelArg('N L', low=1, high=lambda call: call['self'].n_base + 1, optional=True),
+                target_lengths=LengthArg('N', lambda call: call['self'].state_len, 'L', optional=True))
+_BACKEND = ChoiceArg('auto', 'cpu', 'cuda', 'reference')
+CTC_CRF.ctc_loss = declared(CTC_CRF.ctc_loss, _example, scores=TensorArg('T N S'), **_TARGETS,
+                            loss_clip=RealArg(0, optional=True), reduction=ChoiceArg('mean', 'none', None))
+CTC_CRF.ctc_viterbi_alignments = declared(CTC_CRF.ctc_viterbi_alignments, _example, scores=TensorArg('T N S'), **_TARGETS)
+CTC_CRF.logZ = declared(CTC_CRF.logZ, _scores_only, scores=TensorArg('T N S'))
+CTC_CRF.viterbi = declared(CTC_CRF.viterbi, _scores_only, scores=TensorArg('T N S'))
+CTC_CRF.entropy = declared(CTC_CRF.entropy, _example, scores=TensorArg('T N S'), **_TARGETS, backend=_BACKEND)
+CTC_CRF.kl = declared(CTC_CRF.kl, _pq, scores_p=TensorArg('T N S'), scores_q=TensorArg('T N S'), **_TARGETS, backend=_BACKEND)
+CTC_CRF.sample = declared(CTC_CRF.sample, _example, scores=TensorArg('T N S'), n=IntArg(1), **_TARGETS, backend=_BACKEND)
+CTC_CRF.kbest = declared(CTC_CRF.kbest, _example, scores=TensorArg('T N S'), k=IntArg(1, 16), **_TARGETS, backend=_BACKEND)
 
 # %% ../nbs/05a_crf_questions.ipynb #q2b3c4d5
 def _target_lattice(stay, move, lengths):

@@ -18,7 +18,8 @@ class KernelLaunchError(RuntimeError):
 class KernelCompileError(RuntimeError):
     "A CUDA source did not compile."
 
-_emulator = {'seed': 0, 'check_bounds': True, 'sanitize': False}
+_emulator = {'seed': 0, 'check_bounds': True,
+             'sanitize': os.environ.get('SEQDIST_SANITIZE') == '1'}   # (tools/sanitize.py: AddressSanitizer in every process)
 _emulator_lock = threading.RLock()
 
 @contextmanager
@@ -185,7 +186,11 @@ def asan_environment():
     lib = subprocess.run([_cxx(), '-print-file-name=libasan.so'], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(lib) or not os.path.exists(lib):
         raise RuntimeError(f"AddressSanitizer's runtime (libasan.so) was not found by {_cxx()}; install it with your compiler")
-    return {**os.environ, 'LD_PRELOAD': lib, 'ASAN_OPTIONS': 'detect_leaks=0:alloc_dealloc_mismatch=0'}
+    # libstdc++ preloaded next to it: else ASan's __cxa_throw interceptor finds no real one to call and aborts at the
+    # first C++ exception a library throws (torch.as_tensor('x')'s TypeError is one)
+    cxx = subprocess.run([_cxx(), '-print-file-name=libstdc++.so.6'], capture_output=True, text=True).stdout.strip()
+    preload = lib + (f" {cxx}" if os.path.isabs(cxx) and os.path.exists(cxx) else "")
+    return {**os.environ, 'LD_PRELOAD': preload, 'ASAN_OPTIONS': 'detect_leaks=0:alloc_dealloc_mismatch=0'}
 
 def run_under_asan(code, timeout=600):
     "Run Python `code` in a subprocess with AddressSanitizer preloaded and `emulator_options(sanitize=True)`; return (exit code, stderr)."

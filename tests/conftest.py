@@ -2,10 +2,6 @@ import contextlib, os, pathlib, pytest, torch
 
 KERNELS = pathlib.Path(__file__).parent / 'kernels'
 
-if os.environ.get('SEQDIST_SANITIZE') == '1':   # tools/sanitize.py: every emulated kernel built with AddressSanitizer
-    import seqdist.emulator
-    seqdist.emulator._emulator['sanitize'] = True
-
 @pytest.fixture(autouse=True)
 def _threads_and_seed():
     torch.set_num_threads(2)

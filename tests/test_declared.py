@@ -7,22 +7,26 @@ import pytest
 import seqdist
 from seqdist import ctc
 
-MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode']
+MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode', 'crf', 'gru']
 
 def declared_functions():
     import importlib
     out = []
     for m in MODULES:
         mod = importlib.import_module(f'seqdist.{m}')
-        out += [f'{m}.{n}' for n in sorted(vars(mod)) if hasattr(getattr(mod, n), 'declaration')
-                and getattr(mod, n).__module__ == mod.__name__]
+        for n in sorted(vars(mod)):
+            x = getattr(mod, n)
+            if hasattr(x, 'declaration') and x.__module__ == mod.__name__: out.append(f'{m}.{n}')
+            elif isinstance(x, type) and x.__module__ == mod.__name__:          # a class's declared methods
+                out += [f'{m}.{n}.{k}' for k in sorted(vars(x)) if hasattr(getattr(x, k), 'declaration')]
     return out
 
 RUN = textwrap.dedent("""
     import json, importlib, warnings
     warnings.filterwarnings('ignore')
-    mod, name = {target!r}.split('.')
-    f = getattr(importlib.import_module('seqdist.' + mod), name)
+    mod, *names = {target!r}.split('.')
+    f = importlib.import_module('seqdist.' + mod)
+    for name in names: f = getattr(f, name)
     d = f.declaration
     backends = ['cpu', 'cuda'] if 'backend' in d.args else [None]
     out = []
@@ -50,7 +54,8 @@ def test_every_row_of_the_table_raises_an_error_naming_its_argument(target):
 
 def test_the_main_calls_are_declared():
     names = set(declared_functions())
-    for want in ['ctc.ctc_loss', 'ctc.forced_align', 'ctc.alignment_entropy', 'ctc.kbest_alignments']:
+    for want in ['ctc.ctc_loss', 'ctc.forced_align', 'ctc.alignment_entropy', 'ctc.kbest_alignments', 'rnnt.rnnt_loss',
+                 'tdt.tdt_loss', 'joint.joint_rnnt_loss', 'crf.CTC_CRF.ctc_loss', 'gru.gru_layer', 'sparse.logZ']:
         assert want in names
 
 def test_a_declared_call_keeps_its_signature_and_docs():

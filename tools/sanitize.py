@@ -1,5 +1,5 @@
 """The bad-input tables under the sanitizers, in a pytest subprocess: the emulated CUDA kernels built with
-AddressSanitizer (`emulator_options(sanitize=True)`, libasan preloaded) and the numba CPU kernels compiled with their
+AddressSanitizer (SEQDIST_SANITIZE=1, which every process's emulator reads, libasan preloaded) and the numba CPU kernels compiled with their
 bounds checks (NUMBA_BOUNDSCHECK=1: an index outside an array raises IndexError instead of reading or writing memory
 no one owns). `make sanitize` runs every row; `--sample` the rows `make test` runs (tests/test_asan.py): the k-best
 kernel fed NaN directly, and the CTC and transducer rows of the NaN table, through the CPU and the emulated kernels.
@@ -7,7 +7,7 @@ Extra arguments go to pytest."""
 import subprocess, sys
 from seqdist.emulator import asan_environment
 
-TABLES = ['tests/test_bad_input.py', 'tests/test_nan_semantics.py', 'tests/test_nonfinite.py']
+TABLES = ['tests/test_bad_input.py', 'tests/test_nan_semantics.py', 'tests/test_nonfinite.py', 'tests/test_declared.py']
 SAMPLE = ['tests/test_nonfinite.py', 'tests/test_nan_semantics.py', '-k',
           'kernel_fed_nan or ((ctc_loss or rnnt_loss or tdt_loss) and (cpu or cuda))']
 
