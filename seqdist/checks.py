@@ -49,14 +49,15 @@ def check_labels(y, keep, n, blank, host, n_name='C'):
     require((~keep | ((y >= 0) & (y < n) & (y != blank))).all(), host, message)
 
 def refuse_nan(nan_any, host, what, name):
-    """`require` that no sequence's scores hold a NaN: `nan_any` (N,) is True where sequence n's (within its lengths)
-    do. The alignment calls (best paths, k-best, samples) refuse them by name, as a NaN has no best path: a loss gives
-    NaN for it instead, as PyTorch's do."""
+    """`require` that no sequence's scores hold a NaN or a +inf: `nan_any` (N,) is True where sequence n's (within its
+    lengths) do. The alignment calls (best paths, k-best, samples) refuse them by name, as such scores have no best
+    path (the backends would answer three ways): a loss gives NaN for them instead, as PyTorch's do."""
     def message():
-        "scores hold NaN: no alignment is defined"
+        "scores hold NaN or +inf: no alignment is defined"
         bad = nan_any.nonzero()[:, 0].tolist()
         more = f" (and {len(bad) - 1} more sequences)" if len(bad) > 1 else ""
-        return f"{name} of sequence {bad[0]} hold NaN within its lengths{more}: {what} of NaN scores is not defined"
+        return (f"{name} of sequence {bad[0]} hold NaN or +inf within its lengths{more}: {what} of such scores is "
+                "not defined")
     if nan_any is not None: require(~nan_any.any(), host, message)   # (None: none holds one, as `nonfinite_sequences` says)
 
 def nonfinite_sequences(x, dim, inside=None, nan_only=False):

@@ -142,14 +142,13 @@ class CTC_CRF(SequenceDist):
     def _ends(self, Ms, S): return Ms.new_full((Ms.shape[1], self.n_states), S.one)
 
     def _refuse_nan(self, scores, what):
-        "A ValueError naming the first sequence whose scores (T, N, n_score) hold a NaN: `what` (a best path, ...) is not defined."
+        "A ValueError naming the first sequence whose scores (T, N, n_score) hold a NaN or +inf: `what` is not defined."
         self._Ms(scores)
-        refuse_nan(nonfinite_sequences(scores, 1, nan_only=True), on_host(scores), what, 'scores')
+        refuse_nan(nonfinite_sequences(scores, 1), on_host(scores), what, 'scores')
 
     def _refuse_nan_lattice(self, lat, what):
         "`_refuse_nan` for the lattice a question walks (`_lattice`: the target's, given targets): its scores and ends."
-        bad = either_poisoned(nonfinite_sequences(lat.Ms, 1, nan_only=True), nonfinite_sequences(lat.v0, 0, nan_only=True),
-                              nonfinite_sequences(lat.vT, 0, nan_only=True))
+        bad = either_poisoned(nonfinite_sequences(lat.Ms, 1), nonfinite_sequences(lat.v0, 0), nonfinite_sequences(lat.vT, 0))
         refuse_nan(bad, on_host(lat.Ms), what, 'scores')
 
     def logZ(self, scores, S:semiring=Log):

@@ -778,9 +778,9 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
 # %% ../nbs/02a_ctc_align.ipynb #24619e13
 def refuse_nan_paths(lp, ext, input_lengths, what):
     """`refuse_nan` for the alignment calls: a ValueError naming the first sequence whose lattice reads a NaN in
-    log_probs (T, N, C) (`poisoned_sequences`); `what` they would have returned, e.g. 'a best path'."""
+    log_probs (T, N, C), or a +inf (`poisoned_sequences`); `what` they would have returned, e.g. 'a best path'."""
     host = on_host(lp)
-    nan = poisoned_sequences(lp.detach(), ext, input_lengths, host, nan_only=True)
+    nan = poisoned_sequences(lp.detach(), ext, input_lengths, host)
     if nan is not None: refuse_nan(nan, host, what, 'log_probs')
 
 def divergence_poisoned(st):

@@ -263,7 +263,7 @@ def _alignments(stay_scores, move_scores, target_lengths, S, backend='auto'):
     if S is Max:
         check_simple_inputs(stay_scores, move_scores, target_lengths)   # (the shapes first: check_alignable reads them)
         check_alignable(stay_scores, target_lengths)
-        refuse_nan(stay_move_poisoned(stay_scores, move_scores, target_lengths, nan_only=True), on_host(stay_scores),
+        refuse_nan(stay_move_poisoned(stay_scores, move_scores, target_lengths), on_host(stay_scores),
                    'a best path', 'stay_scores or move_scores')
     _, alignments, moves = stay_move_logz.compute(stay_scores, move_scores, torch.as_tensor(target_lengths), S.name, True, backend=backend)
     alignments[:, :, :-1] += moves
