@@ -646,6 +646,12 @@ def _rnnt_alg_cpu(alg, xp, xq, y, Tl, Ul, blank, fused, precise, with_grad, grad
                         if alg == ALG_KL: grad_q[b, t, u] = 0.0
         lse_p = _utterance_lse(xp, b, Tb, Ub, fused, precise)      # (precise: float64 logits; the lattice is float64 anyway)
         lse_q = _utterance_lse(xq, b, Tb, Ub, fused, precise) if alg == ALG_KL else lse_p
+        if fused and (np.isnan(lse_p).any() or np.isnan(lse_q).any()):   # a NaN or a +inf logit inside the lattice:
+            out[b, 0] = np.nan; out[b, 1] = np.nan; out[b, 2] = np.nan     # NaN value and gradients (the algebra's
+            if with_grad:                                                  # sums would drop a NaN)
+                grad_p[b, :Tb, :Ub + 1] = np.nan
+                if alg == ALG_KL: grad_q[b, :Tb, :Ub + 1] = np.nan
+            continue
         bp, ep = np.empty((Tb, Ub + 1)), np.empty((Tb, Ub + 1))
         _edge_scores(xp, lse_p, yb, b, Tb, Ub, blank, bp, ep)
         bq, eq = bp, ep
@@ -853,6 +859,7 @@ def _divergence_prepare(a, backend, check):
     xq = xp if a.logits_q is None else a.logits_q.to(xp.dtype)
     if backend == 'cpu': xp, xq = xp.detach().contiguous(), xq.detach().contiguous()
     a.y, a.il, a.tl = clean_targets(xp, a.targets, a.logit_lengths, a.target_lengths, a.blank, check)
+    a.backend = backend
     if backend == 'reference': xp, xq = (padding_zeroed(x, a.il, a.tl) for x in (xp, xq))
     a.xp, a.xq = xp, xq
     return a
@@ -901,7 +908,9 @@ def transducer_divergence_backward(s, outputs, grads):
 def transducer_divergence_poisoned(s):
     """The entropy and KL ops' `poisoned` sequences (the RNN-T's and `seqdist.tdt`'s, whose log-softmaxes are fused):
     those where p's or q's logits hold a NaN or a +inf in their lattice (`poisoned_lattices`). Value and gradients are
-    then NaN, as the reference's are: the kernels' sums would drop a NaN."""
+    then NaN, as the reference's are: the kernels' sums would drop a NaN. The RNN-T's CPU kernel finds them itself
+    when the log-softmax is fused (a NaN normaliser): no pass over the logits then."""
+    if getattr(s, 'backend', None) == 'cpu' and getattr(s, 'fused_log_softmax', False): return None
     return either_poisoned(*(poisoned_lattices(x, s.y, s.il, s.tl, s.blank, getattr(s, 'fused_log_softmax', True))
                              for x in ((s.xp,) if s.xq is s.xp else (s.xp, s.xq))))
 
