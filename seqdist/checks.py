@@ -58,23 +58,20 @@ def refuse_nan(nan_any, host, what, name):
         more = f" (and {len(bad) - 1} more sequences)" if len(bad) > 1 else ""
         return (f"{name} of sequence {bad[0]} hold NaN or +inf within its lengths{more}: {what} of such scores is "
                 "not defined")
-    if nan_any is not None: require(~nan_any.any(), host, message)   # (None: none holds one, as `nonfinite_sequences` says)
+    if nan_any is not None: require(~nan_any.any(), host, message)   # (None: none holds one: `nonfinite_sequences`)
 
-def nonfinite_sequences(x, dim, inside=None, nan_only=False):
+def nonfinite_sequences(x, dim, inside=None):
     """(N,) True where sequence n's scores `x` (sequence n along `dim`, never the last) hold a NaN or a +inf, within
     `inside` (a bool mask broadcastable to x's shape, or to it without its last dimension; None: everywhere): an `Op`'s
     `poisoned`. None where x holds neither anywhere: on the CPU its maximum tells, in one numpy pass on this thread (NaN
     if any is, +inf if any is; a PyTorch reduction there leaves OpenMP threads spinning on the cores the kernel runs on
-    next); on a GPU the answer is computed without a host read. `nan_only`: a NaN alone counts (the alignment calls
-    refuse it, and take a +inf as a score)."""
+    next); on a GPU the answer is computed without a host read."""
     if x.requires_grad: x = x.detach()
     if x.numel() == 0: return None
-    if x.device.type == 'cpu' and x.dtype in (torch.float32, torch.float64):
-        top = x.numpy().max()
-        if (not np.isnan(top)) if nan_only else top < math.inf: return None
+    if x.device.type == 'cpu' and x.dtype in (torch.float32, torch.float64) and x.numpy().max() < math.inf: return None
     full = inside is not None and inside.dim() == x.dim()
-    top = x if full else x.amax(-1)                        # (amax keeps a NaN; the full mask is for a last dim it selects)
-    bad = top.isnan() if nan_only else ~(top < math.inf)
+    top = x if full else x.amax(-1)                  # (amax keeps a NaN; a full mask is for a last dim it selects)
+    bad = ~(top < math.inf)
     if inside is not None: bad = bad & inside
     bad = bad.movedim(dim, 0)
     return bad.reshape(bad.shape[0], -1).any(1)

@@ -16,7 +16,7 @@ from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_
 from .core import question_backend, pick3, merge_top3, ALGEBRAS, pack_code, unpack_code, sort_bitonic_rows, NO_PATH, NO_PATH_BELOW
 from .core import AlignmentPosterior
 from .kernel import load_kernel, dtype_kernels, algebra_kernels, EMULATOR_MAX_SHARED_MEM
-from .checks import to_device, on_host, require, check_labels, refuse_nan, either_poisoned
+from .checks import to_device, on_host, require, check_labels, refuse_nan, either_poisoned, nonfinite_sequences
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, resolve_backend, max_threads, parallel_for, AUTOGRAD
 from numba import literally
@@ -677,40 +677,28 @@ def _ctc_fake(a, backend):
     dtype = _compute_dtype(a.log_probs.dtype)
     return a.log_probs.new_empty(N, dtype=dtype), a.log_probs.new_empty(shape, dtype=dtype)
 
-def poisoned_sequences(lp, ext, input_lengths, host, nan_only=False):
-    """(N,) True where a sequence's log_probs (T, N, C) hold a NaN or +inf (or, `nan_only`, a NaN), within its frames,
-    at a class its lattice reads (the blank or one of its labels, `ext` (N, 2L+1)): PyTorch's CTC loss is NaN there.
-    With `host` (CPU tensors), None when log_probs hold none anywhere, which their maximum tells (NaN if any is, +inf
-    if any is; numpy's, on this thread: a PyTorch reduction would leave OpenMP threads spinning on the cores the
-    kernels run on next); only then are frames and classes looked at. Without, PyTorch ops and no host read."""
+def poisoned_sequences(lp, ext, input_lengths):
+    """(N,) True where a sequence's log_probs (T, N, C) hold a NaN or +inf within its frames, at a class its lattice
+    reads (the blank or one of its labels, `ext` (N, 2L+1)): PyTorch's CTC loss is NaN there. None where log_probs
+    hold none (`nonfinite_sequences`: on the CPU one numpy pass, before any mask is built)."""
     T, N, C = lp.shape
-    if host:
-        top = lp.numpy().max() if lp.numel() else -math.inf
-        if not (np.isnan(top) if nan_only else not top < math.inf): return None
-    poisoned = torch.isnan if nan_only else lambda x: ~(x < math.inf)
+    if lp.device.type == 'cpu' and nonfinite_sequences(lp, 1) is None: return None
     frames = torch.arange(T, device=lp.device)[:, None, None] < to_device(input_lengths, lp.device)[None, :, None]
-    bad = (poisoned(lp) & frames).any(0)                                                    # (N, C)
     read = torch.zeros(N, C, dtype=torch.bool, device=lp.device).scatter_(1, to_device(ext, lp.device), True)
-    return (bad & read).any(1)
+    return nonfinite_sequences(lp, 1, frames & read[None])
 
-def _nan_in_nan_out(forward):
-    """A backend's forward, with logZ NaN for the sequences `poisoned_sequences` names, on every backend alike: the
-    kernels take a NaN or +inf score for a path's end (the reference lets NaN through, and +inf makes it -inf)."""
-    if forward is _ctc_cuda: return forward        # its kernel `ctc_poison` does it, in one launch
-    def run(st):
-        logz, minus_posteriors = forward(st)
-        bad = poisoned_sequences(st.lp, st.ext, st.input_lengths, host=st.backend == 'cpu')
-        return (logz if bad is None else torch.where(bad.to(logz.device), math.nan, logz)), minus_posteriors
-    return run
+def _poisoned(st):
+    """ctc_op's `poisoned` sequences (logZ NaN, whose gradient is NaN within the frames): the CUDA kernel `ctc_poison`
+    finds them itself, in one launch; the CPU kernel and the reference take a NaN or +inf score for a path's end."""
+    return None if st.backend == 'cuda' else poisoned_sequences(st.lp, st.ext, st.input_lengths)
 
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 ctc_op = Op(f'{_OPS}::ctc', "(Tensor log_probs, Tensor targets, Tensor input_lengths, Tensor target_lengths, int blank, "
             "bool use_max, str posteriors_of, bool zero_infinity, bool torch_grad, bool require_path, float delay_penalty) "
             "-> (Tensor logz, Tensor minus_posteriors)",
-            prepare=_ctc_prepare, forward={b: _nan_in_nan_out(f) for b, f in
-                                           (('cpu', _ctc_numba), ('cuda', _ctc_cuda), ('reference', _ctc_reference))},
+            prepare=_ctc_prepare, forward={'cpu': _ctc_numba, 'cuda': _ctc_cuda, 'reference': _ctc_reference},
             backward={'cpu': _ctc_backward, 'cuda': _ctc_backward, 'reference': _ctc_backward}, fake=_ctc_fake,
-            differentiable=('log_probs',), residuals=('minus_posteriors',))
+            differentiable=('log_probs',), residuals=('minus_posteriors',), poisoned=_poisoned, per_sequence={'logz': 0})
 
 # %% ../nbs/02_ctc.ipynb #75a2cac9
 def _delay(delay_penalty):
@@ -779,14 +767,13 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
 def refuse_nan_paths(lp, ext, input_lengths, what):
     """`refuse_nan` for the alignment calls: a ValueError naming the first sequence whose lattice reads a NaN in
     log_probs (T, N, C), or a +inf (`poisoned_sequences`); `what` they would have returned, e.g. 'a best path'."""
-    host = on_host(lp)
-    nan = poisoned_sequences(lp.detach(), ext, input_lengths, host)
-    if nan is not None: refuse_nan(nan, host, what, 'log_probs')
+    refuse_nan(poisoned_sequences(lp, ext, input_lengths), on_host(lp), what, 'log_probs')
 
 def divergence_poisoned(st):
-    """The entropy and KL ops' `poisoned` sequences: those whose p or q holds a NaN or a +inf that their lattice reads (`poisoned_sequences`): value and
-    gradients NaN, as the reference's (and `ctc_loss`'s) are; the kernels' sums would drop a NaN."""
-    return either_poisoned(*(poisoned_sequences(x.detach(), st.ext, st.il, host=x.device.type == 'cpu')
+    """The entropy and KL ops' `poisoned` sequences: those whose p or q holds a NaN or a +inf that their lattice reads
+    (`poisoned_sequences`): value and gradients NaN, as the reference's (and `ctc_loss`'s) are; the kernels' sums would
+    drop a NaN."""
+    return either_poisoned(*(poisoned_sequences(x, st.ext, st.il)
                              for x in ((st.lp,) if st.lq is st.lp else (st.lp, st.lq))))
 
 _FULL_TABLE_BYTES = 1 << 18   # CPU: a score table and back-pointers (9 bytes a lattice cell) this small keep one pass

@@ -211,15 +211,15 @@ def _scaled_posteriors(st, outputs, grads):
     g = grads[0][None, :, None]
     return {'stay_scores': gs * g.to(gs.dtype), 'move_scores': gm * g.to(gm.dtype)}
 
-def stay_move_poisoned(stay, move, lengths, nan_only=False):
-    """(N,) True where a sequence's stay scores (states u < L_n) or move scores (u < L_n - 1) hold a NaN or a +inf (or,
-    `nan_only`, a NaN), or None (`nonfinite_sequences`)."""
-    if stay.device.type == 'cpu' and all(nonfinite_sequences(x, 1, nan_only=nan_only) is None for x in (stay, move)):
+def stay_move_poisoned(stay, move, lengths):
+    """(N,) True where a sequence's stay scores (states u < L_n) or move scores (u < L_n - 1) hold a NaN or a +inf, or
+    None where none does (`nonfinite_sequences`)."""
+    if stay.device.type == 'cpu' and all(nonfinite_sequences(x, 1) is None for x in (stay, move)):
         return None                                        # (one numpy pass each: no mask built)
     u = lambda x: torch.arange(x.shape[2], device=x.device)[None, None, :]
     lengths = to_device(torch.as_tensor(lengths), stay.device)[None, :, None]
-    return either_poisoned(nonfinite_sequences(stay, 1, u(stay) < lengths, nan_only),
-                           nonfinite_sequences(move, 1, u(move) < lengths - 1, nan_only))
+    return either_poisoned(nonfinite_sequences(stay, 1, u(stay) < lengths),
+                           nonfinite_sequences(move, 1, u(move) < lengths - 1))
 
 def _simple_poisoned(st):
     """logZ and its gradient NaN for the `stay_move_poisoned` sequences (found by prepare), on every backend (the

@@ -514,8 +514,8 @@ def viterbi_alignments(logits, targets, logit_lengths, target_lengths, blank=-1,
     return posteriors(logits, targets, logit_lengths, target_lengths, blank, Max, fused_log_softmax, delay_penalty=delay_penalty)
 
 def nan_sequences(logits, logit_lengths, target_lengths):
-    "(B,) True where sequence b's logits hold a NaN or a +inf inside its lattice (frames t < T_b, nodes u <= U_b)."
-    return ((~(logits < math.inf)).any(-1) & lattice_nodes(logits, logit_lengths, target_lengths)).flatten(1).any(1)
+    "(B,) True where sequence b's logits hold a NaN or a +inf inside its lattice (t < T_b, u <= U_b), or None."
+    return nonfinite_sequences(logits, 0, lattice_nodes(logits, logit_lengths, target_lengths))   # (None: none holds one)
 
 def best_path(logits, targets, logit_lengths, target_lengths, blank=-1, fused_log_softmax=True, backend='auto',
               delay_penalty=0.0):
