@@ -117,19 +117,24 @@ def _bound(v, dims, call=None):
     if callable(v): return v(call) if call is not None else None
     return dims.get(v) if isinstance(v, str) else v
 
+_KINDS = {'float': 'a floating-point tensor', 'int': 'an integer tensor', 'bool': 'a bool tensor'}
+
+def _kind(x):
+    return 'bool' if x.dtype == torch.bool else 'complex' if x.is_complex() else 'float' if x.is_floating_point() else 'int'
+
 class TensorArg(Arg):
-    """A tensor of `dtype` 'float' or 'int', of one of the `shapes` (strings of dimension names or sizes, e.g. 'T N C'
-    or 'T C'); a name already bound by an earlier argument must have its size. `optional`: None is allowed."""
+    """A tensor of `dtype` 'float', 'int' or 'bool' (or a tuple of them: `('int', 'bool')` takes either), of one of the
+    `shapes` (strings of dimension names or sizes, e.g. 'T N C' or 'T C'); a name already bound by an earlier argument
+    must have its size. `optional`: None is allowed."""
     def __init__(self, *shapes, dtype='float', optional=False):
         self.shapes = [s.split() for s in shapes]
-        self.dtype, self.optional = dtype, optional
+        self.kinds, self.optional = (dtype,) if isinstance(dtype, str) else tuple(dtype), optional
     def _shape_text(self): return ' or '.join('(' + ', '.join(s) + ')' for s in self.shapes)
     def check(self, name, x, dims):
         if x is None and self.optional: return
-        kind = 'a floating-point tensor' if self.dtype == 'float' else 'an integer tensor'
+        kind = ' or '.join(_KINDS[k] for k in self.kinds)
         if not isinstance(x, torch.Tensor): _fail(TypeError, name, kind, _describe(x))
-        if x.is_floating_point() != (self.dtype == 'float') or x.is_complex() or x.dtype == torch.bool:
-            _fail(TypeError, name, kind, f"dtype {x.dtype}")
+        if _kind(x) not in self.kinds: _fail(TypeError, name, kind, f"dtype {x.dtype}")
         shape = next((s for s in self.shapes if len(s) == x.dim()), None)
         if shape is None: _fail(ValueError, name, f"of shape {self._shape_text()}", f"shape {tuple(x.shape)}")
         for d, size in zip(shape, x.shape):
@@ -138,9 +143,9 @@ class TensorArg(Arg):
                 _fail(ValueError, name, f"of shape ({', '.join(shape)}) with {d} = {want}", f"shape {tuple(x.shape)}")
     def bad(self, name, x, dims, call):
         if x is None: return []
-        rows = [('a list', x.tolist()), ('a bool tensor', x.bool()),
-                ('an integer tensor' if self.dtype == 'float' else 'a float tensor', x.long() if self.dtype == 'float' else x.float()),
-                ('one more dimension', x[None])]
+        other_kinds = [(_KINDS[k], convert(x)) for k, convert in (('bool', torch.Tensor.bool), ('int', torch.Tensor.long),
+                                                                  ('float', torch.Tensor.float)) if k not in self.kinds]
+        rows = [('a list', x.tolist()), *other_kinds, ('one more dimension', x[None])]
         shape = next(s for s in self.shapes if len(s) == x.dim())
         for i, d in enumerate(shape):        # a dimension an earlier argument bound (`dims`), one too long
             if d in dims: rows.append((f"{d} one too long", torch.cat([x, x.narrow(i, 0, 1)], i)))

@@ -51,6 +51,19 @@ def bwd_scores_cu_sparse(Ms, idx, vT, S:semiring=Log, K=1, *, backend='auto'):
     forward scores (koi and seqdist transpose the graph themselves)."""
     return sparse.bwd_scores_cupy(Ms, _graph(idx), vT, _semiring(S), K, backend)
 
+# %% ../nbs/05b_koi.ipynb #80102bff
+from .checks import TensorArg, IntArg, ChoiceArg, declared
+
+def _without(example, name): return lambda: {k: v for k, v in example().items() if k != name}
+
+_SPARSE = dict(Ms=TensorArg('T N C NZ'), idx=TensorArg('C NZ', dtype='int'), v0=TensorArg('N C'), vT=TensorArg('N C'),
+               K=IntArg(1), backend=ChoiceArg('auto', 'cpu', 'cuda', 'reference'))
+logZ_cu = declared(logZ_cu, ctc_simple._example, **ctc_simple._ARGS)
+viterbi_alignments = declared(viterbi_alignments, ctc_simple._example, **ctc_simple._ARGS)
+logZ_cu_sparse = declared(logZ_cu_sparse, sparse._example, **_SPARSE)
+fwd_scores_cu_sparse = declared(fwd_scores_cu_sparse, _without(sparse._example, 'vT'), **_without(lambda: _SPARSE, 'vT')())
+bwd_scores_cu_sparse = declared(bwd_scores_cu_sparse, _without(sparse._example, 'v0'), **_without(lambda: _SPARSE, 'v0')())
+
 # %% ../nbs/05b_koi.ipynb #koi-install-code
 def install_as_koi():
     """Make `import koi.ctc` and `from koi.ctc import ...` give `seqdist.koi`; call it before importing bonito. Where

@@ -7,7 +7,7 @@ import pytest
 import seqdist
 from seqdist import ctc
 
-MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode', 'crf', 'gru']
+MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode', 'koi', 'crf', 'gru']
 
 def declared_functions():
     import importlib
