@@ -62,7 +62,7 @@ test: install install-bonito chromium $(SITE)/node_modules/.installed
 	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
 	time $(BIN)/seqdist-compile-check
 	@echo "== pytest, on two workers (pytest-xdist), each test file on one of them"
-	time SEQDIST_REQUIRE_TORCHAUDIO=1 SEQDIST_REQUIRE_BONITO=1 SEQDIST_BONITO=$(abspath $(BONITO)) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile tests
+	time SEQDIST_REQUIRE_TORCHAUDIO=1 SEQDIST_REQUIRE_KENLM=1 SEQDIST_REQUIRE_BONITO=1 SEQDIST_BONITO=$(abspath $(BONITO)) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 # Every row of the bad-input tables under the sanitizers: the emulated CUDA kernels with AddressSanitizer, the numba
 # CPU kernels with their bounds checks (tools/sanitize.py; `make test` runs a sample of it, tests/test_asan.py).

@@ -581,7 +581,7 @@ def check_alignable(padded, input_lengths, target_lengths):
     has no alignment, so the alignment functions raise, as torchaudio's does. `padded` (N, L) as `padded_targets`
     returns it (padding replaced by the blank)."""
     il, tl = (to_device(x, padded.device) for x in (input_lengths, target_lengths))
-    within = torch.arange(1, padded.shape[1], device=padded.device)[None] < tl[:, None]
+    within = torch.arange(1, max(padded.shape[1], 1), device=padded.device)[None] < tl[:, None]   # (L = 0: none)
     repeats = ((padded[:, 1:] == padded[:, :-1]) & within).sum(1)
     needed = tl + repeats
     def too_long():

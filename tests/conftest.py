@@ -1,4 +1,4 @@
-import contextlib, os, pathlib, pytest, torch
+import contextlib, importlib.util, os, pathlib, pytest, torch
 
 KERNELS = pathlib.Path(__file__).parent / 'kernels'
 
@@ -48,19 +48,22 @@ def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         for item in items:
             if 'gpu' in item.keywords: item.add_marker(pytest.mark.skip(reason="needs a CUDA device (make gpu-check)"))
-    _torchaudio(items)
+    _optional(items, 'torchaudio', 'SEQDIST_REQUIRE_TORCHAUDIO', _torchaudio_loads)
+    _optional(items, 'kenlm', 'SEQDIST_REQUIRE_KENLM', lambda: importlib.util.find_spec('kenlm') is not None)
 
-def _torchaudio(items):
-    """Tests marked `torchaudio` compare with torchaudio: they are skipped, visibly, where it cannot be loaded, except
-    under `make test` (SEQDIST_REQUIRE_TORCHAUDIO=1), which installs it and where its absence is a failure."""
-    if not any('torchaudio' in item.keywords for item in items): return
+def _torchaudio_loads():
     from seqdist.timing import load_torchaudio
-    if load_torchaudio() is not None: return
-    if os.environ.get('SEQDIST_REQUIRE_TORCHAUDIO') == '1':
-        raise pytest.UsageError("torchaudio does not load, but SEQDIST_REQUIRE_TORCHAUDIO=1: run `make install`")
-    skip = pytest.mark.skip(reason="torchaudio is not installed (make install puts it in the venv)")
+    return load_torchaudio() is not None
+
+def _optional(items, marker, required_by, loads):
+    """Tests marked `marker` compare with an optional package (torchaudio, kenlm): they are skipped, visibly, where it
+    cannot be loaded, except under `make test` (`required_by`=1), which installs it and where its absence is a failure."""
+    if not any(marker in item.keywords for item in items) or loads(): return
+    if os.environ.get(required_by) == '1':
+        raise pytest.UsageError(f"{marker} does not load, but {required_by}=1: run `make install`")
+    skip = pytest.mark.skip(reason=f"{marker} is not installed (make install puts it in the venv)")
     for item in items:
-        if 'torchaudio' in item.keywords: item.add_marker(skip)
+        if marker in item.keywords: item.add_marker(skip)
 
 # `make gpu-check`'s summary: per family, the GPU tests' outcomes, the kernels they launched and the worst error
 # against the CPU (from the user properties that tests/test_gpu.py records).

@@ -236,3 +236,9 @@ def test_gpu_long_alignments_across_blocks_from_checkpoints():
     extra = torch.cuda.max_memory_allocated() - before
     starts = (path != 0) & torch.cat([torch.ones(1, dtype=torch.bool, device='cuda'), path[1:] != path[:-1]])
     assert torch.equal(path[starts], targets[0]) and extra < 1e9, extra
+
+def test_forced_align_of_empty_targets_is_all_blank_on_every_backend():
+    lp = torch.randn(2, 5, 4, dtype=torch.float64).log_softmax(-1)
+    for backend in ('cpu', 'cuda', 'reference'):         # (the CUDA kernel through the emulator)
+        labels, scores = forced_align(lp, torch.zeros(2, 0, dtype=torch.long), backend=backend)
+        assert (labels == 0).all() and torch.allclose(scores, lp[..., 0])

@@ -7,7 +7,7 @@ import pytest
 import seqdist
 from seqdist import ctc
 
-MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode', 'koi', 'crf', 'gru']
+MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode', 'koi', 'crf', 'gru', 'decode']
 
 def declared_functions():
     import importlib
@@ -28,7 +28,7 @@ RUN = textwrap.dedent("""
     f = importlib.import_module('seqdist.' + mod)
     for name in names: f = getattr(f, name)
     d = f.declaration
-    backends = ['cpu', 'cuda'] if 'backend' in d.args else [None]
+    backends = [b for b in ('cpu', 'cuda') if b in d.args['backend'].options] if 'backend' in d.args else [None]
     out = []
     for b in backends:                            # the valid example answers on every backend
         f(**d.example(), **({{'backend': b}} if b else {{}}))

@@ -1,0 +1,160 @@
+"""seqdist.decode: the n-gram LM against the textbook back-off recursion and KenLM, and the CTC prefix beam search
+against enumeration of every label sequence (a beam that keeps every prefix prunes nothing), its numba kernel against
+its Python reference (with pruning), torchaudio's structure of the answer, and bad input."""
+import math, random, tempfile
+import pytest
+import torch
+from seqdist.decode import (NGramLM, ArpaError, arpa_reference_scores, random_arpa, ctc_beam_search, CTCHypothesis,
+                            ctc_nbest_brute_force, spell)
+from seqdist.ctc import forced_align, token_spans
+
+WORDS = ['w0', 'w1', 'w2', 'w3', 'w4', 'w5']
+
+@pytest.mark.parametrize('order', [1, 2, 3, 4])
+def test_ngram_scores_equal_the_textbook_back_off_recursion(order):
+    for seed in range(40):
+        text = random_arpa(seed, WORDS, order=order, unk=seed % 3 != 0)
+        lm, rng = NGramLM(text=text), random.Random(seed)
+        for _ in range(6):
+            sentence = ' '.join(rng.choice(WORDS + ['oov', '<unk>', '</s>']) for _ in range(rng.randint(0, 8)))
+            for bos, eos in ((True, True), (False, False), (True, False)):
+                got = [p for p, _, _ in lm.full_scores(sentence, bos, eos)]
+                assert got == pytest.approx(arpa_reference_scores(text, sentence, bos, eos), abs=1e-12), (seed, sentence)
+
+@pytest.mark.kenlm
+def test_ngram_scores_equal_kenlms(tmp_path):
+    import kenlm
+    for seed in range(40):
+        path = tmp_path / f'{seed}.arpa'
+        path.write_text(random_arpa(seed, WORDS, order=2 + seed % 3, unk=seed % 3 != 0, suffix_closed=True))
+        theirs, ours, rng = kenlm.Model(str(path)), NGramLM(path), random.Random(seed)
+        for _ in range(8):
+            sentence = ' '.join(rng.choice(WORDS + ['oov']) for _ in range(rng.randint(0, 8)))
+            for bos, eos in ((True, True), (False, False), (False, True)):
+                a, b = list(theirs.full_scores(sentence, bos=bos, eos=eos)), list(ours.full_scores(sentence, bos, eos))
+                assert [x[1:] for x in a] == [x[1:] for x in b]                 # the n-gram lengths and OOV flags
+                assert [x[0] for x in a] == pytest.approx([x[0] for x in b], abs=1e-5)   # (KenLM stores float32)
+        assert ours.score('w0 w1 oov', True, True) == pytest.approx(theirs.score('w0 w1 oov', bos=True, eos=True), abs=1e-5)
+
+def test_a_gzipped_arpa_file_loads(tmp_path):
+    import gzip
+    text = random_arpa(0, WORDS, order=3)
+    with gzip.open(tmp_path / 'lm.arpa.gz', 'wt') as f: f.write(text)
+    assert NGramLM(tmp_path / 'lm.arpa.gz').score('w0 w1') == NGramLM(text=text).score('w0 w1')
+
+GOOD = "\\data\\\nngram 1=3\nngram 2=1\n\n\\1-grams:\n-1.0\t<s>\t-0.5\n-0.5\ta\t-0.2\n-0.7\t</s>\n\n\\2-grams:\n-0.1\t<s> a\n\n\\end\\\n"
+
+@pytest.mark.parametrize('old, new, message', [
+    ('\\data\\\n', '', r'line 1: .* before the \\data\\ line'),
+    ('ngram 2=1', 'ngram 3=1', r"line 3: expected 'ngram 2=<count>'"),
+    ('-0.5\ta\t-0.2', '-0.5\ta\t-0.2\t7', r"line 7: a 1-gram line .* got 4 fields"),
+    ('-0.5\ta\t-0.2', 'x\ta', r'line 7: .* not a number'),
+    ('-0.5\ta\t-0.2', '0.5\ta', r'line 7: the log10 probability must be <= 0'),
+    ('-0.1\t<s> a', '-0.1\t<s> b', r"line 11: 'b' in the 2-gram '<s> b' is not a 1-gram"),
+    ('-0.1\t<s> a', '-0.1\t<s> a\n-0.2\t<s> a', r"the header says 1 2-grams, the file has 2"),
+    ('\\end\\\n', '', r'no \\end\\ line'),
+    ('\\2-grams:', '\\3-grams:', r'line 10: \\3-grams: where the 2-grams should be'),
+    ('-0.5\ta\t-0.2', '-0.5\ta\n-0.3\ta', r"line 8: the 1-gram 'a' is listed twice"),
+])
+def test_a_malformed_arpa_file_is_refused_naming_its_line(old, new, message):
+    with pytest.raises(ArpaError, match=message): NGramLM(text=GOOD.replace(old, new))
+
+def test_missing_contexts_and_repeated_ngrams_are_refused_naming_their_line():
+    text = GOOD.replace('ngram 2=1', 'ngram 2=1\nngram 3=1').replace('\\end\\', '\\3-grams:\n-0.1\ta a </s>\n\n\\end\\')
+    with pytest.raises(ArpaError, match=r"line 15: the 3-gram 'a a </s>': its context is not a 2-gram"): NGramLM(text=text)
+    text = GOOD.replace('ngram 2=1', 'ngram 2=2').replace('-0.1\t<s> a', '-0.1\t<s> a\n-0.3\t<s> a')
+    with pytest.raises(ArpaError, match=r"line 12: the 2-gram '<s> a' is listed twice"): NGramLM(text=text)
+
+def test_the_lm_adds_unk_as_kenlm_does():
+    lm = NGramLM(text=GOOD)
+    assert lm.vocab[-1] == '<unk>' and lm.step(lm.null_state(), 'zebra')[0] == -100.0 and len(lm) == 5
+
+ALPHABET = ['a', 'b', '|', 'c', '▁d', 'ab']
+LM_WORDS = ['a', 'b', 'ab', 'ba', 'c', 'ca', 'd', 'dc', 'aa', 'bca']     # ('bc' spells no word)
+
+def _case(seed, T_max=6, C_max=5):
+    rng = random.Random(seed); torch.manual_seed(seed)
+    T, C = rng.randint(1, T_max), rng.randint(2, C_max)
+    blank = rng.randrange(C)
+    tokens = ALPHABET[:C - 1]
+    tokens = tokens[:blank] + ['-'] + tokens[blank:]
+    lm = NGramLM(text=random_arpa(seed, sorted(set(LM_WORDS)), order=1 + seed % 3, n_per_order=20)) if seed % 2 else None
+    weights = dict(lm_weight=rng.uniform(0, 2), word_score=rng.uniform(-1, 1)) if seed % 3 else {}
+    return rng, torch.randn(T, C, dtype=torch.float64).mul(2).log_softmax(-1), blank, tokens, lm, weights
+
+@pytest.mark.parametrize('backend', ['reference', 'cpu'])
+def test_a_beam_that_keeps_every_prefix_finds_the_nbest_of_all_label_sequences(backend):
+    worst = 0.0
+    for seed in range(40):
+        rng, lp, blank, tokens, lm, weights = _case(seed)
+        nbest = rng.randint(1, 5)
+        got = ctc_beam_search(lp[None], beam_width=10**4, blank=blank, nbest=nbest, tokens=tokens, lm=lm, **weights,
+                              backend=backend)[0]
+        want = ctc_nbest_brute_force(lp, nbest, blank, tokens, lm, **weights)
+        assert [tuple(h.tokens.tolist()) for h in got] == [s for _, s in want], seed
+        worst = max(worst, max(abs(h.score - s) for h, (s, _) in zip(got, want)))
+    assert worst < 1e-9
+
+def test_the_kernel_equals_the_reference_with_pruning():
+    for seed in range(60):
+        rng, _, blank, tokens, lm, weights = _case(seed, C_max=6)
+        N, T = rng.randint(1, 3), rng.randint(1, 14)
+        C = len(tokens) if seed % 5 else 24           # C > 16: the kernel's sort of all tokens, past its top 16
+        if C == 24: tokens, blank = ['-'] + [ALPHABET[i % 6] + 'xyz'[i // 6 % 3] * (i // 6) for i in range(23)], 0
+        lp = torch.randn(N, T, C, dtype=torch.float64).mul(rng.choice([1, 3])).log_softmax(-1)
+        kw = dict(input_lengths=torch.randint(0, T + 1, (N,)), beam_width=rng.choice([1, 2, 4, 8]), blank=blank,
+                  tokens=tokens if seed % 4 else None, lm=lm if seed % 4 else None, beam_threshold=rng.choice([math.inf, 1.0, 4.0]),
+                  **(weights if seed % 4 else {}))
+        kw['nbest'] = rng.randint(1, kw['beam_width'])
+        a, b = (ctc_beam_search(lp, **kw, backend=x) for x in ('reference', 'cpu'))
+        for x, y in zip(a, b):
+            assert [h.tokens.tolist() for h in x] == [h.tokens.tolist() for h in y], seed
+            assert [h.score for h in x] == pytest.approx([h.score for h in y], abs=1e-9)
+
+def test_hypotheses_have_torchaudios_structure_and_the_aligners_timesteps():
+    torch.manual_seed(0)
+    tokens = ['-', '|', 'a', 'b', 'c']
+    lp = torch.randn(3, 12, 5).mul(3).log_softmax(-1)
+    il = torch.tensor([12, 0, 7])
+    out = ctc_beam_search(lp, il, beam_width=6, nbest=3, tokens=tokens)
+    assert len(out) == 3 and len(out[1]) == 1 and out[1][0].tokens.numel() == 0 and out[1][0].score == 0.0
+    for b, hyps in enumerate(out):
+        assert [h.score for h in hyps] == sorted([h.score for h in hyps], reverse=True)
+        for h in hyps:
+            assert isinstance(h, CTCHypothesis) and h.tokens.dtype == torch.long and h.timesteps.dtype == torch.int32
+            assert h.words == spell(h.tokens.tolist(), tokens)
+            if h.tokens.numel():
+                labels, scores = forced_align(lp[b:b + 1, :il[b]], h.tokens[None])
+                assert torch.equal(h.timesteps, token_spans(labels, scores, [len(h.tokens)])[0][0].int())
+
+def test_words_follow_delimiters_and_word_pieces():
+    assert spell([2, 3, 1, 1, 4], ['-', '|', 'a', 'b', 'c']) == ['ab', 'c']
+    assert spell([1, 2, 3, 1], ['-', '▁the', 're', '▁cat']) == ['there', 'cat', 'the']
+
+def test_a_language_model_changes_the_best_hypothesis_as_it_should():
+    tokens = ['-', '|', 'a', 'c', 'o', 't']
+    lm = NGramLM(text="\\data\\\nngram 1=5\n\n\\1-grams:\n-99\t<s>\n-0.5\t</s>\n-0.3\tcat\n-3.0\tcot\n-2\t<unk>\n\n\\end\\\n")
+    p = torch.full((5, 6), 0.01)
+    for t, (k, q) in enumerate([(3, .9), (4, .5), (5, .9), (0, .9), (0, .9)]): p[t, k] = q
+    p[1, 2] = .4                                      # 'o' a little likelier than 'a' at frame 1
+    lp = (p / p.sum(1, keepdim=True)).log()[None]
+    assert ctc_beam_search(lp, beam_width=8, tokens=tokens)[0][0].words == ['cot']
+    assert ctc_beam_search(lp, beam_width=8, tokens=tokens, lm=lm, lm_weight=1.0)[0][0].words == ['cat']
+
+@pytest.mark.parametrize('kwargs, error, message', [
+    (dict(tokens=['-', 'a']), ValueError, r'tokens must be C = 4 strings'),
+    (dict(lm='lm.arpa', tokens=['-', 'a', 'b', 'c']), TypeError, r'lm must be an NGramLM'),
+    (dict(lm=NGramLM(text=GOOD)), ValueError, r'lm needs tokens'),
+    (dict(nbest=5), ValueError, r'nbest must be in \[1, beam_width\] = \[1, 3\]'),
+    (dict(input_lengths=torch.tensor([6, 9])), ValueError, r'input_lengths must be N = 2 integers in \[0, T\] = \[0, 6\]'),
+    (dict(blank=4), ValueError, r'blank must be an int in \[0, 4\)'),
+])
+def test_bad_input_is_named(kwargs, error, message):
+    lp = torch.randn(2, 6, 4).log_softmax(-1)
+    with pytest.raises(error, match=message): ctc_beam_search(lp, **{'beam_width': 3, **kwargs})
+
+def test_a_nan_is_refused_naming_its_sequence_and_padding_is_never_read():
+    lp = torch.randn(2, 6, 4).log_softmax(-1)
+    lp[1, 5, 2] = math.nan
+    with pytest.raises(ValueError, match=r'log_probs of sequence 1 hold NaN or \+inf'): ctc_beam_search(lp, beam_width=3)
+    assert len(ctc_beam_search(lp, torch.tensor([6, 5]), beam_width=3)) == 2
