@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['LN10', 'ORDINARY', 'DELIMITER', 'WORD_START', 'ctc_beam_search', 'arpa_reference_scores', 'random_arpa', 'ArpaError',
-           'lm_step', 'NGramLM', 'CTCHypothesis', 'token_kinds', 'spell', 'WordState', 'extend_words', 'finish_words',
-           'ctc_beam_search_reference', 'ctc_nbest_brute_force']
+           'lm_step', 'NGramLM', 'CTCHypothesis', 'token_kinds', 'spell', 'phrase_tokens', 'Hotwords', 'WordState',
+           'PrefixScorer', 'ctc_beam_search_reference', 'ctc_nbest_brute_force']
 
 # %% ../nbs/11_decode.ipynb #dec-imports
 import math, re, gzip
@@ -291,44 +291,133 @@ def spell(token_ids, tokens, blank=0):
         partial += chars[k]
     return words + [partial] * bool(partial)
 
+# %% ../nbs/11_decode.ipynb #dec-hotwords
+def phrase_tokens(phrases, tokens, blank=0):
+    """Hotword phrases as token ids: a list of ids as it is; a string spelled as the tokens spell words (its words
+    joined by the delimiter token, '|' or ' ', or each given SentencePiece's '▁'), the longest token first."""
+    kinds, _ = token_kinds(tokens, blank)
+    pieces = any(k == WORD_START for k in kinds)
+    delimiter = next((t for i, t in enumerate(tokens) if kinds[i] == DELIMITER and i != blank), '')
+    by_first = {}                                  # first character -> the tokens starting with it, longest first
+    for i in sorted((i for i in range(len(tokens)) if i != blank and tokens[i]), key=lambda i: -len(tokens[i])):
+        by_first.setdefault(tokens[i][0], []).append(i)
+    def spelled(phrase):
+        if not isinstance(phrase, str): return [int(k) for k in phrase]
+        text = ''.join('▁' + w for w in phrase.split()) if pieces else delimiter.join(phrase.split())
+        ids, at = [], 0
+        while at < len(text):
+            k = next((i for i in by_first.get(text[at], []) if text.startswith(tokens[i], at)), None)
+            if k is None: raise ValueError(f"hotwords: the tokens cannot spell {phrase!r} (stuck at {text[at:]!r})")
+            ids.append(k); at += len(tokens[k])
+        return ids
+    return [spelled(p) for p in phrases]
+
+class Hotwords:
+    """Phrases to boost, each a token sequence with a weight per token: an Aho-Corasick automaton over token ids.
+    A prefix earns `weight * len(phrase)` for each occurrence of a phrase it holds (overlapping ones too); while it is
+    inside a match it holds the partial credit `weight * tokens matched` (the largest weight of the phrases through
+    that state), which a failed match gives back and the end drops, so that a phrase being spelled is not pruned
+    before it is complete. A transition follows the failure links: its cost does not grow with the number of phrases."""
+    def __init__(self, phrases, weights, C):
+        self.C, children, depth, weight = C, {}, [0], [0.0]
+        own = [0.0]
+        for ids, w in zip(phrases, weights):
+            if not ids: raise ValueError("hotwords: a phrase of no tokens")
+            s = 0
+            for k in ids:
+                if (s, k) not in children:
+                    children[s, k] = len(depth); depth.append(depth[s] + 1); weight.append(-math.inf); own.append(0.0)
+                s = children[s, k]
+                weight[s] = max(weight[s], w)
+            own[s] += w * len(ids)
+        n = len(depth)
+        self.children, self.fail = children, [0] * n
+        self.partial = [weight[s] * depth[s] if s else 0.0 for s in range(n)]
+        self.done = own[:]
+        by_depth = sorted(range(1, n), key=depth.__getitem__)
+        kids = {}
+        for (s, k), c in children.items(): kids.setdefault(s, []).append((k, c))
+        for s in [0] + by_depth:                                  # breadth first: a state's failure is shallower
+            for k, c in kids.get(s, []):
+                self.fail[c] = 0 if s == 0 else self.next(self.fail[s], k)
+                self.done[c] = own[c] + self.done[self.fail[c]]
+        # what the next token can bring at most, from each state: a child's credit, or (as a token no child takes
+        # follows the failure link) what the failure state's next token can bring; 0 back at the root
+        self.next_bound = [0.0] * n
+        for s in [0] + by_depth:
+            here = max((self.done[c] + self.partial[c] for _, c in kids.get(s, [])), default=-math.inf)
+            self.next_bound[s] = max(here, self.next_bound[self.fail[s]] if s else 0.0)
+
+    def next(self, s, k):
+        "The state after token k from state s."
+        while (s, k) not in self.children and s: s = self.fail[s]
+        return self.children.get((s, k), 0)
+
+    @classmethod
+    def from_arg(cls, hotwords, tokens, blank, C):
+        """`ctc_beam_search`'s `hotwords`: {phrase: weight}, [(phrase, weight)] or [phrase] (weight 1 per token), a
+        phrase a string (`tokens` needed) or a list of token ids; or a `Hotwords` built once for many calls."""
+        if isinstance(hotwords, Hotwords):
+            if hotwords.C != C: raise ValueError(f"hotwords were built for C = {hotwords.C} classes, log_probs have {C}")
+            return hotwords
+        if isinstance(hotwords, dict): hotwords = list(hotwords.items())
+        pairs = [h if isinstance(h, tuple) else (h, 1.0) for h in hotwords]
+        if tokens is None and any(isinstance(p, str) for p, _ in pairs):
+            raise ValueError("hotwords given as strings need tokens, to spell them (or give each as a list of token ids)")
+        phrases = phrase_tokens([p for p, _ in pairs], tokens, blank) if tokens is not None else [list(p) for p, _ in pairs]
+        if any(not 0 <= k < C or k == blank for p in phrases for k in p):
+            raise ValueError(f"hotwords must be spelled by token ids in [0, C) = [0, {C}) other than the blank {blank}")
+        return cls(phrases, [float(w) for _, w in pairs], C)
+
 # %% ../nbs/11_decode.ipynb #dec-wordstate
 class WordState(NamedTuple):
-    "A prefix's words: the LM's state, the word being spelled, the words done and their score."
+    "What a prefix's words and phrases have earned: the LM's state, the word being spelled, the words done, the hotwords."
     lm_state: int
     partial: str
     words: tuple
-    score: float             # lm_weight * ln P(the words done) + word_score * their number
+    score: float             # lm_weight * ln P(the words done) + word_score * their number + the phrases completed
+    hot_state: int = 0
 
-def _lm_word(lm, word):
-    "The LM's id of a spelled word: `<s>` and `</s>` are not words one spells (`<unk>`, as any word not in the LM)."
-    return lm.unk if word in ('<s>', '</s>') else lm.word_id(word)
+class PrefixScorer:
+    """What a prefix earns beyond its acoustic score: its words (the LM, `lm_weight` times the natural log, and
+    `word_score` per word) where `tokens` spell them, and its hotwords. `running` is what the beam ranks a prefix by,
+    `final` what a hypothesis is scored with at the end (its last word completed, `</s>`, partial phrases dropped)."""
+    def __init__(self, C, blank, tokens=None, lm=None, lm_weight=0.0, word_score=0.0, hotwords=None):
+        self.kinds, self.chars = token_kinds(tokens, blank) if tokens is not None else ([ORDINARY] * C, [''] * C)
+        self.spells, self.lm, self.lm_weight, self.word_score, self.hot = tokens is not None, lm, lm_weight, word_score, hotwords
 
-def _complete(ws, lm, lm_weight, word_score):
-    "ws with the word being spelled done: scored by the LM and the word bonus."
-    if not ws.partial: return ws
-    state, score = ws.lm_state, ws.score + word_score
-    if lm is not None:
-        p, state = lm.step(ws.lm_state, _lm_word(lm, ws.partial))
-        score += lm_weight * LN10 * p
-    return WordState(state, '', ws.words + (ws.partial,), score)
+    def start(self): return WordState(self.lm.begin_state() if self.lm is not None else 0, '', (), 0.0)
 
-def extend_words(ws, kind, chars, lm, lm_weight, word_score):
-    "The word state after a token of `kind` adding `chars`."
-    if kind != ORDINARY: ws = _complete(ws, lm, lm_weight, word_score)
-    return ws._replace(partial=ws.partial + chars)
+    def _complete(self, ws):
+        "ws with the word being spelled done: scored by the LM and the word bonus."
+        if not ws.partial: return ws
+        state, score = ws.lm_state, ws.score + self.word_score
+        if self.lm is not None:
+            word = self.lm.unk if ws.partial in ('<s>', '</s>') else self.lm.word_id(ws.partial)   # (not words one spells)
+            p, state = self.lm.step(ws.lm_state, word)
+            score += self.lm_weight * LN10 * p
+        return ws._replace(lm_state=state, partial='', words=ws.words + (ws.partial,), score=score)
 
-def finish_words(ws, lm, lm_weight, word_score):
-    "The last word done, and the sentence's end scored by the LM."
-    ws = _complete(ws, lm, lm_weight, word_score)
-    if lm is None: return ws
-    return ws._replace(score=ws.score + lm_weight * LN10 * lm.step(ws.lm_state, lm.word_id('</s>'))[0])
+    def extend(self, ws, k):
+        "The state after token k."
+        if self.kinds[k] != ORDINARY: ws = self._complete(ws)
+        ws = ws._replace(partial=ws.partial + self.chars[k])
+        if self.hot is None: return ws
+        s = self.hot.next(ws.hot_state, k)
+        return ws._replace(hot_state=s, score=ws.score + self.hot.done[s])
+
+    def running(self, ws): return ws.score + (self.hot.partial[ws.hot_state] if self.hot is not None else 0.0)
+
+    def final(self, ws):
+        ws = self._complete(ws)
+        return ws.score + (self.lm_weight * LN10 * self.lm.step(ws.lm_state, self.lm.word_id('</s>'))[0] if self.lm else 0.0)
 
 # %% ../nbs/11_decode.ipynb #dec-reference
-def _prefix_beam_search(lp, blank, beam_width, beam_threshold, kinds, chars, lm, lm_weight, word_score):
+def _prefix_beam_search(lp, blank, beam_width, beam_threshold, scorer):
     """One utterance's prefix beam search over its log-probs `lp` (T rows of C floats): the prefixes alive after the
     last frame, each with its acoustic ln P (summed over its alignments) and its words' state."""
     beams = {(): (0.0, -math.inf)}                # prefix -> (ln P of its alignments ending in a blank, in a label)
-    words = {(): WordState(lm.begin_state() if lm is not None else 0, '', (), 0.0)}
+    words = {(): scorer.start()}
     for row in lp:
         new = {}
         def add(prefix, b, nb):
@@ -342,32 +431,29 @@ def _prefix_beam_search(lp, blank, beam_width, beam_threshold, kinds, chars, lm,
                 if k == blank: continue
                 extended = prefix + (k,)                # a repeat is a new label only after a blank
                 add(extended, -math.inf, (pb if prefix and k == prefix[-1] else total) + row[k])
-                if extended not in words:
-                    words[extended] = extend_words(words[prefix], kinds[k], chars[k], lm, lm_weight, word_score)
-        scored = sorted(((np.logaddexp(*v) + words[p].score, p) for p, v in new.items() if np.logaddexp(*v) > -math.inf),
-                        reverse=True)
+                if extended not in words: words[extended] = scorer.extend(words[prefix], k)
+        scored = sorted(((np.logaddexp(*v) + scorer.running(words[p]), p) for p, v in new.items()
+                         if np.logaddexp(*v) > -math.inf), reverse=True)
         beams = {p: new[p] for s, p in scored[:beam_width] if s >= scored[0][0] - beam_threshold}
     return [(p, np.logaddexp(*v), words[p]) for p, v in beams.items()]
 
-def ctc_beam_search_reference(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm, lm_weight, word_score,
-                              beam_threshold):
-    """The prefix beam search of each utterance, in Python: the `nbest` best hypotheses' tokens and total scores, a
+def ctc_beam_search_reference(log_probs, input_lengths, beam_width, blank, nbest, scorer, beam_threshold):
+    """The prefix beam search of each utterance, in Python: the `nbest` best hypotheses' total scores and tokens, a
     list (utterances) of lists of (score, token tuple)."""
-    N, T, C = log_probs.shape
-    kinds, chars = token_kinds(tokens, blank) if tokens is not None else ([ORDINARY] * C, [''] * C)
     out = []
-    for b in range(N):
+    for b in range(log_probs.shape[0]):
         ends = _prefix_beam_search(log_probs[b, :int(input_lengths[b])].double().tolist(), blank, beam_width,
-                                   beam_threshold, kinds, chars, lm, lm_weight, word_score)
-        done = [(float(acoustic + finish_words(ws, lm, lm_weight, word_score).score), p) for p, acoustic, ws in ends]
+                                   beam_threshold, scorer)
+        done = [(float(acoustic + scorer.final(ws)), p) for p, acoustic, ws in ends]
         out.append(sorted(done, key=lambda h: -h[0])[:nbest])
     return out
 
 # %% ../nbs/11_decode.ipynb #dec-brute
-def ctc_nbest_brute_force(log_probs, nbest, blank=0, tokens=None, lm=None, lm_weight=0.0, word_score=0.0):
+def ctc_nbest_brute_force(log_probs, nbest, blank=0, tokens=None, lm=None, lm_weight=0.0, word_score=0.0, hotwords=None):
     """The `nbest` best label sequences of one utterance's log-probs (T, C) by enumeration, as (score, tokens): every
     sequence that fits the T frames (its length plus its adjacent repeats at most T), its acoustic score summed over
-    all its alignments (`ctc_loss`, float64), plus its words' scores. For tiny T and C only."""
+    all its alignments (`ctc_loss`, float64), plus its words' scores and, for each occurrence of a hotword phrase
+    ([(token ids, weight per token)], counted here directly), weight * its length. For tiny T and C only."""
     import itertools
     T, C = log_probs.shape
     labels = [k for k in range(C) if k != blank]
@@ -377,12 +463,13 @@ def ctc_nbest_brute_force(log_probs, nbest, blank=0, tokens=None, lm=None, lm_we
     targets = torch.tensor([list(s) + [labels[0]] * (width - len(s)) for s in seqs])
     acoustic = -ctc_loss(log_probs.double()[:, None].expand(T, len(seqs), C), targets, [T] * len(seqs),
                          [len(s) for s in seqs], blank=blank, reduction='none')
-    kinds, chars = token_kinds(tokens, blank) if tokens is not None else ([ORDINARY] * C, [''] * C)
+    words = PrefixScorer(C, blank, tokens, lm, lm_weight, word_score)
+    def phrases(s): return sum(w * len(p) for p, w in hotwords or [] for i in range(len(s)) if tuple(s[i:i + len(p)]) == tuple(p))
     scored = []
     for s, a in zip(seqs, acoustic.tolist()):
-        ws = WordState(lm.begin_state() if lm is not None else 0, '', (), 0.0)
-        for k in s: ws = extend_words(ws, kinds[k], chars[k], lm, lm_weight, word_score)
-        scored.append((a + finish_words(ws, lm, lm_weight, word_score).score, s))
+        ws = words.start()
+        for k in s: ws = words.extend(ws, k)
+        scored.append((a + words.final(ws) + phrases(s), s))
     return sorted(scored, key=lambda h: -h[0])[:nbest]
 
 # %% ../nbs/11_decode.ipynb #dec-helpers
@@ -438,11 +525,20 @@ def _top_tokens(row, top, M):
         if n < M: n += 1
     return n
 
+@numba.njit(cache=_CACHE, inline='always')
+def _hot_next(keys, values, shift, fail, C, s, k):
+    "`Hotwords.next`: the automaton's state after token k from state s, along the failure links."
+    while True:
+        c = _find(keys, values, s * C + k, shift)
+        if c >= 0 or s == 0: return max(c, 0)
+        s = fail[s]
+
 # %% ../nbs/11_decode.ipynb #dec-kernel
 @numba.njit(cache=_CACHE, nogil=True)
 def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, use_words, use_lm,
                         trie_keys, trie_values, trie_shift, K, trie_word, lm_keys, lm_values, lm_shift, V, log10p,
-                        backoff, suffix, order, max_order, begin_state, unk, eos, lm_weight, word_score,
+                        backoff, suffix, order, max_order, begin_state, unk, eos, lm_weight, word_score, use_hot,
+                        hot_keys, hot_values, hot_shift, hot_fail, hot_partial, hot_done, hot_bound,
                         out_tokens, out_len, out_score, out_n, lo, hi):
     """The prefix beam search of utterances [lo, hi): `_prefix_beam_search` over a tree of prefixes (node n: its
     parent, its last token, its words' state) that grows by at most `beam` nodes a frame. Each frame's best `beam`
@@ -455,6 +551,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
     parent = np.empty(cap, np.int32); tok = np.empty(cap, np.int32); has_word = np.empty(cap, np.bool_)
     lm_state = np.empty(cap, np.int64); trie = np.empty(cap, np.int64)
     wscore = np.empty(cap, np.float64); done_score = np.empty(cap, np.float64); done_state = np.empty(cap, np.int64)
+    hot = np.empty(cap, np.int64); run = np.empty(cap, np.float64)     # the hotword state; wscore + its partial credit
     beam_of = np.full(cap, -1, np.int32)
     b_node = np.empty(beam, np.int32); b_pb = np.empty(beam); b_pnb = np.empty(beam)
     s_pb = np.empty(beam); s_pnb = np.empty(beam)
@@ -466,7 +563,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
     top = np.empty(C, np.int64)
     for b in range(lo, hi):
         parent[0] = -1; tok[0] = -1; has_word[0] = False; lm_state[0] = begin_state; trie[0] = 0
-        wscore[0] = 0.0; done_score[0] = 0.0; done_state[0] = begin_state
+        wscore[0] = 0.0; done_score[0] = 0.0; done_state[0] = begin_state; hot[0] = 0; run[0] = 0.0
         n_nodes, nb = 1, 1
         b_node[0] = 0; b_pb[0] = 0.0; b_pnb[0] = -np.inf
         for t in range(il[b]):
@@ -492,7 +589,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
             for i in range(nb):
                 s = _lae(s_pb[i], s_pnb[i])
                 if s == -np.inf: continue
-                s += wscore[b_node[i]]
+                s += run[b_node[i]]
                 best = max(best, s)
                 size = _heap_push(hs, hb, hk, size, beam, s, i, -1)
             n_top = _top_tokens(row, top, M)      # the M likeliest tokens, sorted; all of them only if a beam needs more
@@ -500,7 +597,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
             for i in range(nb):
                 nd = b_node[i]
                 tot = _lae(b_pb[i], b_pnb[i])
-                bound = tot + wscore[nd] + (max(0.0, done_score[nd]) if use_words else 0.0)
+                bound = tot + wscore[nd] + (max(0.0, done_score[nd]) if use_words else 0.0) + (hot_bound[hot[nd]] if use_hot else 0.0)
                 for r in range(C):
                     if r == n_top and not sorted_all:
                         top[:] = np.argsort(-row); sorted_all = True; n_top = C
@@ -510,6 +607,9 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
                     s = (b_pb[i] if k == tok[nd] else tot) + row[k]
                     if s == -np.inf: continue
                     s += wscore[nd] + (done_score[nd] if use_words and kind[k] != 0 else 0.0)
+                    if use_hot:
+                        h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, C, hot[nd], k)
+                        s += hot_done[h] + hot_partial[h]
                     best = max(best, s)
                     size = _heap_push(hs, hb, hk, size, beam, s, i, k)
             for e in range(n_excl): excluded[excl_list[e]] = False
@@ -535,7 +635,10 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
                     if use_words and kind[k] != 1 and hi_c > lo_c:   # its characters spell on
                         tn = _walk(trie_keys, trie_values, trie_shift, K, tn, codes, lo_c, hi_c) if use_lm else -1
                         hw = True
-                    lm_state[n], wscore[n], trie[n], has_word[n] = st, ws, tn, hw
+                    h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, C, hot[p], k) if use_hot else 0
+                    if use_hot: ws += hot_done[h]
+                    lm_state[n], wscore[n], trie[n], has_word[n], hot[n] = st, ws, tn, hw, h
+                    run[n] = ws + (hot_partial[h] if use_hot else 0.0)
                     done_score[n], done_state[n] = 0.0, st
                     if hw:
                         done_score[n] = word_score
@@ -571,6 +674,15 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
                 out_tokens[b, r, j] = tok[nd]; nd = parent[nd]
 
 # %% ../nbs/11_decode.ipynb #dec-glue
+def _table(pairs):
+    "An open-addressed table of {key: value}, at most half full: (keys, values, shift) as `_find` reads it."
+    cap = 1 << max(1, int(2 * len(pairs) + 1).bit_length())
+    keys, values, shift = np.full(cap, -1, np.int64), np.full(cap, -1, np.int64), 65 - cap.bit_length()
+    for key, v in pairs.items():
+        h = _slot(keys, key, shift)
+        keys[h], values[h] = key, v
+    return keys, values, shift
+
 def _spelling_trie(vocab):
     """A character trie of the LM's words (id -> spelling), for the kernel to follow a word as its tokens spell it:
     (keys, values, shift) of a table keyed by node * K + code point, K, and each node's word id (-1: no word ends
@@ -583,33 +695,34 @@ def _spelling_trie(vocab):
             node = children.setdefault(node * K + ord(ch), len(word_at))
             if node == len(word_at): word_at.append(-1)
         word_at[node] = wid
-    cap = 1 << int(2 * len(children) + 1).bit_length()
-    keys, values, shift = np.full(cap, -1, np.int64), np.full(cap, -1, np.int64), 65 - cap.bit_length()
-    for key, v in children.items():
-        h = _slot(keys, key, shift)
-        keys[h], values[h] = key, v
-    return keys, values, shift, K, np.array(word_at, np.int64)
+    return (*_table(children), K, np.array(word_at, np.int64))
 
-_NO_TABLE = (np.full(2, -1, np.int64), np.full(2, -1, np.int64), 63)      # an empty table, for a search without an LM
+def _hot_tables(hot):
+    "The kernel's arrays of a `Hotwords` automaton, made once per automaton (a `Hotwords` given again reuses them)."
+    if not hasattr(hot, '_tables'):
+        hot._tables = (*_table({s * hot.C + k: c for (s, k), c in hot.children.items()}), np.array(hot.fail, np.int64),
+                       np.array(hot.partial), np.array(hot.done), np.array(hot.next_bound))
+    return hot._tables
 
-def _ctc_beam_search_cpu(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm, lm_weight, word_score,
-                         beam_threshold):
+def _ctc_beam_search_cpu(log_probs, input_lengths, beam_width, blank, nbest, scorer, beam_threshold):
     "`ctc_beam_search_reference`'s answer from the numba kernel, its utterances on torch's threads."
     N, T, C = log_probs.shape
     lp = log_probs.detach().cpu().double().contiguous().numpy()
-    kinds, chars = token_kinds(tokens, blank) if tokens is not None else ([ORDINARY] * C, [''] * C)
-    code_off = np.cumsum([0] + [len(c) for c in chars]).astype(np.int64)
-    codes = np.array([ord(ch) for c in chars for ch in c], np.int64)
+    code_off = np.cumsum([0] + [len(c) for c in scorer.chars]).astype(np.int64)
+    codes = np.array([ord(ch) for c in scorer.chars for ch in c], np.int64)
+    lm, hot = scorer.lm, scorer.hot
     if lm is not None:
         trie, lm_tables, ids = _spelling_trie(lm.vocab), lm.tables, (lm.begin_state(), lm.unk, lm.word_id('</s>'))
     else:                                          # (arrays of the same types, unread: one compilation serves both)
-        trie, ids = (*_NO_TABLE, 1, np.full(1, -1, np.int64)), (0, 0, 0)
-        lm_tables = (*_NO_TABLE, 1, np.zeros(1), np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.int64), 1)
+        trie, ids = (*_table({}), 1, np.full(1, -1, np.int64)), (0, 0, 0)
+        lm_tables = (*_table({}), 1, np.zeros(1), np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.int64), 1)
+    hot_tables = _hot_tables(hot) if hot is not None else (*_table({}), np.zeros(1, np.int64), *np.zeros((3, 1)))
     out_tokens, out_len = np.zeros((N, nbest, T), np.int64), np.zeros((N, nbest), np.int64)
     out_score, out_n = np.full((N, nbest), -np.inf), np.zeros(N, np.int64)
     parallel_for(_beam_search_kernel, N, lp, input_lengths.cpu().long().numpy(), blank, beam_width, float(beam_threshold),
-                 np.array(kinds, np.int8), code_off, codes, tokens is not None, lm is not None, *trie, *lm_tables, *ids,
-                 lm_weight * LN10, float(word_score), out_tokens, out_len, out_score, out_n, work=N * T * C * beam_width)
+                 np.array(scorer.kinds, np.int8), code_off, codes, scorer.spells, lm is not None, *trie, *lm_tables, *ids,
+                 scorer.lm_weight * LN10, float(scorer.word_score), hot is not None, *hot_tables,
+                 out_tokens, out_len, out_score, out_n, work=N * T * C * beam_width)
     return [[(float(out_score[b, r]), tuple(out_tokens[b, r, :out_len[b, r]].tolist())) for r in range(out_n[b])]
             for b in range(N)]
 
@@ -633,20 +746,26 @@ def _check_search(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm
     return il
 
 def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest=1, tokens=None, lm=None,
-                    lm_weight=0.0, word_score=0.0, beam_threshold=math.inf, backend='auto'):
+                    lm_weight=0.0, word_score=0.0, hotwords=None, beam_threshold=math.inf, backend='auto'):
     """The CTC prefix beam search of a batch of emissions `log_probs` (N, T, C), batch first as torchaudio's decoders
     take them, each utterance over its first input_lengths[n] frames (default: all T). A hypothesis is a label
     sequence (blanks and repeats removed), scored by its acoustic log-probability summed over its alignments, plus,
     where `tokens` (the C tokens' strings) spell words (`token_kinds`: '|' or a space between words, or
     SentencePiece's '▁' before them), `lm_weight` times the natural log-probability of its words and `</s>` under
-    `lm` (an `NGramLM`) and `word_score` per word. Each frame keeps the `beam_width` best prefixes within
+    `lm` (an `NGramLM`) and `word_score` per word, and for each occurrence of a `hotwords` phrase its weight per
+    token ({phrase: weight}, [(phrase, weight)] or [phrase] for weight 1; a phrase a string or token ids; or a
+    `Hotwords` built once for many calls).
+    Each frame keeps the `beam_width` best prefixes within
     `beam_threshold` of the best. Returns torchaudio's structure: a list over the batch of lists of the `nbest` best
     `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the
     hypothesis, by `forced_align`). `backend`: 'cpu' (numba) or 'reference' (Python); 'auto' is 'cpu'. With a beam
     that keeps every prefix and no threshold, nothing is pruned: the n best of all label sequences."""
     il = _check_search(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm)
+    C = log_probs.shape[2]
+    scorer = PrefixScorer(C, blank, tokens, lm, lm_weight, word_score,
+                          Hotwords.from_arg(hotwords, tokens, blank, C) if hotwords else None)
     search = _BACKENDS['cpu' if backend == 'auto' else backend]
-    found = search(log_probs.detach().cpu(), il, beam_width, blank, nbest, tokens, lm, lm_weight, word_score, beam_threshold)
+    found = search(log_probs.detach().cpu(), il, beam_width, blank, nbest, scorer, beam_threshold)
     return [[CTCHypothesis(torch.tensor(seq, dtype=torch.long), spell(seq, tokens, blank) if tokens is not None else [],
                            score, steps) for (score, seq), steps in zip(hyps, _first_frames(log_probs[b, :il[b]], hyps, blank))]
             for b, hyps in enumerate(found)]

@@ -5,7 +5,7 @@ import math, random, tempfile
 import pytest
 import torch
 from seqdist.decode import (NGramLM, ArpaError, arpa_reference_scores, random_arpa, ctc_beam_search, CTCHypothesis,
-                            ctc_nbest_brute_force, spell)
+                            ctc_nbest_brute_force, spell, Hotwords, phrase_tokens)
 from seqdist.ctc import forced_align, token_spans
 
 WORDS = ['w0', 'w1', 'w2', 'w3', 'w4', 'w5']
@@ -87,10 +87,12 @@ def test_a_beam_that_keeps_every_prefix_finds_the_nbest_of_all_label_sequences(b
     worst = 0.0
     for seed in range(40):
         rng, lp, blank, tokens, lm, weights = _case(seed)
-        nbest = rng.randint(1, 5)
+        nbest, C = rng.randint(1, 5), len(tokens)
+        labels = [k for k in range(C) if k != blank]
+        hot = [(rng.choices(labels, k=rng.randint(1, 3)), rng.uniform(-0.5, 1.5)) for _ in range(seed % 4)]
         got = ctc_beam_search(lp[None], beam_width=10**4, blank=blank, nbest=nbest, tokens=tokens, lm=lm, **weights,
-                              backend=backend)[0]
-        want = ctc_nbest_brute_force(lp, nbest, blank, tokens, lm, **weights)
+                              hotwords=hot, backend=backend)[0]
+        want = ctc_nbest_brute_force(lp, nbest, blank, tokens, lm, **weights, hotwords=hot)
         assert [tuple(h.tokens.tolist()) for h in got] == [s for _, s in want], seed
         worst = max(worst, max(abs(h.score - s) for h, (s, _) in zip(got, want)))
     assert worst < 1e-9
@@ -102,7 +104,9 @@ def test_the_kernel_equals_the_reference_with_pruning():
         C = len(tokens) if seed % 5 else 24           # C > 16: the kernel's sort of all tokens, past its top 16
         if C == 24: tokens, blank = ['-'] + [ALPHABET[i % 6] + 'xyz'[i // 6 % 3] * (i // 6) for i in range(23)], 0
         lp = torch.randn(N, T, C, dtype=torch.float64).mul(rng.choice([1, 3])).log_softmax(-1)
-        kw = dict(input_lengths=torch.randint(0, T + 1, (N,)), beam_width=rng.choice([1, 2, 4, 8]), blank=blank,
+        labels = [k for k in range(C) if k != blank]
+        hot = [(rng.choices(labels, k=rng.randint(1, 3)), rng.uniform(-0.5, 1.5)) for _ in range(seed % 3 * 2)]
+        kw = dict(input_lengths=torch.randint(0, T + 1, (N,)), beam_width=rng.choice([1, 2, 4, 8]), blank=blank, hotwords=hot,
                   tokens=tokens if seed % 4 else None, lm=lm if seed % 4 else None, beam_threshold=rng.choice([math.inf, 1.0, 4.0]),
                   **(weights if seed % 4 else {}))
         kw['nbest'] = rng.randint(1, kw['beam_width'])
@@ -127,6 +131,41 @@ def test_hypotheses_have_torchaudios_structure_and_the_aligners_timesteps():
                 labels, scores = forced_align(lp[b:b + 1, :il[b]], h.tokens[None])
                 assert torch.equal(h.timesteps, token_spans(labels, scores, [len(h.tokens)])[0][0].int())
 
+def test_the_hotword_automaton_credits_every_occurrence_and_drops_partial_matches():
+    for seed in range(100):
+        rng = random.Random(seed)
+        C = rng.randint(2, 5)
+        phrases = [rng.choices(range(1, C), k=rng.randint(1, 4)) for _ in range(rng.randint(1, 6))]
+        weights = [rng.uniform(-1, 2) for _ in phrases]
+        hot = Hotwords(phrases, weights, C)
+        seq = rng.choices(range(1, C), k=rng.randint(0, 12))
+        s, earned = 0, 0.0
+        for k in seq:
+            gain = hot.done[hot.next(s, k)] + hot.partial[hot.next(s, k)]
+            assert gain <= hot.next_bound[s] + 1e-12              # (the kernel's pruning bound holds)
+            s = hot.next(s, k); earned += hot.done[s]
+        direct = sum(w * len(p) for p, w in zip(phrases, weights) for i in range(len(seq)) if seq[i:i + len(p)] == p)
+        assert earned == pytest.approx(direct, abs=1e-12)
+
+def test_hotword_phrases_are_spelled_as_the_tokens_spell_words():
+    assert phrase_tokens(['ab c', 'ba'], ['-', '|', 'a', 'b', 'c', 'ab']) == [[5, 1, 4], [3, 2]]
+    assert phrase_tokens(['ab c'], ['-', ' ', 'a', 'b', 'c']) == [[2, 3, 1, 4]]
+    assert phrase_tokens(['new york'], ['-', '▁new', '▁yo', 'rk', 'n']) == [[1, 2, 3]]
+    assert phrase_tokens([[3, 1]], ['-', 'a']) == [[3, 1]]
+    with pytest.raises(ValueError, match=r"hotwords: the tokens cannot spell 'xyz'"): phrase_tokens(['xyz'], ['-', 'a'])
+
+def test_a_hotword_lifts_its_phrase():
+    tokens = ['-', '|', 'a', 'c', 'o', 't']
+    p = torch.full((5, 6), 0.01)
+    for t, (k, q) in enumerate([(3, .9), (4, .5), (5, .9), (0, .9), (0, .9)]): p[t, k] = q
+    p[1, 2] = .4
+    lp = (p / p.sum(1, keepdim=True)).log()[None]
+    for backend in ('cpu', 'reference'):
+        plain = ctc_beam_search(lp, beam_width=100, nbest=2, tokens=tokens, backend=backend)[0]   # (nothing pruned)
+        assert [h.words for h in plain] == [['cot'], ['cat']]
+        best = ctc_beam_search(lp, beam_width=100, tokens=tokens, hotwords={'cat': 0.2}, backend=backend)[0][0]
+        assert best.words == ['cat'] and best.score == pytest.approx(plain[1].score + 3 * 0.2, abs=1e-12)
+
 def test_words_follow_delimiters_and_word_pieces():
     assert spell([2, 3, 1, 1, 4], ['-', '|', 'a', 'b', 'c']) == ['ab', 'c']
     assert spell([1, 2, 3, 1], ['-', '▁the', 're', '▁cat']) == ['there', 'cat', 'the']
@@ -148,6 +187,8 @@ def test_a_language_model_changes_the_best_hypothesis_as_it_should():
     (dict(nbest=5), ValueError, r'nbest must be in \[1, beam_width\] = \[1, 3\]'),
     (dict(input_lengths=torch.tensor([6, 9])), ValueError, r'input_lengths must be N = 2 integers in \[0, T\] = \[0, 6\]'),
     (dict(blank=4), ValueError, r'blank must be an int in \[0, 4\)'),
+    (dict(hotwords=['ab']), ValueError, r'hotwords given as strings need tokens'),
+    (dict(hotwords=[([1, 0], 1.0)]), ValueError, r'hotwords must be spelled by token ids in \[0, C\) = \[0, 4\) other than the blank 0'),
 ])
 def test_bad_input_is_named(kwargs, error, message):
     lp = torch.randn(2, 6, 4).log_softmax(-1)
