@@ -381,10 +381,14 @@ class WordState(NamedTuple):
 class PrefixScorer:
     """What a prefix earns beyond its acoustic score: its words (the LM, `lm_weight` times the natural log, and
     `word_score` per word) where `tokens` spell them, and its hotwords. `running` is what the beam ranks a prefix by,
-    `final` what a hypothesis is scored with at the end (its last word completed, `</s>`, partial phrases dropped)."""
-    def __init__(self, C, blank, tokens=None, lm=None, lm_weight=0.0, word_score=0.0, hotwords=None):
+    `final` what a hypothesis is scored with at the end (its last word completed, `</s>`, partial phrases dropped).
+    With a `lexicon` (words), a prefix may spell only its words: `extend` answers None for a token that would spell
+    anything else, and `final` -inf for a hypothesis whose last word is not one."""
+    def __init__(self, C, blank, tokens=None, lm=None, lm_weight=0.0, word_score=0.0, hotwords=None, lexicon=None):
         self.kinds, self.chars = token_kinds(tokens, blank) if tokens is not None else ([ORDINARY] * C, [''] * C)
         self.spells, self.lm, self.lm_weight, self.word_score, self.hot = tokens is not None, lm, lm_weight, word_score, hotwords
+        self.lexicon = None if lexicon is None else set(lexicon)
+        self.spellable = None if lexicon is None else {w[:i] for w in self.lexicon for i in range(len(w) + 1)}
 
     def start(self): return WordState(self.lm.begin_state() if self.lm is not None else 0, '', (), 0.0)
 
@@ -399,9 +403,12 @@ class PrefixScorer:
         return ws._replace(lm_state=state, partial='', words=ws.words + (ws.partial,), score=score)
 
     def extend(self, ws, k):
-        "The state after token k."
-        if self.kinds[k] != ORDINARY: ws = self._complete(ws)
+        "The state after token k (None where the lexicon forbids it)."
+        if self.kinds[k] != ORDINARY:
+            if self.lexicon is not None and ws.partial and ws.partial not in self.lexicon: return None
+            ws = self._complete(ws)
         ws = ws._replace(partial=ws.partial + self.chars[k])
+        if self.lexicon is not None and ws.partial not in self.spellable: return None
         if self.hot is None: return ws
         s = self.hot.next(ws.hot_state, k)
         return ws._replace(hot_state=s, score=ws.score + self.hot.done[s])
@@ -409,6 +416,7 @@ class PrefixScorer:
     def running(self, ws): return ws.score + (self.hot.partial[ws.hot_state] if self.hot is not None else 0.0)
 
     def final(self, ws):
+        if self.lexicon is not None and ws.partial and ws.partial not in self.lexicon: return -math.inf
         ws = self._complete(ws)
         return ws.score + (self.lm_weight * LN10 * self.lm.step(ws.lm_state, self.lm.word_id('</s>'))[0] if self.lm else 0.0)
 
@@ -430,8 +438,9 @@ def _prefix_beam_search(lp, blank, beam_width, beam_threshold, scorer):
             for k in range(len(row)):
                 if k == blank: continue
                 extended = prefix + (k,)                # a repeat is a new label only after a blank
-                add(extended, -math.inf, (pb if prefix and k == prefix[-1] else total) + row[k])
                 if extended not in words: words[extended] = scorer.extend(words[prefix], k)
+                if words[extended] is None: continue    # (the lexicon has no word it could spell)
+                add(extended, -math.inf, (pb if prefix and k == prefix[-1] else total) + row[k])
         scored = sorted(((np.logaddexp(*v) + scorer.running(words[p]), p) for p, v in new.items()
                          if np.logaddexp(*v) > -math.inf), reverse=True)
         beams = {p: new[p] for s, p in scored[:beam_width] if s >= scored[0][0] - beam_threshold}
@@ -445,20 +454,22 @@ def ctc_beam_search_reference(log_probs, input_lengths, beam_width, blank, nbest
         ends = _prefix_beam_search(log_probs[b, :int(input_lengths[b])].double().tolist(), blank, beam_width,
                                    beam_threshold, scorer)
         done = [(float(acoustic + scorer.final(ws)), p) for p, acoustic, ws in ends]
-        out.append(sorted(done, key=lambda h: -h[0])[:nbest])
+        out.append(sorted((h for h in done if h[0] > -math.inf), key=lambda h: -h[0])[:nbest])
     return out
 
 # %% ../nbs/11_decode.ipynb #dec-brute
-def ctc_nbest_brute_force(log_probs, nbest, blank=0, tokens=None, lm=None, lm_weight=0.0, word_score=0.0, hotwords=None):
+def ctc_nbest_brute_force(log_probs, nbest, blank=0, tokens=None, lm=None, lm_weight=0.0, word_score=0.0, hotwords=None,
+                          lexicon=None):
     """The `nbest` best label sequences of one utterance's log-probs (T, C) by enumeration, as (score, tokens): every
     sequence that fits the T frames (its length plus its adjacent repeats at most T), its acoustic score summed over
     all its alignments (`ctc_loss`, float64), plus its words' scores and, for each occurrence of a hotword phrase
-    ([(token ids, weight per token)], counted here directly), weight * its length. For tiny T and C only."""
+    ([(token ids, weight per token)], counted here directly), weight * its length; with a `lexicon`, only the
+    sequences whose words (`spell`) are all its words. For tiny T and C only."""
     import itertools
     T, C = log_probs.shape
     labels = [k for k in range(C) if k != blank]
     seqs = [s for L in range(T + 1) for s in itertools.product(labels, repeat=L)
-            if L + sum(a == b for a, b in zip(s, s[1:])) <= T]
+            if L + sum(a == b for a, b in zip(s, s[1:])) <= T and (lexicon is None or set(spell(s, tokens, blank)) <= set(lexicon))]
     width = max(1, max(map(len, seqs)))
     targets = torch.tensor([list(s) + [labels[0]] * (width - len(s)) for s in seqs])
     acoustic = -ctc_loss(log_probs.double()[:, None].expand(T, len(seqs), C), targets, [T] * len(seqs),
@@ -533,10 +544,22 @@ def _hot_next(keys, values, shift, fail, C, s, k):
         if c >= 0 or s == 0: return max(c, 0)
         s = fail[s]
 
+@numba.njit(cache=_CACHE, inline='always')
+def _spellable(keys, values, shift, K, lexicon, codes, code_off, node, has_word, kind_k, k):
+    """Whether token k may follow a prefix whose word being spelled is at trie `node` (has_word: it is not empty):
+    a delimiter or a word start completes that word, which must be a lexicon word (flag 2); the characters k adds
+    must spell the beginning of one (flag 1)."""
+    if kind_k != 0:
+        if has_word and (node < 0 or lexicon[node] < 2): return False
+        node = 0
+    if kind_k == 1 or code_off[k + 1] == code_off[k]: return True
+    node = _walk(keys, values, shift, K, node, codes, code_off[k], code_off[k + 1])
+    return node >= 0 and lexicon[node] >= 1
+
 # %% ../nbs/11_decode.ipynb #dec-kernel
 @numba.njit(cache=_CACHE, nogil=True)
-def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, use_words, use_lm,
-                        trie_keys, trie_values, trie_shift, K, trie_word, lm_keys, lm_values, lm_shift, V, log10p,
+def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, use_words, use_lm, use_lexicon,
+                        trie_keys, trie_values, trie_shift, K, trie_word, trie_lexicon, lm_keys, lm_values, lm_shift, V, log10p,
                         backoff, suffix, order, max_order, begin_state, unk, eos, lm_weight, word_score, use_hot,
                         hot_keys, hot_values, hot_shift, hot_fail, hot_partial, hot_done, hot_bound,
                         out_tokens, out_len, out_score, out_n, lo, hi):
@@ -550,6 +573,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
     nbest = out_score.shape[1]
     parent = np.empty(cap, np.int32); tok = np.empty(cap, np.int32); has_word = np.empty(cap, np.bool_)
     lm_state = np.empty(cap, np.int64); trie = np.empty(cap, np.int64)
+    walk = use_lm or use_lexicon                   # (follow the spelling in the trie; else -1: a word, unnamed)
     wscore = np.empty(cap, np.float64); done_score = np.empty(cap, np.float64); done_state = np.empty(cap, np.int64)
     hot = np.empty(cap, np.int64); run = np.empty(cap, np.float64)     # the hotword state; wscore + its partial credit
     beam_of = np.full(cap, -1, np.int32)
@@ -604,6 +628,8 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
                     k = top[r]
                     if bound + row[k] < (hs[0] if size == beam else best - threshold): break
                     if k == blank or excluded[i * C + k]: continue
+                    if use_lexicon and not _spellable(trie_keys, trie_values, trie_shift, K, trie_lexicon, codes, code_off,
+                                                      trie[nd], has_word[nd], kind[k], k): continue
                     s = (b_pb[i] if k == tok[nd] else tot) + row[k]
                     if s == -np.inf: continue
                     s += wscore[nd] + (done_score[nd] if use_words and kind[k] != 0 else 0.0)
@@ -633,7 +659,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
                         if hw: st, ws = done_state[p], ws + done_score[p]
                         tn, hw = 0, False
                     if use_words and kind[k] != 1 and hi_c > lo_c:   # its characters spell on
-                        tn = _walk(trie_keys, trie_values, trie_shift, K, tn, codes, lo_c, hi_c) if use_lm else -1
+                        tn = _walk(trie_keys, trie_values, trie_shift, K, tn, codes, lo_c, hi_c) if walk else -1
                         hw = True
                     h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, C, hot[p], k) if use_hot else 0
                     if use_hot: ws += hot_done[h]
@@ -656,13 +682,15 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
         for i in range(nb):
             nd = b_node[i]
             s, st = _lae(b_pb[i], b_pnb[i]) + wscore[nd], lm_state[nd]
+            if use_lexicon and has_word[nd] and (trie[nd] < 0 or trie_lexicon[trie[nd]] < 2): s = -np.inf   # (no word)
             if has_word[nd]: s, st = s + done_score[nd], done_state[nd]
             if use_lm:
                 p10, _ = lm_step(lm_keys, lm_values, lm_shift, V, log10p, backoff, suffix, order, max_order, st, eos)
                 s += lm_weight * p10
             final[i] = s
         ranked = np.argsort(-final[:nb])
-        out_n[b] = min(nb, nbest)
+        out_n[b] = 0
+        while out_n[b] < min(nb, nbest) and final[ranked[out_n[b]]] > -np.inf: out_n[b] += 1   # (-inf: not a lexicon word)
         for r in range(out_n[b]):
             i = ranked[r]
             out_score[b, r] = final[i]
@@ -683,19 +711,24 @@ def _table(pairs):
         keys[h], values[h] = key, v
     return keys, values, shift
 
-def _spelling_trie(vocab):
-    """A character trie of the LM's words (id -> spelling), for the kernel to follow a word as its tokens spell it:
-    (keys, values, shift) of a table keyed by node * K + code point, K, and each node's word id (-1: no word ends
-    there). `<s>` and `</s>` are not in it: spelled, they are `<unk>`, as any word the LM does not have."""
-    K, children, word_at = 0x110000, {}, [-1]
-    for wid, w in enumerate(vocab):
-        if w in ('<s>', '</s>'): continue
+def _spelling_trie(vocab, lexicon=None):
+    """A character trie of the LM's words (id -> spelling) and the lexicon's, for the kernel to follow a word as its
+    tokens spell it: (keys, values, shift) of a table keyed by node * K + code point, K, each node's LM word id (-1:
+    none ends there) and its lexicon flags (1: it begins a lexicon word, 2: it is one; 1 everywhere without a
+    lexicon). `<s>` and `</s>` are not in it: spelled, they are `<unk>`, as any word the LM does not have."""
+    K, children, word_at, flags = 0x110000, {}, [-1], [1]
+    def node_of(word, mark):
         node = 0
-        for ch in w:
+        for ch in word:
             node = children.setdefault(node * K + ord(ch), len(word_at))
-            if node == len(word_at): word_at.append(-1)
-        word_at[node] = wid
-    return (*_table(children), K, np.array(word_at, np.int64))
+            if node == len(word_at): word_at.append(-1); flags.append(1 if lexicon is None else 0)
+            flags[node] |= mark
+        return node
+    for wid, w in enumerate(vocab):
+        if w not in ('<s>', '</s>'): word_at[node_of(w, 0)] = wid
+    for w in lexicon or ():
+        flags[node_of(w, 1)] |= 2
+    return (*_table(children), K, np.array(word_at, np.int64), np.array(flags, np.int8))
 
 def _hot_tables(hot):
     "The kernel's arrays of a `Hotwords` automaton, made once per automaton (a `Hotwords` given again reuses them)."
@@ -711,16 +744,16 @@ def _ctc_beam_search_cpu(log_probs, input_lengths, beam_width, blank, nbest, sco
     code_off = np.cumsum([0] + [len(c) for c in scorer.chars]).astype(np.int64)
     codes = np.array([ord(ch) for c in scorer.chars for ch in c], np.int64)
     lm, hot = scorer.lm, scorer.hot
-    if lm is not None:
-        trie, lm_tables, ids = _spelling_trie(lm.vocab), lm.tables, (lm.begin_state(), lm.unk, lm.word_id('</s>'))
+    trie = _spelling_trie(lm.vocab if lm is not None else [], scorer.lexicon)
+    if lm is not None: lm_tables, ids = lm.tables, (lm.begin_state(), lm.unk, lm.word_id('</s>'))
     else:                                          # (arrays of the same types, unread: one compilation serves both)
-        trie, ids = (*_table({}), 1, np.full(1, -1, np.int64)), (0, 0, 0)
-        lm_tables = (*_table({}), 1, np.zeros(1), np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.int64), 1)
+        lm_tables, ids = (*_table({}), 1, np.zeros(1), np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.int64), 1), (0, 0, 0)
     hot_tables = _hot_tables(hot) if hot is not None else (*_table({}), np.zeros(1, np.int64), *np.zeros((3, 1)))
     out_tokens, out_len = np.zeros((N, nbest, T), np.int64), np.zeros((N, nbest), np.int64)
     out_score, out_n = np.full((N, nbest), -np.inf), np.zeros(N, np.int64)
     parallel_for(_beam_search_kernel, N, lp, input_lengths.cpu().long().numpy(), blank, beam_width, float(beam_threshold),
-                 np.array(scorer.kinds, np.int8), code_off, codes, scorer.spells, lm is not None, *trie, *lm_tables, *ids,
+                 np.array(scorer.kinds, np.int8), code_off, codes, scorer.spells, lm is not None, scorer.lexicon is not None,
+                 *trie, *lm_tables, *ids,
                  scorer.lm_weight * LN10, float(scorer.word_score), hot is not None, *hot_tables,
                  out_tokens, out_len, out_score, out_n, work=N * T * C * beam_width)
     return [[(float(out_score[b, r]), tuple(out_tokens[b, r, :out_len[b, r]].tolist())) for r in range(out_n[b])]
@@ -746,13 +779,14 @@ def _check_search(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm
     return il
 
 def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest=1, tokens=None, lm=None,
-                    lm_weight=0.0, word_score=0.0, hotwords=None, beam_threshold=math.inf, backend='auto'):
+                    lm_weight=0.0, word_score=0.0, lexicon=None, hotwords=None, beam_threshold=math.inf, backend='auto'):
     """The CTC prefix beam search of a batch of emissions `log_probs` (N, T, C), batch first as torchaudio's decoders
     take them, each utterance over its first input_lengths[n] frames (default: all T). A hypothesis is a label
     sequence (blanks and repeats removed), scored by its acoustic log-probability summed over its alignments, plus,
     where `tokens` (the C tokens' strings) spell words (`token_kinds`: '|' or a space between words, or
     SentencePiece's '▁' before them), `lm_weight` times the natural log-probability of its words and `</s>` under
-    `lm` (an `NGramLM`) and `word_score` per word, and for each occurrence of a `hotwords` phrase its weight per
+    `lm` (an `NGramLM`) and `word_score` per word (with a `lexicon`, a collection of words, only its words may be
+    spelled, as torchaudio's lexicon decoding), and for each occurrence of a `hotwords` phrase its weight per
     token ({phrase: weight}, [(phrase, weight)] or [phrase] for weight 1; a phrase a string or token ids; or a
     `Hotwords` built once for many calls).
     Each frame keeps the `beam_width` best prefixes within
@@ -762,8 +796,10 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     that keeps every prefix and no threshold, nothing is pruned: the n best of all label sequences."""
     il = _check_search(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm)
     C = log_probs.shape[2]
+    if lexicon is not None and tokens is None: raise ValueError("lexicon needs tokens: its words are spelled by them")
+    if isinstance(lexicon, str): raise TypeError("lexicon must be a collection of words, not one string")
     scorer = PrefixScorer(C, blank, tokens, lm, lm_weight, word_score,
-                          Hotwords.from_arg(hotwords, tokens, blank, C) if hotwords else None)
+                          Hotwords.from_arg(hotwords, tokens, blank, C) if hotwords else None, lexicon)
     search = _BACKENDS['cpu' if backend == 'auto' else backend]
     found = search(log_probs.detach().cpu(), il, beam_width, blank, nbest, scorer, beam_threshold)
     return [[CTCHypothesis(torch.tensor(seq, dtype=torch.long), spell(seq, tokens, blank) if tokens is not None else [],

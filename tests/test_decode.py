@@ -85,14 +85,15 @@ def _case(seed, T_max=6, C_max=5):
 @pytest.mark.parametrize('backend', ['reference', 'cpu'])
 def test_a_beam_that_keeps_every_prefix_finds_the_nbest_of_all_label_sequences(backend):
     worst = 0.0
-    for seed in range(40):
+    for seed in range(60):
         rng, lp, blank, tokens, lm, weights = _case(seed)
         nbest, C = rng.randint(1, 5), len(tokens)
         labels = [k for k in range(C) if k != blank]
         hot = [(rng.choices(labels, k=rng.randint(1, 3)), rng.uniform(-0.5, 1.5)) for _ in range(seed % 4)]
+        lexicon = rng.sample(LM_WORDS, 5) if seed % 5 == 1 else None
         got = ctc_beam_search(lp[None], beam_width=10**4, blank=blank, nbest=nbest, tokens=tokens, lm=lm, **weights,
-                              hotwords=hot, backend=backend)[0]
-        want = ctc_nbest_brute_force(lp, nbest, blank, tokens, lm, **weights, hotwords=hot)
+                              hotwords=hot, lexicon=lexicon, backend=backend)[0]
+        want = ctc_nbest_brute_force(lp, nbest, blank, tokens, lm, **weights, hotwords=hot, lexicon=lexicon)
         assert [tuple(h.tokens.tolist()) for h in got] == [s for _, s in want], seed
         worst = max(worst, max(abs(h.score - s) for h, (s, _) in zip(got, want)))
     assert worst < 1e-9
@@ -108,6 +109,7 @@ def test_the_kernel_equals_the_reference_with_pruning():
         hot = [(rng.choices(labels, k=rng.randint(1, 3)), rng.uniform(-0.5, 1.5)) for _ in range(seed % 3 * 2)]
         kw = dict(input_lengths=torch.randint(0, T + 1, (N,)), beam_width=rng.choice([1, 2, 4, 8]), blank=blank, hotwords=hot,
                   tokens=tokens if seed % 4 else None, lm=lm if seed % 4 else None, beam_threshold=rng.choice([math.inf, 1.0, 4.0]),
+                  lexicon=rng.sample(LM_WORDS, 6) if seed % 4 and seed % 3 == 1 else None,
                   **(weights if seed % 4 else {}))
         kw['nbest'] = rng.randint(1, kw['beam_width'])
         a, b = (ctc_beam_search(lp, **kw, backend=x) for x in ('reference', 'cpu'))
@@ -166,6 +168,16 @@ def test_a_hotword_lifts_its_phrase():
         best = ctc_beam_search(lp, beam_width=100, tokens=tokens, hotwords={'cat': 0.2}, backend=backend)[0][0]
         assert best.words == ['cat'] and best.score == pytest.approx(plain[1].score + 3 * 0.2, abs=1e-12)
 
+def test_a_lexicon_allows_its_words_only():
+    tokens = ['-', '|', 'a', 'c', 'o', 't']
+    p = torch.full((5, 6), 0.01)
+    for t, (k, q) in enumerate([(3, .9), (4, .5), (5, .9), (0, .9), (0, .9)]): p[t, k] = q
+    p[1, 2] = .4
+    lp = (p / p.sum(1, keepdim=True)).log()[None]
+    for backend in ('cpu', 'reference'):
+        hyps = ctc_beam_search(lp, beam_width=100, nbest=3, tokens=tokens, lexicon=['cat', 'at'], backend=backend)[0]
+        assert hyps[0].words == ['cat'] and all(set(h.words) <= {'cat', 'at'} for h in hyps)   # (no 'cot')
+
 def test_words_follow_delimiters_and_word_pieces():
     assert spell([2, 3, 1, 1, 4], ['-', '|', 'a', 'b', 'c']) == ['ab', 'c']
     assert spell([1, 2, 3, 1], ['-', '▁the', 're', '▁cat']) == ['there', 'cat', 'the']
@@ -188,6 +200,8 @@ def test_a_language_model_changes_the_best_hypothesis_as_it_should():
     (dict(input_lengths=torch.tensor([6, 9])), ValueError, r'input_lengths must be N = 2 integers in \[0, T\] = \[0, 6\]'),
     (dict(blank=4), ValueError, r'blank must be an int in \[0, 4\)'),
     (dict(hotwords=['ab']), ValueError, r'hotwords given as strings need tokens'),
+    (dict(lexicon=['ab']), ValueError, r'lexicon needs tokens'),
+    (dict(lexicon='ab', tokens=['-', 'a', 'b', 'c']), TypeError, r'lexicon must be a collection of words'),
     (dict(hotwords=[([1, 0], 1.0)]), ValueError, r'hotwords must be spelled by token ids in \[0, C\) = \[0, 4\) other than the blank 0'),
 ])
 def test_bad_input_is_named(kwargs, error, message):
