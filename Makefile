@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml Makefile tools/torchaudio_cpu/build.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
 	$(PIP) install -e ".[dev]"
-	$(PIP) install --no-deps "torchaudio==$(TORCHAUDIO_VERSION)"
+	$(PIP) install --no-deps "torchaudio==$(TORCHAUDIO_VERSION)" "flashlight-text==0.0.7"
 	tools/torchaudio_cpu/build.sh $(VENV)/cuda-stubs
 	touch $@
 

@@ -8,7 +8,7 @@ __all__ = ['LN10', 'ORDINARY', 'DELIMITER', 'WORD_START', 'ctc_beam_search', 'ar
            'PrefixScorer', 'ctc_beam_search_reference', 'ctc_nbest_brute_force']
 
 # %% ../nbs/11_decode.ipynb #dec-imports
-import math, re, gzip
+import functools, math, re, gzip
 from array import array
 from typing import NamedTuple, List
 import numpy as np
@@ -387,8 +387,14 @@ class PrefixScorer:
     def __init__(self, C, blank, tokens=None, lm=None, lm_weight=0.0, word_score=0.0, hotwords=None, lexicon=None):
         self.kinds, self.chars = token_kinds(tokens, blank) if tokens is not None else ([ORDINARY] * C, [''] * C)
         self.spells, self.lm, self.lm_weight, self.word_score, self.hot = tokens is not None, lm, lm_weight, word_score, hotwords
-        self.lexicon = None if lexicon is None else set(lexicon)
-        self.spellable = None if lexicon is None else {w[:i] for w in self.lexicon for i in range(len(w) + 1)}
+        self.lexicon = None if lexicon is None else tuple(lexicon)
+
+    @functools.cached_property
+    def spellable_words(self): return set(self.lexicon)
+
+    @functools.cached_property
+    def spellable(self): return {w[:i] for w in self.lexicon for i in range(len(w) + 1)}   # (the reference's; the
+                                                                                            # kernel's trie flags them)
 
     def start(self): return WordState(self.lm.begin_state() if self.lm is not None else 0, '', (), 0.0)
 
@@ -405,7 +411,7 @@ class PrefixScorer:
     def extend(self, ws, k):
         "The state after token k (None where the lexicon forbids it)."
         if self.kinds[k] != ORDINARY:
-            if self.lexicon is not None and ws.partial and ws.partial not in self.lexicon: return None
+            if self.lexicon is not None and ws.partial and ws.partial not in self.spellable_words: return None
             ws = self._complete(ws)
         ws = ws._replace(partial=ws.partial + self.chars[k])
         if self.lexicon is not None and ws.partial not in self.spellable: return None
@@ -416,7 +422,7 @@ class PrefixScorer:
     def running(self, ws): return ws.score + (self.hot.partial[ws.hot_state] if self.hot is not None else 0.0)
 
     def final(self, ws):
-        if self.lexicon is not None and ws.partial and ws.partial not in self.lexicon: return -math.inf
+        if self.lexicon is not None and ws.partial and ws.partial not in self.spellable_words: return -math.inf
         ws = self._complete(ws)
         return ws.score + (self.lm_weight * LN10 * self.lm.step(ws.lm_state, self.lm.word_id('</s>'))[0] if self.lm else 0.0)
 
@@ -711,11 +717,14 @@ def _table(pairs):
         keys[h], values[h] = key, v
     return keys, values, shift
 
-def _spelling_trie(vocab, lexicon=None):
-    """A character trie of the LM's words (id -> spelling) and the lexicon's, for the kernel to follow a word as its
-    tokens spell it: (keys, values, shift) of a table keyed by node * K + code point, K, each node's LM word id (-1:
-    none ends there) and its lexicon flags (1: it begins a lexicon word, 2: it is one; 1 everywhere without a
-    lexicon). `<s>` and `</s>` are not in it: spelled, they are `<unk>`, as any word the LM does not have."""
+@functools.lru_cache(maxsize=8)
+def _spelling_trie(lm, lexicon=None):
+    """A character trie of the words of `lm` (an NGramLM, or None) and of the `lexicon` (a tuple), for the kernel to
+    follow a word as its tokens spell it: (keys, values, shift) of a table keyed by node * K + code point, K, each
+    node's LM word id (-1: none ends there) and its lexicon flags (1: it begins a lexicon word, 2: it is one; 1
+    everywhere without a lexicon). `<s>` and `</s>` are not in it: spelled, they are `<unk>`, as any word the LM does
+    not have. Cached: calls with the same LM and lexicon reuse it."""
+    vocab = lm.vocab if lm is not None else ()
     K, children, word_at, flags = 0x110000, {}, [-1], [1]
     def node_of(word, mark):
         node = 0
@@ -744,7 +753,7 @@ def _ctc_beam_search_cpu(log_probs, input_lengths, beam_width, blank, nbest, sco
     code_off = np.cumsum([0] + [len(c) for c in scorer.chars]).astype(np.int64)
     codes = np.array([ord(ch) for c in scorer.chars for ch in c], np.int64)
     lm, hot = scorer.lm, scorer.hot
-    trie = _spelling_trie(lm.vocab if lm is not None else [], scorer.lexicon)
+    trie = _spelling_trie(lm, scorer.lexicon)
     if lm is not None: lm_tables, ids = lm.tables, (lm.begin_state(), lm.unk, lm.word_id('</s>'))
     else:                                          # (arrays of the same types, unread: one compilation serves both)
         lm_tables, ids = (*_table({}), 1, np.zeros(1), np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.int64), 1), (0, 0, 0)
