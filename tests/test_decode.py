@@ -213,3 +213,48 @@ def test_a_nan_is_refused_naming_its_sequence_and_padding_is_never_read():
     lp[1, 5, 2] = math.nan
     with pytest.raises(ValueError, match=r'log_probs of sequence 1 hold NaN or \+inf'): ctc_beam_search(lp, beam_width=3)
     assert len(ctc_beam_search(lp, torch.tensor([6, 5]), beam_width=3)) == 2
+
+from seqdist.decode import transducer_greedy_decode, transducer_greedy_reference, random_transducer, torchaudio_rnnt_parts
+
+def test_batched_transducer_greedy_decoding_is_the_frame_by_frame_loops():
+    for seed in range(30):
+        g = torch.Generator().manual_seed(seed)
+        V, B, T, blank, cap = 3 + seed % 9, 1 + seed % 6, 1 + seed % 13, seed % 3, 1 + seed % 4
+        predict, join = random_transducer(V, seed=seed, dtype=torch.float64, blank=blank, blank_bias=seed % 5)
+        enc = torch.randn(B, T, 16, generator=g, dtype=torch.float64)
+        lengths = torch.randint(0, T + 1, (B,), generator=g)
+        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=cap)
+        loop = transducer_greedy_reference(enc, lengths, predict, join, blank, cap)
+        for a, b in zip(ours, loop):
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.timesteps, b.timesteps), seed
+            assert a.score == pytest.approx(b.score, abs=1e-9)
+            assert (a.tokens != blank).all() and len(a.tokens) <= cap * T
+
+@pytest.mark.torchaudio
+def test_torchaudios_rnnt_is_decoded_as_it_is():
+    from seqdist.timing import load_torchaudio
+    load_torchaudio()
+    from torchaudio.models import emformer_rnnt_model
+    torch.manual_seed(0)
+    model = emformer_rnnt_model(input_dim=20, encoding_dim=16, num_symbols=10, segment_length=4, right_context_length=0,
+        time_reduction_input_dim=16, time_reduction_stride=1, transformer_num_heads=2, transformer_ffn_dim=16,
+        transformer_num_layers=1, transformer_dropout=0.0, transformer_activation='relu', transformer_left_context_length=8,
+        transformer_max_memory_size=0, transformer_weight_init_scale_strategy=None, transformer_tanh_on_mem=False,
+        symbol_embedding_dim=8, num_lstm_layers=2, lstm_layer_norm=True, lstm_layer_norm_epsilon=1e-5, lstm_dropout=0.0).eval()
+    with torch.no_grad(): enc, lengths = model.transcribe(torch.randn(3, 16, 20), torch.tensor([16, 9, 12]))
+    predict, join = torchaudio_rnnt_parts(model)
+    with torch.no_grad():
+        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=9, max_symbols_per_frame=3)
+        loop = transducer_greedy_reference(enc, lengths, predict, join, 9, 3)
+    assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.timesteps, b.timesteps) for a, b in zip(ours, loop))
+    assert sum(len(h.tokens) for h in ours) > 0
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(encoder_lengths=torch.tensor([5, 9])), r'encoder_lengths must be B = 2 lengths in \[0, T\] = \[0, 6\]'),
+    (dict(max_symbols_per_frame=0), r'max_symbols_per_frame must be an int >= 1'),
+    (dict(encoder_out=torch.randn(6, 16)), r'encoder_out must be \(B, T, H\)'),
+])
+def test_transducer_greedy_bad_input_is_named(kwargs, message):
+    predict, join = random_transducer(5)
+    call = {**dict(encoder_out=torch.randn(2, 6, 16), predict=predict, join=join, blank=0), **kwargs}
+    with pytest.raises(ValueError, match=message): transducer_greedy_decode(**call)
