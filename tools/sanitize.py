@@ -7,7 +7,8 @@ Extra arguments go to pytest."""
 import subprocess, sys
 from seqdist.emulator import asan_environment
 
-TABLES = ['tests/test_bad_input.py', 'tests/test_nan_semantics.py', 'tests/test_nonfinite.py', 'tests/test_declared.py']
+TABLES = ['tests/test_bad_input.py', 'tests/test_nan_semantics.py', 'tests/test_nonfinite.py', 'tests/test_declared.py',
+          'tests/test_declared_more.py']
 SAMPLE = ['tests/test_nonfinite.py', 'tests/test_nan_semantics.py', '-k',
           'kernel_fed_nan or ((ctc_loss or rnnt_loss or tdt_loss) and (cpu or cuda))']
 
