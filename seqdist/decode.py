@@ -795,9 +795,8 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     `lm` (an `NGramLM`) and `word_score` per word (with a `lexicon`, a collection of words, only its words may be
     spelled, as torchaudio's lexicon decoding), and for each occurrence of a `hotwords` phrase its weight per
     token ({phrase: weight}, [(phrase, weight)] or [phrase] for weight 1; a phrase a string or token ids; or a
-    `Hotwords` built once for many calls).
-    Each frame keeps the `beam_width` best prefixes within
-    `beam_threshold` of the best. Returns torchaudio's structure: a list over the batch of lists of the `nbest` best
+    `Hotwords` built once for many calls). Each frame keeps the `beam_width` best prefixes within `beam_threshold`
+    of the best. Returns torchaudio's structure: a list over the batch of lists of the `nbest` best
     `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the
     hypothesis, by `forced_align`). `backend`: 'cpu' (numba) or 'reference' (Python); 'auto' is 'cpu'. With a beam
     that keeps every prefix and no threshold, nothing is pruned: the n best of all label sequences."""
