@@ -156,12 +156,16 @@ def test_hotword_phrases_are_spelled_as_the_tokens_spell_words():
     assert phrase_tokens([[3, 1]], ['-', 'a']) == [[3, 1]]
     with pytest.raises(ValueError, match=r"hotwords: the tokens cannot spell 'xyz'"): phrase_tokens(['xyz'], ['-', 'a'])
 
-def test_a_hotword_lifts_its_phrase():
+def _cot_or_cat():
+    "Tokens and emissions (1, 5, 6) that say 'c', then 'o' a little likelier than 'a', then 't', then blanks."
     tokens = ['-', '|', 'a', 'c', 'o', 't']
     p = torch.full((5, 6), 0.01)
     for t, (k, q) in enumerate([(3, .9), (4, .5), (5, .9), (0, .9), (0, .9)]): p[t, k] = q
     p[1, 2] = .4
-    lp = (p / p.sum(1, keepdim=True)).log()[None]
+    return tokens, (p / p.sum(1, keepdim=True)).log()[None]
+
+def test_a_hotword_lifts_its_phrase():
+    tokens, lp = _cot_or_cat()
     for backend in ('cpu', 'reference'):
         plain = ctc_beam_search(lp, beam_width=100, nbest=2, tokens=tokens, backend=backend)[0]   # (nothing pruned)
         assert [h.words for h in plain] == [['cot'], ['cat']]
@@ -169,11 +173,7 @@ def test_a_hotword_lifts_its_phrase():
         assert best.words == ['cat'] and best.score == pytest.approx(plain[1].score + 3 * 0.2, abs=1e-12)
 
 def test_a_lexicon_allows_its_words_only():
-    tokens = ['-', '|', 'a', 'c', 'o', 't']
-    p = torch.full((5, 6), 0.01)
-    for t, (k, q) in enumerate([(3, .9), (4, .5), (5, .9), (0, .9), (0, .9)]): p[t, k] = q
-    p[1, 2] = .4
-    lp = (p / p.sum(1, keepdim=True)).log()[None]
+    tokens, lp = _cot_or_cat()
     for backend in ('cpu', 'reference'):
         hyps = ctc_beam_search(lp, beam_width=100, nbest=3, tokens=tokens, lexicon=['cat', 'at'], backend=backend)[0]
         assert hyps[0].words == ['cat'] and all(set(h.words) <= {'cat', 'at'} for h in hyps)   # (no 'cot')
@@ -183,12 +183,8 @@ def test_words_follow_delimiters_and_word_pieces():
     assert spell([1, 2, 3, 1], ['-', '▁the', 're', '▁cat']) == ['there', 'cat', 'the']
 
 def test_a_language_model_changes_the_best_hypothesis_as_it_should():
-    tokens = ['-', '|', 'a', 'c', 'o', 't']
+    tokens, lp = _cot_or_cat()
     lm = NGramLM(text="\\data\\\nngram 1=5\n\n\\1-grams:\n-99\t<s>\n-0.5\t</s>\n-0.3\tcat\n-3.0\tcot\n-2\t<unk>\n\n\\end\\\n")
-    p = torch.full((5, 6), 0.01)
-    for t, (k, q) in enumerate([(3, .9), (4, .5), (5, .9), (0, .9), (0, .9)]): p[t, k] = q
-    p[1, 2] = .4                                      # 'o' a little likelier than 'a' at frame 1
-    lp = (p / p.sum(1, keepdim=True)).log()[None]
     assert ctc_beam_search(lp, beam_width=8, tokens=tokens)[0][0].words == ['cot']
     assert ctc_beam_search(lp, beam_width=8, tokens=tokens, lm=lm, lm_weight=1.0)[0][0].words == ['cat']
 
