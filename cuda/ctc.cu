@@ -153,26 +153,25 @@ extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* _
     grad[i] = s == (FLOAT)0 ? (FLOAT)0 : s * v;
 }
 
-// PyTorch's semantics for non-finite scores: logz[n] becomes NaN where sequence n's log_probs hold a NaN or +inf at a
-// class its lattice reads (ext[n, s], s < 2 L_n + 1) in one of its frames (t < input_lengths[n]); the recursion takes
-// such a score for a path's end. One block per sequence, its threads striding over (frame, state); what a thread finds
-// goes to shared memory (any writer writes a non-finite value: no race matters), and bad - bad is the NaN written.
+// PyTorch's semantics for non-finite scores: logz[n] becomes NaN where sequence n's log_probs hold a NaN or +inf (or a
+// log-probability of `above` or more, which stands for +inf) at a class its lattice reads (ext[n, s],
+// s < 2 L_n + 1) in one of its frames (t < input_lengths[n]). One block per sequence, its threads striding over
+// (frame, state); any thread that finds one sets the shared flag (all write 1: no race matters).
 extern "C" __global__ void ctc_poison(const FLOAT* __restrict__ lp, const long long* __restrict__ ext,
                                       const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths,
-                                      FLOAT* __restrict__ logz, int N, int C, int S_max)
+                                      FLOAT* __restrict__ logz, int N, int C, int S_max, FLOAT above)
 {
     const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
     __shared__ int found;
-    __shared__ FLOAT bad;
     if (threadIdx.x == 0) found = 0;
     __syncthreads();
     for (long long i = threadIdx.x; i < (long long)T * S; i += blockDim.x) {
         const long long t = i / S, s = i % S;
         const FLOAT v = lp[(t * N + n) * C + ext[(long long)n * S_max + s]];
-        if (!(v < (FLOAT)INFINITY)) { bad = v; found = 1; }
+        if (!(v < above)) found = 1;
     }
     __syncthreads();
-    if (threadIdx.x == 0 && found) logz[n] = bad - bad;      // NaN (from NaN, or from inf - inf)
+    if (threadIdx.x == 0 && found) logz[n] = (FLOAT)INFINITY - (FLOAT)INFINITY;     // NaN
 }
 
 // out[t, n, label of s] += scale[t, n] * minus_posteriors[t, n, s] for the states s of each valid frame (the labels'

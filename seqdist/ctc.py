@@ -16,7 +16,8 @@ from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, KMax, semiring_
 from .core import question_backend, pick3, merge_top3, ALGEBRAS, pack_code, unpack_code, sort_bitonic_rows, NO_PATH, NO_PATH_BELOW
 from .core import AlignmentPosterior
 from .kernel import load_kernel, dtype_kernels, algebra_kernels, EMULATOR_MAX_SHARED_MEM
-from .checks import to_device, on_host, require, check_labels, refuse_nan, either_poisoned, nonfinite_sequences
+from .checks import (to_device, on_host, require, check_labels, refuse_nan, either_poisoned, nonfinite_sequences,
+                            HUGE_LOG_PROB, LOG_PROB_POISON)
 from .compile_check import resource_budget
 from .ops import Op, op_namespace, resolve_backend, max_threads, parallel_for, AUTOGRAD
 from numba import literally
@@ -425,7 +426,7 @@ def _ctc_cuda(st):
         launch(_FORWARD, *one)
         if posteriors: launch(_BACKWARD, *one)
     k['ctc_poison']((N,), (max_threads(256),), lp=lp, ext=ext, input_lengths=il, target_lengths=tl, logz=logz, N=N, C=C,
-                    S_max=width)               # NaN or +inf read: logz NaN (`poisoned_sequences`, in one launch)
+                    S_max=width, above=HUGE_LOG_PROB)   # NaN or +inf read: logz NaN (`poisoned_sequences`, one launch)
     if not posteriors: return logz, lp.new_empty(0)
     by_state = st.posteriors_of == 'states'
     minus_posteriors = lp.new_zeros(T, N, width if by_state else C)
@@ -678,14 +679,15 @@ def _ctc_fake(a, backend):
     return a.log_probs.new_empty(N, dtype=dtype), a.log_probs.new_empty(shape, dtype=dtype)
 
 def poisoned_sequences(lp, ext, input_lengths):
-    """(N,) True where a sequence's log_probs (T, N, C) hold a NaN or +inf within its frames, at a class its lattice
-    reads (the blank or one of its labels, `ext` (N, 2L+1)): PyTorch's CTC loss is NaN there. None where log_probs
-    hold none (`nonfinite_sequences`: on the CPU one numpy pass, before any mask is built)."""
+    """(N,) True where a sequence's log_probs (T, N, C) hold a NaN or +inf (or a log-probability of `HUGE_LOG_PROB` or
+    more) within its frames, at a class its lattice reads (the blank or one of its labels, `ext` (N, 2L+1)): PyTorch's
+    CTC loss is NaN there. None where log_probs hold none (`nonfinite_sequences`: on the CPU one numpy pass, before any
+    mask is built)."""
     T, N, C = lp.shape
-    if lp.device.type == 'cpu' and nonfinite_sequences(lp, 1) is None: return None
+    if lp.device.type == 'cpu' and nonfinite_sequences(lp, 1, above=HUGE_LOG_PROB) is None: return None
     frames = torch.arange(T, device=lp.device)[:, None, None] < to_device(input_lengths, lp.device)[None, :, None]
     read = torch.zeros(N, C, dtype=torch.bool, device=lp.device).scatter_(1, to_device(ext, lp.device), True)
-    return nonfinite_sequences(lp, 1, frames & read[None])
+    return nonfinite_sequences(lp, 1, frames & read[None], above=HUGE_LOG_PROB)
 
 def _poisoned(st):
     """ctc_op's `poisoned` sequences (logZ NaN, whose gradient is NaN within the frames): the CUDA kernel `ctc_poison`
@@ -767,7 +769,7 @@ def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
 def refuse_nan_paths(lp, ext, input_lengths, what):
     """`refuse_nan` for the alignment calls: a ValueError naming the first sequence whose lattice reads a NaN in
     log_probs (T, N, C), or a +inf (`poisoned_sequences`); `what` they would have returned, e.g. 'a best path'."""
-    refuse_nan(poisoned_sequences(lp, ext, input_lengths), on_host(lp), what, 'log_probs')
+    refuse_nan(poisoned_sequences(lp, ext, input_lengths), on_host(lp), what, 'log_probs', LOG_PROB_POISON)
 
 def divergence_poisoned(st):
     """The entropy and KL ops' `poisoned` sequences: those whose p or q holds a NaN or a +inf that their lattice reads
@@ -1846,7 +1848,7 @@ class CTCAlignments(AlignmentPosterior):
         return torch.where(ok, score - self.log_partition, -math.inf)
 
 # %% ../nbs/02c_ctc_checks.ipynb #c5fdef00
-from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared
+from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared, face
 
 def _example(T=8, C=5):
     "A valid CTC call's tensors, small: 3 sequences (the first target's first label is read), padded targets."
@@ -1865,6 +1867,7 @@ _LATTICE = dict(targets=LabelArg('N S', 'S', high='C', exclude='blank'), input_l
 _BACKEND, _REDUCTION = ChoiceArg('auto', 'cpu', 'cuda', 'reference'), ChoiceArg('none', 'mean', 'sum')
 ctc_loss = declared(ctc_loss, _example, log_probs=_LP, **_LATTICE, reduction=_REDUCTION, delay_penalty=RealArg(),
                     backend=_BACKEND)
+face(CTCLoss, ctc_loss)
 alignment_entropy = declared(alignment_entropy, _example, log_probs=_LP, **_LATTICE, reduction=_REDUCTION, backend=_BACKEND)
 alignment_kl = declared(alignment_kl, _example_pq, log_probs_p=_LP, log_probs_q=_LP, **_LATTICE, reduction=_REDUCTION,
                         backend=_BACKEND)

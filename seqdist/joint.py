@@ -415,7 +415,7 @@ class JointRNNTLoss(nn.Module):
     def extra_repr(self): return f"activation={self.activation!r}, blank={self.blank}, reduction={self.reduction!r}"
 
 # %% ../nbs/06b_joint.ipynb #c08b5b42
-from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared
+from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared, face
 
 def _example():
     "A valid joint call, small: 3 sequences, H = 4, V = 5 (blank 0), the first target's first label read."
@@ -432,3 +432,14 @@ joint_rnnt_loss = declared(joint_rnnt_loss, _example, encoder_out=TensorArg('B T
                            blank=IntArg(-10**9, 'V', high_open=True), clamp=RealArg(),
                            reduction=ChoiceArg('none', 'mean', 'sum'), fastemit_lambda=RealArg(), delay_penalty=RealArg(),
                            backend=ChoiceArg('auto', 'cpu', 'cuda', 'reference'))
+
+def _joint_module(init, call):
+    "The module of `call`'s joiner: its weight and bias (the module's `bias` is a flag)."
+    V, H = call['weight'].shape
+    module = JointRNNTLoss(H, V, bias=call.get('bias') is not None, dtype=call['weight'].dtype, **init)
+    with torch.no_grad():
+        module.linear.weight.copy_(call['weight'])
+        if call.get('bias') is not None: module.linear.bias.copy_(call['bias'])
+    return module
+
+face(JointRNNTLoss, joint_rnnt_loss, _joint_module, skip=('bias',))

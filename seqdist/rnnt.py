@@ -1151,7 +1151,7 @@ class RNNTAlignments(AlignmentPosterior):
         return torch.where(ok, score - self.log_partition, -math.inf)
 
 # %% ../nbs/06a_rnnt_questions.ipynb #d0913904
-from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared
+from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared, face
 
 def _example(V=5):
     "A valid RNN-T call, small: 3 sequences, blank 0, the first target's first label read."
@@ -1168,6 +1168,7 @@ _LATTICE = dict(targets=LabelArg('B U', high='V', exclude='blank'), logit_length
                 target_lengths=LengthArg('B', 0, 'U'), blank=IntArg(-10**9, 'V', high_open=True))
 rnnt_loss = declared(rnnt_loss, _example, logits=_X, **_LATTICE, clamp=RealArg(), reduction=_REDUCTION,
                      fastemit_lambda=RealArg(), delay_penalty=RealArg(), backend=_BACKEND)
+face(RNNTLoss, rnnt_loss)
 alignment_entropy = declared(alignment_entropy, _example, logits=_X, **_LATTICE, reduction=_REDUCTION, backend=_BACKEND)
 alignment_kl = declared(alignment_kl, _example_pq, logits_p=_X, logits_q=_X, **_LATTICE, reduction=_REDUCTION, backend=_BACKEND)
 kbest_alignments = declared(kbest_alignments, _example, logits=_X, **_LATTICE, k=IntArg(1, 16), backend=_BACKEND)

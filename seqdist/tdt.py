@@ -685,7 +685,7 @@ def tdt_best_path(logits, targets, logit_lengths, target_lengths, durations=(0, 
     return frames, dur, score
 
 # %% ../nbs/09a_tdt_align.ipynb #640354be
-from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared
+from .checks import TensorArg, LabelArg, LengthArg, IntArg, RealArg, ChoiceArg, declared, face
 
 def _example(extra=5):
     "A valid TDT call, small: 3 sequences, 5 tokens (blank 0) and 5 durations, the first target's first label read."
@@ -706,6 +706,8 @@ def _multiblank_example():
     return {**_example(extra=0), 'big_blank_durations': (2, 4), 'blank': 7, 'logits': _example(extra=3)['logits']}
 
 multiblank_rnnt_loss = declared(multiblank_rnnt_loss, _multiblank_example, **_LATTICE, **_LOSS)
+face(TDTLoss, tdt_loss)
+face(MultiblankRNNTLoss, multiblank_rnnt_loss)
 
 # %% ../nbs/09b_tdt_questions.ipynb #tdtq-code
 from .core import Entropy, KL, CrossEntropy, KMax, choose_index, question_backend

@@ -28,15 +28,16 @@ RUN = textwrap.dedent("""
     f = importlib.import_module('seqdist.' + mod)
     for name in names: f = getattr(f, name)
     d = f.declaration
+    run = getattr(d, 'call', f)                   # a module (a face of a function): built, then called
     backends = [b for b in ('cpu', 'cuda') if b in d.args['backend'].options] if 'backend' in d.args else [None]
     out = []
     for b in backends:                            # the valid example answers on every backend
-        f(**d.example(), **({{'backend': b}} if b else {{}}))
+        run(**d.example(), **({{"backend": b}} if b else {{}}))
     for arg, what, kw in d.table():
         for b in backends:
             call = dict(kw, backend=b) if b and arg != 'backend' else kw
             try:
-                f(**call)
+                run(**call)
                 res = 'returned'
             except (TypeError, ValueError) as e: res = 'named' if arg in str(e) else 'unnamed: ' + str(e)[:200]
             except Exception as e: res = f'raw {{type(e).__name__}}: {{e}}'[:240]
@@ -60,8 +61,31 @@ def test_every_row_of_the_table_raises_an_error_naming_its_argument(target): run
 def test_the_main_calls_are_declared():
     names = set(declared_functions())
     for want in ['ctc.ctc_loss', 'ctc.forced_align', 'ctc.alignment_entropy', 'ctc.kbest_alignments', 'rnnt.rnnt_loss',
-                 'tdt.tdt_loss', 'joint.joint_rnnt_loss', 'crf.CTC_CRF.ctc_loss', 'gru.gru_layer', 'sparse.logZ']:
+                 'tdt.tdt_loss', 'joint.joint_rnnt_loss', 'crf.CTC_CRF.ctc_loss', 'gru.gru_layer', 'sparse.logZ', 'gru.gru',
+                 'cross_entropy.vocab_parallel_cross_entropy']:
         assert want in names
+
+def test_every_public_module_is_declared():
+    "Every nn.Module the package exports has a table: as a face of its function, or its forward declared."
+    import importlib, torch
+    for m in MODULES:
+        mod = importlib.import_module(f'seqdist.{m}')
+        for n, x in vars(mod).items():
+            if isinstance(x, type) and issubclass(x, torch.nn.Module) and x.__module__ == mod.__name__ and not n.startswith('_'):
+                assert hasattr(x, 'declaration') or hasattr(x.forward, 'declaration'), f"{m}.{n} has no table"
+
+def test_shapes_with_an_ellipsis_bind_their_named_dimensions():
+    import torch
+    from seqdist.checks import TensorArg, BoolArg
+    dims = {'H': 3}
+    TensorArg('... H').check('input', torch.zeros(2, 5, 3), dims)                 # any leading dimensions
+    TensorArg('N C ...').check('logits', torch.zeros(2, 7), dims)                 # none after
+    assert dims == {'H': 3, 'N': 2, 'C': 7}
+    with pytest.raises(ValueError, match=r"input must be of shape \(\.\.\., H\) with H = 3, got shape \(2, 4\)"):
+        TensorArg('... H').check('input', torch.zeros(2, 4), dims)
+    with pytest.raises(ValueError, match=r"logits must be of shape \(N, C, \.\.\.\)"):
+        TensorArg('N C ...').check('logits', torch.zeros(2), {})
+    with pytest.raises(TypeError, match="train must be a bool"): BoolArg().check('train', 1, {})
 
 def test_a_declared_call_keeps_its_signature_and_docs():
     import inspect

@@ -104,3 +104,37 @@ def test_ctc_nan_under_torch_compile():
     compiled = torch.compile(lambda x: ctc_loss(x, tg, il, tl, reduction='none', zero_infinity=True), fullgraph=True,
                              backend='aot_eager')
     assert torch.equal(compiled(lp).isnan(), torch.tensor([False, True, False]))
+
+def _exact_ctc(lp, target):
+    """logZ and the alignment entropy of one sequence (lp (T, C)) by enumeration, a mask of -1e30 taken for the -inf it
+    stands for (a path through one has no weight): what float64 sums of -1e30 beside ordinary scores also give."""
+    import itertools
+    T, C = lp.shape
+    scores = [sum(lp[t, a[t]].item() for t in range(T)) for a in itertools.product(range(C), repeat=T)
+              if [k for k, _ in itertools.groupby(a) if k != 0] == target and all(lp[t, a[t]] > -1e29 for t in range(T))]
+    s = torch.tensor(scores, dtype=torch.float64)
+    logz = s.logsumexp(0)
+    return logz, -((s - logz).exp() * (s - logz)).sum()
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
+def test_ctc_huge_scores_masks_are_exact_and_a_huge_log_prob_stands_for_inf(backend):
+    """-1e30 (a mask) acts as the -inf it stands for: loss and entropy are the enumeration's. A log-probability of 1e30
+    is none: taken for a number it swallowed every other term of its paths (entropy 1.68 where the paths through it have
+    1.29, forced_align not their best path); it now stands for +inf, as PyTorch's +inf: that sequence NaN, the others
+    exact, the alignment calls refuse it by name."""
+    from seqdist.ctc import ctc_loss, alignment_entropy, forced_align
+    from seqdist.checks import HUGE_LOG_PROB
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(5, 2, 3, generator=g, dtype=torch.float64).log_softmax(-1)
+    lp[1, :, 2] = lp[3, 1, 1] = -1e30                                  # masks in both sequences
+    lp[3, 0, 0] = 1e30                                                 # a huge log-probability in sequence 0
+    tg, il, tl = torch.tensor([[1, 2], [1, 2]]), torch.tensor([5, 5]), torch.tensor([2, 2])
+    logz, entropy = _exact_ctc(lp[:, 1], [1, 2])
+    loss = ctc_loss(lp, tg, il, tl, reduction='none', backend=backend)
+    assert loss[0].isnan() and torch.allclose(loss[1], -logz, rtol=1e-12)
+    h = alignment_entropy(lp, tg, il, tl, reduction='none', backend=backend)
+    assert h[0].isnan() and torch.allclose(h[1], entropy, rtol=1e-9)
+    with pytest.raises(ValueError, match=r"log_probs of sequence 0 hold NaN or \+inf \(or a log-probability of 10000"):
+        forced_align(lp[:, :1].transpose(0, 1), tg[:1], il[:1], tl[:1])
+    lp[3, 0, 0] = HUGE_LOG_PROB / 2                                    # large, but a number: kept
+    assert ctc_loss(lp, tg, il, tl, reduction='none', backend=backend).isfinite().all()

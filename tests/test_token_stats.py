@@ -185,3 +185,19 @@ def test_bad_inputs(kwargs, exc, msg):
     a = dict(input=_h, linear_weight=_W, target=_t) | kwargs
     with pytest.raises(exc, match=msg):
         linear_token_stats(a.pop('input'), a.pop('linear_weight'), a.pop('target'), **a)
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+def test_huge_inputs_and_masked_classes_as_the_float64_reference(backend):
+    """Hidden states of +-1e30 (rows whose softmax is one class) and a bias of -inf (masked classes, p = 0, p log p = 0):
+    float32's log-probs, entropies and gradients as float64's reference. Before, e^w stopped at e^-87 ~ 1.6e-38 instead
+    of 0, and 1.6e-38 times a logit gap of 1e30 gave the entropy a weight gradient of 1.7e23 (the reference's: 0.37);
+    and 0 * -inf made a masked class's entropy NaN."""
+    g = torch.Generator().manual_seed(0)
+    h, W, b = torch.randn(4, 3, generator=g, dtype=torch.float64), torch.randn(6, 3, generator=g, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    h[1, 0], h[2, 1], b[4] = 1e30, -1e30, -float('inf')
+    t, ga, gb = torch.tensor([1, 0, 5, 2]), torch.randn(4, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    want = _run(linear_token_stats_reference, h, W, b, t, ga, gb)
+    assert all(torch.isfinite(w).all() for w in want[1:2] + want[2:]), want
+    for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        got = _run(linear_token_stats, *(x.to(dtype) for x in (h, W, b)), t, ga.to(dtype), gb.to(dtype), backend=backend)
+        for w, x in zip(want, got): _close(x.double(), w, rtol)
