@@ -333,11 +333,15 @@ def _check_inputs(input, target, weight, ignore_index, reduction, label_smoothin
     x = input[None] if input.dim() == 1 else input
     return x.movedim(1, -1).reshape(-1, C), target.reshape(-1).long()      # a view for (N, C) logits
 
+def _check_label_smoothing(label_smoothing):
+    "A float in [0, 1] (also at a module's construction: LinearCrossEntropyLoss)."
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+
 def _check_options(C, weight, ignore_index, reduction, label_smoothing, z_loss, softcap):
     "The options shared by cross_entropy and linear_cross_entropy, for C classes."
     if reduction not in ('none', 'sum', 'mean'): raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    _check_label_smoothing(label_smoothing)
     if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not 0 <= z_loss < math.inf:
         raise ValueError(f"z_loss must be a finite float >= 0, got {z_loss!r}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
@@ -793,8 +797,7 @@ class LinearCrossEntropyLoss(nn.Module):
         super().__init__()
         if weight is not None and tuple(weight.shape) != (num_classes,):
             raise ValueError(f"weight must have shape ({num_classes},), one per class, got {tuple(weight.shape)}")
-        if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+        _check_label_smoothing(label_smoothing)
         self.register_buffer('weight', weight)
         self.num_classes, self.out_features = num_classes, tuple(out_features)
         self.reduction, self.ignore_index, self.label_smoothing, self.options = reduction, ignore_index, label_smoothing, options

@@ -138,6 +138,11 @@ def _slot(keys, key, shift):
     while keys[h] != key and keys[h] != -1: h = (h + 1) & mask
     return h
 
+def _empty_table(n):
+    "An empty open-addressed table for n keys, at most half full (a power of two): (keys, values, shift), `_find`'s."
+    cap = 1 << max(1, int(2 * n - 1).bit_length())
+    return np.full(cap, -1, np.int64), np.full(cap, -1, np.int64), 65 - cap.bit_length()
+
 @numba.njit(cache=_CACHE, inline='always')
 def _find(keys, values, key, shift):
     "The value stored under `key`, or -1."
@@ -205,9 +210,7 @@ class NGramLM:
         self.vocab, self.word_ids = vocab, {w: i for i, w in enumerate(vocab)}
         V, self.order = len(vocab), max(grams)
         total = 1 + sum(len(g[1]) for g in grams.values())            # the n-grams and the empty context, id 0
-        cap = 1 << int(2 * total - 1).bit_length()                     # a power of two, at most half full
-        self.keys, self.values = np.full(cap, -1, np.int64), np.full(cap, -1, np.int64)
-        self.shift = 65 - cap.bit_length()
+        self.keys, self.values, self.shift = _empty_table(total)
         self.log10p, self.backoff = np.zeros(total), np.zeros(total)
         self.suffix, self.ngram_order = np.zeros(total, np.int64), np.zeros(total, np.int64)
         first = 1
@@ -708,8 +711,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, code_off, codes, u
 # %% ../nbs/11_decode.ipynb #dec-glue
 def _table(pairs):
     "An open-addressed table of {key: value}, at most half full: (keys, values, shift) as `_find` reads it."
-    cap = 1 << max(1, int(2 * len(pairs) + 1).bit_length())
-    keys, values, shift = np.full(cap, -1, np.int64), np.full(cap, -1, np.int64), 65 - cap.bit_length()
+    keys, values, shift = _empty_table(len(pairs))
     for key, v in pairs.items():
         h = _slot(keys, key, shift)
         keys[h], values[h] = key, v

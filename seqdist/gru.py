@@ -284,6 +284,13 @@ def _check_lengths(lengths, N):
     if lengths.shape != (N,): raise ValueError(f"lengths must have shape ({N},), one length per sequence, got {tuple(lengths.shape)}")
     return lengths.long()
 
+def _check_positive_int(name, v):
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0: raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+def _check_dropout(dropout):
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout <= 1:
+        raise ValueError(f"dropout must be a number in [0, 1] (the probability of an element to be zeroed), got {dropout!r}")
+
 def gru(input, hx, weights, has_biases=True, num_layers=1, dropout=0.0, train=False, bidirectional=False,
         batch_first=False, lengths=None, backend='auto'):
     """The GRU stack as a function (what `torch._VF.gru` computes): input (T, N, I) ((N, T, I) if batch_first), hx
@@ -295,10 +302,8 @@ def gru(input, hx, weights, has_biases=True, num_layers=1, dropout=0.0, train=Fa
     if input.dim() != 3: raise ValueError(f"input must have 3 dimensions {'(N, T, I)' if batch_first else '(T, N, I)'}, got shape {tuple(input.shape)}")
     for name, flag in (('has_biases', has_biases), ('train', train), ('bidirectional', bidirectional), ('batch_first', batch_first)):
         if not isinstance(flag, (bool, np.bool_)): raise TypeError(f"{name} must be a bool (True or False), got {flag!r}")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
-        raise ValueError(f"dropout must be a number in [0, 1] (the probability of an element to be zeroed), got {dropout!r}")
+    _check_positive_int('num_layers', num_layers)
+    _check_dropout(dropout)
     if not isinstance(weights, (list, tuple)): raise TypeError(f"weights must be a list or tuple of tensors, got {type(weights).__name__}")
     D, per = (2 if bidirectional else 1), (4 if has_biases else 2)
     weights = list(weights)
@@ -356,9 +361,8 @@ class GRU(nn.Module):
                  bidirectional=False, device=None, dtype=None, *, backend='auto'):
         super().__init__()
         for name, v in (('input_size', input_size), ('hidden_size', hidden_size), ('num_layers', num_layers)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0: raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout <= 1:
-            raise ValueError(f"dropout must be a number in [0, 1] (the probability of an element to be zeroed), got {dropout!r}")
+            _check_positive_int(name, v)
+        _check_dropout(dropout)
         if dropout > 0 and num_layers == 1:
             import warnings
             warnings.warn(f"dropout option adds dropout after all but last recurrent layer, so non-zero dropout expects "
