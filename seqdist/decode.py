@@ -847,34 +847,52 @@ def _select(mask, new, old):
 
 # %% ../nbs/11a_transducer_decode.ipynb #td-reference
 @torch.no_grad()
-def transducer_greedy_reference(encoder_out, encoder_lengths, predict, join, blank, max_symbols_per_frame):
-    """Greedy decoding one utterance and one frame at a time, the textbook loop: at frame t, up to
-    `max_symbols_per_frame` times, the likeliest symbol of join(frame, predictor output); a label is emitted and fed
-    to the predictor, a blank (or the limit) moves to the next frame."""
+def transducer_greedy_reference(encoder_out, encoder_lengths, predict, join, blank, max_symbols_per_frame,
+                                durations=None, big_blank_durations=None):
+    """Greedy decoding one utterance and one frame at a time, the textbook loop: at frame t, the likeliest symbol of
+    join(frame, predictor output); a label is emitted and fed to the predictor, a blank moves to the next frame, and
+    after `max_symbols_per_frame` labels at one frame the loop moves on too. TDT (`durations`): the joiner's last
+    len(durations) logits are the durations', and the likeliest symbol moves the frame by the likeliest duration (a
+    blank by 1 at least); multi-blank (`big_blank_durations`): big blank i, the symbol blank-1-i, moves it by
+    big_blank_durations[i]. The score adds the chosen symbols' log-probabilities (and the durations')."""
+    D, big = len(durations or ()), list(big_blank_durations or ())
     out = []
     for b in range(encoder_out.shape[0]):
         pred, state = predict(torch.full((1,), blank, dtype=torch.long, device=encoder_out.device), None)
-        tokens, frames, score = [], [], 0.0
-        for t in range(int(encoder_lengths[b])):
-            for _ in range(max_symbols_per_frame):
-                logp = join(encoder_out[b:b + 1, t], pred).log_softmax(-1)[0]
-                k = int(logp.argmax())
-                score += float(logp[k])
-                if k == blank: break
+        tokens, frames, score, t, at_frame = [], [], 0.0, 0, 0
+        while t < int(encoder_lengths[b]):
+            logits = join(encoder_out[b:b + 1, t], pred)[0]
+            logp = logits[:logits.shape[0] - D].log_softmax(-1)
+            k = int(logp.argmax())
+            score += float(logp[k])
+            if D:                                            # TDT: the likeliest duration too
+                dur = logits[logits.shape[0] - D:].log_softmax(-1)
+                score += float(dur.max())
+                move = durations[int(dur.argmax())]
+            else: move = 1 if k == blank else big[blank - 1 - k] if 0 <= blank - 1 - k < len(big) else 0
+            if k != blank and not 0 <= blank - 1 - k < len(big):              # a label
                 tokens.append(k); frames.append(t)
                 pred, state = predict(torch.tensor([k], device=encoder_out.device), state)
+                at_frame += 1
+                if move == 0 and at_frame == max_symbols_per_frame: move = 1
+            else: move = max(move, 1)
+            if move: t, at_frame = t + move, 0
         out.append(TransducerHypothesis(torch.tensor(tokens, dtype=torch.long), torch.tensor(frames, dtype=torch.int32), score))
     return out
 
 # %% ../nbs/11a_transducer_decode.ipynb #td-greedy
 @torch.no_grad()
-def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join, blank, max_symbols_per_frame=10):
-    """Batched greedy decoding of an RNN-T over its encoder output (B, T, H): every utterance steps at once, each at
-    its own frame, so that the joiner runs once per step for the batch and the predictor once per step in which some
-    utterance emits a label (only those utterances' predictor states move on). `predict(tokens (B,), state)` gives
-    the predictor's output for the last label (the blank to start, state None) and its new state (tensors batch
+def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join, blank, max_symbols_per_frame=10,
+                             durations=None, big_blank_durations=None):
+    """Batched greedy decoding of a transducer over its encoder output (B, T, H): every utterance steps at once, each
+    at its own frame, so that the joiner runs once per step for the batch and the predictor once per step in which
+    some utterance emits a label (only those utterances' predictor states move on). `predict(tokens (B,), state)`
+    gives the predictor's output for the last label (the blank to start, state None) and its new state (tensors batch
     first, in lists, tuples or dicts); `join(frames (B, H), predictor output)` the logits (B, V). After
-    `max_symbols_per_frame` labels at one frame the utterance moves on, as a blank would move it. Returns a
+    `max_symbols_per_frame` labels at one frame the utterance moves on, as a blank would move it. An RNN-T by default;
+    a TDT with `durations` (the joiner's last len(durations) logits are the durations', as `tdt_loss` takes them: a
+    symbol moves its utterance by the likeliest duration, a blank by 1 at least); a multi-blank transducer with
+    `big_blank_durations` (big blank i is the symbol blank-1-i, as `multiblank_rnnt_loss` has it). Returns a
     `TransducerHypothesis` per utterance: `transducer_greedy_reference`'s answer, which loops over each utterance's
     frames one by one."""
     B, T = encoder_out.shape[:2]
@@ -885,41 +903,72 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
         raise ValueError(f"encoder_lengths must be B = {B} lengths in [0, T] = [0, {T}], got {lengths.tolist()}")
     if isinstance(max_symbols_per_frame, bool) or not isinstance(max_symbols_per_frame, int) or max_symbols_per_frame < 1:
         raise ValueError(f"max_symbols_per_frame must be an int >= 1, got {max_symbols_per_frame!r}")
-    pred, state = predict(torch.full((B,), blank, dtype=torch.long, device=dev), None)
+    if isinstance(blank, bool) or not isinstance(blank, int) or blank < 0:
+        raise ValueError(f"blank must be the blank's index, an int >= 0 (it starts the predictor), got {blank!r}")
+    D, moves = _transducer_moves(durations, big_blank_durations, blank, dev)
+    try: pred, state = predict(torch.full((B,), blank, dtype=torch.long, device=dev), None)
+    except (IndexError, RuntimeError) as e:          # (an embedding of fewer rows: PyTorch's words, not the argument's)
+        raise ValueError(f"blank must be one of the model's symbols: predict refused {blank} as the start token ({e})") from e
     t, emitted = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     score = torch.zeros(B, dtype=torch.float64, device=dev)
     steps = []                                         # (label (B,) or -1, frame (B,)) of each step
     batch = torch.arange(B, device=dev)
     live = t < lengths
     while bool(live.any()):
-        logp = join(encoder_out[batch, t.clamp(max=T - 1)], pred).log_softmax(-1)
-        best, k = logp.max(-1)
+        logits = join(encoder_out[batch, t.clamp(max=T - 1)], pred)
+        V = logits.shape[-1] - D
+        if blank >= V: raise ValueError(f"blank must be one of the joiner's {V} symbols, got {blank}")
+        best, k = logits[:, :V].log_softmax(-1).max(-1)
+        if D:                                          # TDT: the likeliest duration too
+            best_d, j = logits[:, V:].log_softmax(-1).max(-1)
+            best, move, label = best + best_d, moves[j], live & (k != blank)
+        else:                                          # i = blank - k: the blank, big blank i - 1, or a label
+            i = blank - k
+            blanks = (i >= 0) & (i < len(moves) - 1)
+            move, label = moves[torch.where(blanks, i, len(moves) - 1)], live & ~blanks
         score += torch.where(live, best.double(), 0.0)
-        label = live & (k != blank)
         steps.append((torch.where(label, k, -1), t.clone()))
         if bool(label.any()):                          # the predictor moves on for the utterances that emitted
             new_pred, new_state = predict(torch.where(label, k, blank), state)
             pred, state = _select(label, new_pred, pred), _select(label, new_state, state)
-        emitted = torch.where(label, emitted + 1, 0)
-        move = live & (~label | (emitted >= max_symbols_per_frame))
-        t, emitted = t + move.long(), torch.where(move, 0, emitted)
+        emitted = torch.where(label, emitted + 1, emitted)
+        move = torch.where(label, move, move.clamp(min=1))           # a blank moves on; a label at the cap too
+        move = torch.where(label & (move == 0) & (emitted >= max_symbols_per_frame), 1, move)
+        move = torch.where(live, move, 0)
+        t, emitted = t + move, torch.where(move > 0, 0, emitted)
         live = t < lengths
     labels = torch.stack([s[0] for s in steps], 1).cpu() if steps else torch.empty(B, 0, dtype=torch.long)
     frames = torch.stack([s[1] for s in steps], 1).cpu() if steps else torch.empty(B, 0, dtype=torch.long)
     return [TransducerHypothesis(labels[b][labels[b] >= 0], frames[b][labels[b] >= 0].int(), float(score[b]))
             for b in range(B)]
 
+def _transducer_moves(durations, big_blank_durations, blank, device):
+    """(D, moves): a TDT's number of durations D and the frames each moves (D,); else D = 0 and the frames that the
+    symbol blank - i moves: the blank (i = 0) 1, big blank i - 1 its duration, and last a label's 0."""
+    def ints(v, name, low):
+        if isinstance(v, (str, bytes)) or not hasattr(v, '__len__') or len(v) == 0 or \
+                any(isinstance(d, bool) or not isinstance(d, int) or d < low for d in v):
+            raise ValueError(f"{name} must be a non-empty list of ints >= {low}, got {v!r}")
+        return list(v)
+    if durations is not None and big_blank_durations is not None:
+        raise ValueError("give durations (a TDT) or big_blank_durations (a multi-blank transducer), not both")
+    if durations is not None: return len(durations), torch.tensor(ints(durations, 'durations', 0), device=device)
+    big = ints(big_blank_durations, 'big_blank_durations', 1) if big_blank_durations is not None else []
+    if len(big) > blank: raise ValueError(f"{len(big)} big blanks must come before the blank ({blank}): blank-1-i is big blank i")
+    return 0, torch.tensor([1] + big + [0], device=device)
+
 # %% ../nbs/11a_transducer_decode.ipynb #td-toy
-def random_transducer(V, H=16, seed=0, dtype=torch.float32, blank=0, blank_bias=3.0):
+def random_transducer(V, H=16, seed=0, dtype=torch.float32, blank=0, blank_bias=3.0, extra=0):
     """A small random transducer's `predict` and `join` (an embedding and a GRU cell; a tanh joiner whose blank logit
     is raised by `blank_bias`, so that it says blank about as often as a trained model), for examples and tests:
-    labels 0..V-1, the predictor's state one (B, H) tensor."""
+    labels 0..V-1, the predictor's state one (B, H) tensor; `extra` more logits after the V symbols' (a TDT's
+    durations')."""
     g = torch.Generator().manual_seed(seed)
     w = lambda *shape: (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(dtype)
     embed, cell = w(V, H), torch.nn.GRUCell(H, H).to(dtype).requires_grad_(False)
     for p in cell.parameters(): p.copy_(w(*p.shape) if p.dim() > 1 else w(1, p.shape[0])[0])
-    enc_w, pred_w, out_w = w(H, H), w(H, H), w(V, H) * 2
-    bias = torch.zeros(V, dtype=dtype); bias[blank] = blank_bias
+    enc_w, pred_w, out_w = w(H, H), w(H, H), w(V + extra, H) * 2
+    bias = torch.zeros(V + extra, dtype=dtype); bias[blank] = blank_bias
     def predict(tokens, state):
         h = cell(embed[tokens], state)
         return h, h

@@ -254,3 +254,72 @@ def test_transducer_greedy_bad_input_is_named(kwargs, message):
     predict, join = random_transducer(5)
     call = {**dict(encoder_out=torch.randn(2, 6, 16), predict=predict, join=join, blank=0), **kwargs}
     with pytest.raises(ValueError, match=message): transducer_greedy_decode(**call)
+
+def _random_case(kind, seed):
+    "A random RNN-T, TDT or multi-blank model with its blank, options, encoder output and lengths."
+    g = torch.Generator().manual_seed(seed)
+    V, B, T, cap = 4 + seed % 8, 1 + seed % 6, 1 + seed % 13, 1 + seed % 4
+    blank, opts = seed % 3, {}
+    if kind == 'tdt': opts = dict(durations=[[0, 1, 2], [1, 2, 3, 4], [0, 2], [1]][seed % 4])
+    if kind == 'multiblank': blank, opts = V - 1, dict(big_blank_durations=[[2], [2, 4], [3, 2, 8]][seed % 3])
+    predict, join = random_transducer(V, seed=seed, dtype=torch.float64, blank=blank, blank_bias=seed % 5,
+                                      extra=len(opts.get('durations', ())))
+    enc = torch.randn(B, T, 16, generator=g, dtype=torch.float64) * (1 + seed % 3)
+    return predict, join, enc, torch.randint(0, T + 1, (B,), generator=g), blank, cap, opts
+
+@pytest.mark.parametrize('kind', ['tdt', 'multiblank'])
+def test_batched_tdt_and_multiblank_greedy_decoding_is_the_loops(kind):
+    for seed in range(30):
+        predict, join, enc, lengths, blank, cap, opts = _random_case(kind, seed)
+        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=cap, **opts)
+        loop = transducer_greedy_reference(enc, lengths, predict, join, blank, cap, **opts)
+        for a, b in zip(ours, loop):
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.timesteps, b.timesteps), seed
+            assert a.score == pytest.approx(b.score, abs=1e-9)
+            assert ((a.tokens != blank) & ((blank - a.tokens > len(opts.get('big_blank_durations', ()))) | (a.tokens > blank))).all()
+            if 0 not in opts.get('durations', [0]): assert (a.timesteps.diff() > 0).all()   # every symbol moves on
+
+def _scripted(kind):
+    """A model whose choices are known: at frame t (the encoder output's first number) with u labels so far, the label
+    1 + t % 4 (duration 0) while u < t // 3 + 1, else a blank (TDT: of duration 3) or big blank of 3 frames. It emits
+    at frames 0, 3, 6, ...: labels 1, 4, 3, 2, 1, ..."""
+    V, blank = 7, 6
+    def predict(tokens, state):
+        u = torch.zeros(tokens.shape[0], dtype=torch.float64) if state is None else state + 1
+        return u[:, None], u
+    def join(frames, pred):
+        t, u = frames[:, 0].long(), pred[:, 0]
+        emit = u < t // 3 + 1
+        logits = torch.full((frames.shape[0], V + (2 if kind == 'tdt' else 0)), -10.0, dtype=torch.float64)
+        batch = torch.arange(frames.shape[0])
+        logits[batch, torch.where(emit, 1 + t % 4, blank if kind == 'tdt' else blank - 1)] = 10.0
+        if kind == 'tdt': logits[batch, V + (~emit).long()] = 10.0           # durations [0, 3]
+        return logits
+    return predict, join, blank, (dict(durations=[0, 3]) if kind == 'tdt' else dict(big_blank_durations=[3]))
+
+@pytest.mark.parametrize('kind', ['tdt', 'multiblank'])
+def test_tdt_and_multiblank_greedy_moves_by_the_chosen_durations(kind):
+    predict, join, blank, opts = _scripted(kind)
+    enc = torch.arange(11, dtype=torch.float64)[None, :, None].expand(2, 11, 3).contiguous()
+    hyps = transducer_greedy_decode(enc, torch.tensor([11, 5]), predict=predict, join=join, blank=blank, **opts)
+    assert hyps[0].tokens.tolist() == [1, 4, 3, 2] and hyps[0].timesteps.tolist() == [0, 3, 6, 9]
+    assert hyps[1].tokens.tolist() == [1, 4] and hyps[1].timesteps.tolist() == [0, 3]
+
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(durations=[0, 1], big_blank_durations=[2]), r'give durations \(a TDT\) or big_blank_durations'),
+    (dict(durations=[]), r'durations must be a non-empty list of ints >= 0'),
+    (dict(durations=[1, -1]), r'durations must be a non-empty list of ints >= 0'),
+    (dict(big_blank_durations=[0], blank=4), r'big_blank_durations must be a non-empty list of ints >= 1'),
+    (dict(big_blank_durations=[2, 3], blank=1), r'2 big blanks must come before the blank \(1\)'),
+    (dict(blank=7), r"blank must be one of the model's symbols: predict refused 7 as the start token"),
+    (dict(blank=-1), r'blank must be the blank.s index, an int >= 0'),
+])
+def test_tdt_and_multiblank_options_are_checked(kwargs, message):
+    predict, join = random_transducer(5, extra=2 if 'durations' in kwargs and 'big_blank_durations' not in kwargs else 0)
+    call = {**dict(encoder_out=torch.randn(2, 6, 16), predict=predict, join=join, blank=0), **kwargs}
+    with pytest.raises(ValueError, match=message): transducer_greedy_decode(**call)
+
+def test_a_blank_past_the_joiners_symbols_is_named():
+    predict, join, _, opts = _scripted('multiblank')             # (its predictor takes any start token)
+    with pytest.raises(ValueError, match=r"blank must be one of the joiner's 7 symbols, got 7"):
+        transducer_greedy_decode(torch.zeros(1, 4, 3, dtype=torch.float64), predict=predict, join=join, blank=7, **opts)
