@@ -82,18 +82,22 @@ def _case(seed, T_max=6, C_max=5):
     weights = dict(lm_weight=rng.uniform(0, 2), word_score=rng.uniform(-1, 1)) if seed % 3 else {}
     return rng, torch.randn(T, C, dtype=torch.float64).mul(2).log_softmax(-1), blank, tokens, lm, weights
 
+@pytest.mark.parametrize('merge', [False, True])
 @pytest.mark.parametrize('backend', ['reference', 'cpu'])
-def test_a_beam_that_keeps_every_prefix_finds_the_nbest_of_all_label_sequences(backend):
+def test_a_beam_that_keeps_every_prefix_finds_the_nbest_of_all_label_sequences(backend, merge):
+    """The n best of every label sequence; with merge_delimiters, of every word sequence (the sequences that differ
+    only in delimiters summed; hotwords then of labels that are no delimiter, whose count is the same in all)."""
     worst = 0.0
     for seed in range(60):
         rng, lp, blank, tokens, lm, weights = _case(seed)
         nbest, C = rng.randint(1, 5), len(tokens)
-        labels = [k for k in range(C) if k != blank]
+        labels = [k for k in range(C) if k != blank and not (merge and tokens[k] == '|')]
         hot = [(rng.choices(labels, k=rng.randint(1, 3)), rng.uniform(-0.5, 1.5)) for _ in range(seed % 4)]
         lexicon = rng.sample(LM_WORDS, 5) if seed % 5 == 1 else None
         got = ctc_beam_search(lp[None], beam_width=10**4, blank=blank, nbest=nbest, tokens=tokens, lm=lm, **weights,
-                              hotwords=hot, lexicon=lexicon, backend=backend)[0]
-        want = ctc_nbest_brute_force(lp, nbest, blank, tokens, lm, **weights, hotwords=hot, lexicon=lexicon)
+                              hotwords=hot, lexicon=lexicon, backend=backend, merge_delimiters=merge)[0]
+        want = ctc_nbest_brute_force(lp, nbest, blank, tokens, lm, **weights, hotwords=hot, lexicon=lexicon,
+                                     merge_delimiters=merge)
         assert [tuple(h.tokens.tolist()) for h in got] == [s for _, s in want], seed
         worst = max(worst, max(abs(h.score - s) for h, (s, _) in zip(got, want)))
     assert worst < 1e-9
@@ -110,7 +114,7 @@ def test_the_kernel_equals_the_reference_with_pruning():
         kw = dict(input_lengths=torch.randint(0, T + 1, (N,)), beam_width=rng.choice([1, 2, 4, 8]), blank=blank, hotwords=hot,
                   tokens=tokens if seed % 4 else None, lm=lm if seed % 4 else None, beam_threshold=rng.choice([math.inf, 1.0, 4.0]),
                   lexicon=rng.sample(LM_WORDS, 6) if seed % 4 and seed % 3 == 1 else None,
-                  **(weights if seed % 4 else {}))
+                  **(weights if seed % 4 else {}), merge_delimiters=bool(seed % 4) and seed % 7 < 3)
         kw['nbest'] = rng.randint(1, kw['beam_width'])
         a, b = (ctc_beam_search(lp, **kw, backend=x) for x in ('reference', 'cpu'))
         for x, y in zip(a, b):
