@@ -9,6 +9,9 @@ TORCH_PIP_ARGS ?=
 # torchaudio is an anchor the tests compare against (rnnt_loss, forced_align). PyPI's wheel is a CUDA build: it is
 # installed without its dependencies and loads on a CPU-only torch through stub CUDA libraries (tools/torchaudio_cpu).
 TORCHAUDIO_VERSION ?= 2.11.0
+# pyctcdecode (the decoder seqdist.decode.build_ctcdecoder stands in for, compared in tests/test_pyctcdecode.py) pins
+# numpy below 2 and runs on numpy 2: it goes in without its dependencies, with the one its import needs.
+PYCTCDECODE := pyctcdecode==0.5.0 pygtrie==2.5.0
 BIN := $(VENV)/bin
 # each step of `make test` says its wall and CPU time (bash's `time`)
 export TIMEFORMAT := step: %0Rs wall, %0Us user, %0Ss sys
@@ -25,7 +28,7 @@ $(VENV)/.installed: pyproject.toml Makefile tools/torchaudio_cpu/build.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS)
 	$(PIP) install -e ".[dev]"
-	$(PIP) install --no-deps "torchaudio==$(TORCHAUDIO_VERSION)" "flashlight-text==0.0.7"
+	$(PIP) install --no-deps "torchaudio==$(TORCHAUDIO_VERSION)" "flashlight-text==0.0.7" $(PYCTCDECODE)
 	tools/torchaudio_cpu/build.sh $(VENV)/cuda-stubs
 	touch $@
 
@@ -62,7 +65,7 @@ test: install install-bonito chromium $(SITE)/node_modules/.installed
 	@echo "== GPU compile check: every CUDA instantiation for sm_80 and sm_90"
 	time $(BIN)/seqdist-compile-check
 	@echo "== pytest, on two workers (pytest-xdist), each test file on one of them"
-	time SEQDIST_REQUIRE_TORCHAUDIO=1 SEQDIST_REQUIRE_KENLM=1 SEQDIST_REQUIRE_BONITO=1 SEQDIST_BONITO=$(abspath $(BONITO)) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile tests
+	time SEQDIST_REQUIRE_TORCHAUDIO=1 SEQDIST_REQUIRE_KENLM=1 SEQDIST_REQUIRE_PYCTCDECODE=1 SEQDIST_REQUIRE_BONITO=1 SEQDIST_BONITO=$(abspath $(BONITO)) OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 # Every row of the bad-input tables under the sanitizers: the emulated CUDA kernels with AddressSanitizer, the numba
 # CPU kernels with their bounds checks (tools/sanitize.py; `make test` runs a sample of it, tests/test_asan.py).

@@ -50,13 +50,14 @@ def pytest_collection_modifyitems(config, items):
             if 'gpu' in item.keywords: item.add_marker(pytest.mark.skip(reason="needs a CUDA device (make gpu-check)"))
     _optional(items, 'torchaudio', 'SEQDIST_REQUIRE_TORCHAUDIO', _torchaudio_loads)
     _optional(items, 'kenlm', 'SEQDIST_REQUIRE_KENLM', lambda: importlib.util.find_spec('kenlm') is not None)
+    _optional(items, 'pyctcdecode', 'SEQDIST_REQUIRE_PYCTCDECODE', lambda: importlib.util.find_spec('pyctcdecode') is not None)
 
 def _torchaudio_loads():
     from seqdist.timing import load_torchaudio
     return load_torchaudio() is not None
 
 def _optional(items, marker, required_by, loads):
-    """Tests marked `marker` compare with an optional package (torchaudio, kenlm): they are skipped, visibly, where it
+    """Tests marked `marker` compare with an optional package (torchaudio, kenlm, pyctcdecode): they are skipped, visibly, where it
     cannot be loaded, except under `make test` (`required_by`=1), which installs it and where its absence is a failure."""
     if not any(marker in item.keywords for item in items) or loads(): return
     if os.environ.get(required_by) == '1':

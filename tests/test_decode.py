@@ -114,7 +114,8 @@ def test_the_kernel_equals_the_reference_with_pruning():
         kw = dict(input_lengths=torch.randint(0, T + 1, (N,)), beam_width=rng.choice([1, 2, 4, 8]), blank=blank, hotwords=hot,
                   tokens=tokens if seed % 4 else None, lm=lm if seed % 4 else None, beam_threshold=rng.choice([math.inf, 1.0, 4.0]),
                   lexicon=rng.sample(LM_WORDS, 6) if seed % 4 and seed % 3 == 1 else None,
-                  **(weights if seed % 4 else {}), merge_delimiters=bool(seed % 4) and seed % 7 < 3)
+                  **(weights if seed % 4 else {}), merge_delimiters=bool(seed % 4) and seed % 7 < 3,
+                  unk_score=-1.0 * (seed % 3), unk_prefix_score=-0.7 * (seed % 5 % 3))
         kw['nbest'] = rng.randint(1, kw['beam_width'])
         a, b = (ctc_beam_search(lp, **kw, backend=x) for x in ('reference', 'cpu'))
         for x, y in zip(a, b):
