@@ -534,21 +534,17 @@ def ctc_nbest_brute_force(log_probs, nbest, blank=0, tokens=None, lm=None, lm_we
         ws = words.start()
         for k in s: ws = words.extend(ws, k)
         scored.append((a + words.final(ws) + phrases(s), s))
-    if merge_delimiters:
+    if merge_delimiters:                         # the sequences of the same words, one, their probabilities summed
         merged = {}
-        for score, s in scored:
-            key = _words_of(s, words.kinds, blank)
-            merged[key] = np.logaddexp(merged.get(key, -math.inf), score)
-        scored = [(float(v), k) for k, v in merged.items()]
+        for a, s in scored: merged.setdefault(_words_of(s, words.kinds), []).append(a)
+        scored = [(float(np.logaddexp.reduce(v)), k) for k, v in merged.items()]
     return sorted(scored, key=lambda h: -h[0])[:nbest]
 
-def _words_of(seq, kinds, blank):
-    "seq without leading and trailing delimiters, each run of delimiters its first: what `merge_delimiters` keeps."
+def _words_of(seq, kinds):
+    "seq (labels) without leading and trailing delimiters, each run of delimiters its first: what merging keeps."
     out = []
     for k in seq:
-        gap = k != blank and kinds[k] == DELIMITER
-        if gap and (not out or (kinds[out[-1]] == DELIMITER)): continue
-        out.append(k)
+        if not (kinds[k] == DELIMITER and (not out or kinds[out[-1]] == DELIMITER)): out.append(k)
     return tuple(out[:-1] if out and kinds[out[-1]] == DELIMITER else out)
 
 # %% ../nbs/11_decode.ipynb #dec-helpers
