@@ -308,6 +308,7 @@ def _families(quick, device, gpu=None):
     from seqdist.benchmarks.tdt import bench_tdt, bench_tdt_questions
     from seqdist.benchmarks.koi_decode import bench_beam_search
     from seqdist.benchmarks.crf import bench_crf_questions
+    from seqdist.benchmarks.decode import bench_ctc_decoders, bench_transducer_greedy
     if gpu is None: gpu = torch.device(device).type != 'cpu'
     if not gpu and quick:          # (the RNN-T and TDT questions only in the full run: compiling their kernels here cost
                                    # `make test` about two minutes, in the notebook that runs this list)
@@ -326,7 +327,8 @@ def _families(quick, device, gpu=None):
                 ('rnnt', bench_rnnt), ('rnnt_questions', bench_rnnt_questions), ('joint', bench_joint), ('tdt', bench_tdt),
                 ('tdt_questions', bench_tdt_questions),
                 ('gru', bench_gru),
-                ('cross_entropy', bench_cross_entropy)]
+                ('cross_entropy', bench_cross_entropy),
+                ('ctc_decoders', bench_ctc_decoders), ('transducer_greedy', bench_transducer_greedy)]
     if quick:
         q = dict(warmup=1, reps=3)
         return [('ctc', lambda: bench_ctc_gpu([(200, 16, 20, 30, 40)], device, **q)),
@@ -353,12 +355,17 @@ def _families(quick, device, gpu=None):
             ('gru', lambda: bench_gru(device=device)),
             ('cross_entropy', lambda: bench_cross_entropy(ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[(4096, 1024, 32768)], device=device))]
 
-def run_benchmarks(quick=False, device='cpu', progress=True):
-    """Every family's benchmark against its anchor on `device` (cross-entropy: CPU only so far); `quick` uses small
-    shapes and few repetitions. Progress goes to stderr; a family whose anchor is missing gives a row that says so."""
+def run_benchmarks(quick=False, device='cpu', progress=True, only=None):
+    """Every family's benchmark against its anchor on `device` (cross-entropy: CPU only so far), or `only` those named
+    (e.g. ['ctc_decoders']); `quick` uses small shapes and few repetitions. Progress goes to stderr; a family whose
+    anchor is missing gives a row that says so."""
     torch.set_num_threads(2)
     import numba; numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
     families, rows = _families(quick, device), []
+    if only is not None:
+        unknown = set(only) - {name for name, _ in families}
+        if unknown: raise ValueError(f"only must name families of this run, {[n for n, _ in families]}: not {sorted(unknown)}")
+        families = [f for f in families if f[0] in only]
     for i, (name, bench) in enumerate(families):
         if progress: print(f"[{i + 1}/{len(families)}] {name} ...", file=sys.stderr, flush=True)
         start = time.perf_counter()
@@ -381,8 +388,9 @@ def bench_cli():
     p.add_argument('--device', default='cpu', help="cpu or cuda")
     p.add_argument('--json', help="also write the rows to this file")
     p.add_argument('--plot', help="also draw the speed-ups as a PNG bar chart in this file")
+    p.add_argument('--only', help="comma-separated families to run (e.g. ctc_decoders,transducer_greedy), not all")
     a = p.parse_args()
-    rows = run_benchmarks(a.quick, a.device)
+    rows = run_benchmarks(a.quick, a.device, only=a.only.split(',')) if a.only else run_benchmarks(a.quick, a.device)
     print(f"seqdist-bench on {a.device} ({'quick' if a.quick else 'full'}; torch {torch.__version__}, 2 threads; "
           f"median of {3 if a.quick else 7} after warm-up)\n")
     print(markdown_table(rows))
