@@ -949,8 +949,7 @@ def _check_search(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm
 
 def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest=1, tokens=None, lm=None,
                     lm_weight=0.0, word_score=0.0, lexicon=None, hotwords=None, beam_threshold=math.inf, backend='auto',
-                    merge_delimiters=False, unk_score=0.0, unk_prefix_score=0.0, semiring='log', whole_words=False,
-                    lm_lookahead=False):
+                    merge_delimiters=False, unk_score=0.0, unk_prefix_score=0.0, semiring='log', whole_words=False, lm_lookahead=False):
     """The CTC prefix beam search of a batch of emissions `log_probs` (N, T, C), batch first as torchaudio's decoders
     take them, each utterance over its first input_lengths[n] frames (default: all T). A hypothesis is a label sequence
     (blanks and repeats removed), scored by its acoustic log-probability summed over its alignments, plus, where
@@ -963,7 +962,8 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     token ids; or a `Hotwords` built once for many calls). Each frame keeps the `beam_width` best prefixes within
     `beam_threshold` of the best. Returns torchaudio's structure: a list over the batch of lists of the `nbest` best
     `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the hypothesis,
-    by `forced_align`). `backend`: 'cpu' (numba) or 'reference' (Python); 'auto' is 'cpu'. With a beam that keeps every
+    by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (a search of token sequences: no
+    tokens, hotwords; emulated on CPU tensors); 'auto': 'cuda' for such a search of a CUDA tensor. With a beam that keeps every
     prefix and no threshold, nothing is pruned: the n best of all label sequences. With `merge_delimiters`, a hypothesis
     is its words (pyctcdecode's hypotheses): the token sequences that differ only in their delimiters (leading, trailing
     or repeated) are one, their probabilities summed, and it is given with one delimiter between words and none around
@@ -980,8 +980,8 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     scorer = PrefixScorer(C, blank, tokens, lm, lm_weight, word_score,
                           Hotwords.from_arg(hotwords, tokens, blank, C) if hotwords else None, lexicon, unk_score,
                           unk_prefix_score, whole_words, lm_lookahead)
-    search = _BACKENDS['cpu' if backend == 'auto' else backend]
-    found = search(log_probs.detach().cpu(), il, beam_width, blank, nbest, scorer, beam_threshold, merge_delimiters, semiring)
+    if backend == 'auto': backend = 'cuda' if log_probs.is_cuda and tokens is None and not hotwords and 'cuda' in _BACKENDS else 'cpu'
+    found = _BACKENDS[backend](log_probs.detach() if backend == 'cuda' else log_probs.detach().cpu(), il, beam_width, blank, nbest, scorer, beam_threshold, merge_delimiters, semiring)
     return [[CTCHypothesis(torch.tensor(seq, dtype=torch.long), spell(seq, tokens, blank) if tokens is not None else [],
                            score, steps) for (score, seq), steps in zip(hyps, _first_frames(log_probs[b, :il[b]], hyps, blank))]
             for b, hyps in enumerate(found)]
@@ -1002,7 +1002,7 @@ ctc_beam_search = declared(ctc_beam_search, lambda: dict(log_probs=torch.randn(2
                            log_probs=TensorArg('N T C'), input_lengths=LengthArg('N', 0, 'T', optional=True),
                            beam_width=IntArg(1), blank=IntArg(0, 'C', high_open=True), nbest=IntArg(1),
                            lm_weight=RealArg(), word_score=RealArg(), unk_score=RealArg(), unk_prefix_score=RealArg(high=0), beam_threshold=RealArg(0, finite=False),
-                           backend=ChoiceArg('auto', 'cpu', 'reference'), merge_delimiters=BoolArg(), semiring=ChoiceArg('log', 'max'),
+                           backend=ChoiceArg('auto', 'cpu', 'reference', 'cuda'), merge_delimiters=BoolArg(), semiring=ChoiceArg('log', 'max'),
                            whole_words=BoolArg(), lm_lookahead=BoolArg(), eager=True)
 
 # %% ../nbs/11a_transducer_decode.ipynb #td-hyp
@@ -1405,8 +1405,8 @@ class CUCTCHypothesis(NamedTuple):
 class CUCTCDecoder:
     """torchaudio's `CUCTCDecoder` (`cuda_ctc_decoder` makes one) on `ctc_beam_search`: the prefix beam search (the
     sum over alignments) over the frames whose blank log-probability is at most log(`blank_skip_threshold`) (the
-    others are dropped, as cuctc skips them), at beam min(`beam_size`, the number of tokens), blank 0; on tensors of
-    any device (the search runs on the CPU). Returns up to `nbest` hypotheses an utterance (cuctc pads to `nbest`)."""
+    others are dropped, as cuctc skips them), at beam min(`beam_size`, the number of tokens), blank 0; on a CUDA
+    tensor by the CUDA kernel (`backend='cuda'`), else on the CPU. Up to `nbest` hypotheses an utterance (cuctc pads)."""
     def __init__(self, vocab_list, blank_id=0, beam_size=10, nbest=1, blank_skip_threshold=0.95):
         if blank_id != 0: raise ValueError(f"blank_id must be 0 (as cuda_ctc_decoder's), got {blank_id!r}")
         if not 0 <= blank_skip_threshold <= 1:
@@ -1421,14 +1421,14 @@ class CUCTCDecoder:
         if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 3 or log_prob.shape[2] != len(self.vocab_list):
             raise ValueError(f"log_prob must be a (batch, frame, {len(self.vocab_list)}) tensor (one column per token), "
                              f"got {getattr(log_prob, 'shape', log_prob)!r}")
-        lp = log_prob.detach().cpu().double()
+        lp = log_prob.detach().double()                  # (on its device: a CUDA tensor's search runs there)
         N, T, _ = lp.shape
         lengths = torch.as_tensor(encoder_out_lens).cpu().long()
         if lengths.shape != (N,) or bool(((lengths < 0) | (lengths > T)).any()):
             raise ValueError(f"encoder_out_lens must be {N} lengths in [0, {T}], got {lengths.tolist()}")
-        kept = (lp[..., 0] <= self.blank_skip_threshold) & (torch.arange(T) < lengths[:, None])
+        kept = (lp[..., 0] <= self.blank_skip_threshold) & (torch.arange(T, device=lp.device) < lengths.to(lp.device)[:, None])
         order = torch.sort((~kept).int(), dim=1, stable=True).indices         # the kept frames first, in order
-        found = ctc_beam_search(lp.gather(1, order[..., None].expand_as(lp)), kept.sum(1), beam_width=self.beam_size,
+        found = ctc_beam_search(lp.gather(1, order[..., None].expand_as(lp)), kept.sum(1).cpu(), beam_width=self.beam_size,
                                 nbest=min(self.nbest, self.beam_size))
         return [[CUCTCHypothesis(h.tokens.tolist(), [self.vocab_list[k] for k in h.tokens.tolist()], h.score) for h in hyps]
                 for hyps in found]
@@ -1436,3 +1436,43 @@ class CUCTCDecoder:
 def cuda_ctc_decoder(tokens, nbest=1, beam_size=10, blank_skip_threshold=0.95):
     "torchaudio's `cuda_ctc_decoder`: a `CUCTCDecoder` over `tokens` (a list or a file, one token a line)."
     return CUCTCDecoder(_read_tokens(tokens), beam_size=beam_size, nbest=nbest, blank_skip_threshold=blank_skip_threshold)
+
+# %% ../nbs/11e_ctc_beam_cuda.ipynb #cb-glue
+from .kernel import load_kernel
+from .compile_check import resource_budget
+
+_ctc_beam_kernel = load_kernel('ctc_beam.cu', 'ctc_beam_search')
+_CTC_BEAM_THREADS = 256
+resource_budget([_ctc_beam_kernel], block=_CTC_BEAM_THREADS, min_threads=_CTC_BEAM_THREADS,
+                why="one block per utterance: the sorts over the block, the survivors on one thread")
+
+def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, scorer, beam_threshold,
+                          merge_delimiters=False, semiring='log'):
+    """`_ctc_beam_search_cpu`'s answer from the CUDA kernel `ctc_beam_search` (emulated on CPU tensors), for a search
+    of token sequences (no tokens' words, LM, lexicon or hotwords). The scratch of each utterance in one buffer; the
+    hypotheses are read back once, after the last frame."""
+    if scorer.spells or scorer.hot is not None or merge_delimiters:
+        raise NotImplementedError("backend='cuda' searches token sequences: tokens (words, an LM, a lexicon), hotwords "
+                                  "and merge_delimiters are the 'cpu' backend's")
+    N, T, C = log_probs.shape
+    dev = log_probs.device
+    recombine = semiring == 'max' and nbest == 1
+    hcap = 2 * beam_width if recombine else beam_width
+    M = min(C - 1, hcap + beam_width + 1)                 # each beam's likeliest tokens that can make the best hcap
+    n_cand, cap = beam_width * (1 + M), T * beam_width + 1
+    PC, P = (1 << max(0, n - 1).bit_length() for n in (C, n_cand))     # the sorts' widths: powers of 2
+    work_bytes = 8 * (4 * beam_width + 2 * hcap + n_cand) + 4 * (2 * cap + 2 * beam_width + 2 * hcap + PC + P) + 128
+    out_tokens = torch.zeros(N, nbest, T, dtype=torch.long, device=dev)
+    out_len, out_n = torch.zeros(N, nbest, dtype=torch.long, device=dev), torch.zeros(N, dtype=torch.long, device=dev)
+    out_score = torch.full((N, nbest), -math.inf, dtype=torch.float64, device=dev)
+    if N: _ctc_beam_kernel((N,), (min(_CTC_BEAM_THREADS, max(PC, P)),), lp=log_probs.detach().double().contiguous(),
+                           il=input_lengths.to(dev).long().contiguous(), blank=blank, beam=beam_width,
+                           threshold=float(beam_threshold), use_max=int(semiring == 'max'), recombine=int(recombine),
+                           out_tokens=out_tokens, out_len=out_len, out_score=out_score, out_n=out_n,
+                           work=torch.empty(N * work_bytes, dtype=torch.uint8, device=dev), work_bytes=work_bytes,
+                           T=T, C=C, nbest=nbest, M=M, PC=PC, P=P)
+    out_tokens, out_len, out_score, out_n = (x.cpu() for x in (out_tokens, out_len, out_score, out_n))
+    return [[(float(out_score[b, r]), tuple(out_tokens[b, r, :out_len[b, r]].tolist())) for r in range(out_n[b])]
+            for b in range(N)]
+
+_BACKENDS['cuda'] = _ctc_beam_search_cuda

@@ -704,3 +704,17 @@ def test_gpu_linear_token_stats_over_a_group_of_one(record):
             dist.destroy_process_group()
     for i, (u, v) in enumerate(zip(*outs)): torch.testing.assert_close(u, v, rtol=1e-10, atol=1e-10, msg=lambda m: f"output {i}: {m}")
     record('linear_token_stats')
+
+def test_gpu_ctc_beam_search_equals_the_cpu_kernel(record):
+    "ctc_beam_search on CUDA tensors (the CUDA kernel, backend 'auto'), both semirings, and cuda_ctc_decoder's face: the CPU kernel's hypotheses."
+    from seqdist.decode import ctc_beam_search, cuda_ctc_decoder
+    g = _gen(3)
+    lp = torch.randn(4, 120, 40, generator=g, dtype=torch.float64).mul(3).log_softmax(-1)
+    il = torch.tensor([120, 77, 1, 0])
+    for semiring, nbest in (('log', 3), ('max', 1)):
+        want = ctc_beam_search(lp, il, beam_width=8, nbest=nbest, semiring=semiring, backend='cpu')
+        got = ctc_beam_search(lp.cuda(), il.cuda(), beam_width=8, nbest=nbest, semiring=semiring)
+        assert [[(h.tokens.tolist(), h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
+    face = cuda_ctc_decoder([str(i) for i in range(40)], blank_skip_threshold=1.0)(lp.float().cuda(), il.int().cuda())
+    assert [h[0].tokens for h in face] == [x[0].tokens.tolist() for x in ctc_beam_search(lp.float(), il, beam_width=10, backend='cpu')]
+    record('ctc_beam_search')

@@ -1,0 +1,43 @@
+"""The CTC prefix beam search's CUDA kernel (`ctc_beam_search(backend='cuda')`), through the emulator on CPU tensors:
+the CPU kernel's hypotheses and scores, its refusals, and `cuda_ctc_decoder`'s face on it."""
+import math
+import pytest
+import torch
+from seqdist.decode import ctc_beam_search, PrefixScorer, cuda_ctc_decoder, _ctc_beam_search_cpu, _ctc_beam_search_cuda
+
+@pytest.mark.parametrize('semiring', ['log', 'max'])
+def test_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
+    for seed in range(16):
+        g = torch.Generator().manual_seed(seed)
+        N, T, C = 3, 1 + seed % 9, (2, 5, 11, 24)[seed % 4]
+        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).mul(1 + seed % 3).log_softmax(-1)
+        il = torch.randint(0, T + 1, (N,), generator=g)
+        beam = 1 + seed % 6
+        args = (lp, il, beam, seed % C, 1 + seed % min(3, beam), PrefixScorer(C, seed % C), (math.inf, 3.0)[seed % 3 == 1], False, semiring)
+        for cpu, cuda in zip(_ctc_beam_search_cpu(*args), _ctc_beam_search_cuda(*args)):
+            assert [s for _, s in cpu] == [s for _, s in cuda], seed
+            assert all(abs(a - b) < 1e-12 for (a, _), (b, _) in zip(cpu, cuda))
+
+def test_the_public_call_runs_it_and_masked_tokens_are_never_chosen():
+    lp = torch.randn(2, 12, 7, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    lp[..., 3] = -math.inf                                   # a token no frame may emit
+    got = ctc_beam_search(lp, torch.tensor([12, 5]), beam_width=5, nbest=2, backend='cuda')
+    want = ctc_beam_search(lp, torch.tensor([12, 5]), beam_width=5, nbest=2, backend='cpu')
+    assert [[(h.tokens.tolist(), h.score, h.timesteps.tolist()) for h in x] for x in got] == \
+           [[(h.tokens.tolist(), h.score, h.timesteps.tolist()) for h in x] for x in want]
+    assert all(3 not in h.tokens.tolist() for x in got for h in x)
+
+def test_words_and_hotwords_are_refused_by_the_cuda_backend():
+    lp = torch.randn(1, 6, 4).log_softmax(-1)
+    with pytest.raises(NotImplementedError, match="backend='cuda' searches token sequences"):
+        ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], backend='cuda')
+    with pytest.raises(NotImplementedError, match='hotwords'):
+        ctc_beam_search(lp, beam_width=3, hotwords=[[1, 2]], backend='cuda')
+    with pytest.raises(ValueError, match='backend'):
+        ctc_beam_search(lp, beam_width=3, backend='gpu')
+
+def test_cuda_ctc_decoders_face_runs_the_search_of_the_frames_it_keeps():
+    lp = torch.randn(2, 15, 5, generator=torch.Generator().manual_seed(2)).mul(3).log_softmax(-1)
+    got = cuda_ctc_decoder(['-', 'a', 'b', 'c', 'd'], nbest=2, beam_size=4, blank_skip_threshold=1.0)(lp, torch.tensor([15, 9]))
+    want = ctc_beam_search(lp, torch.tensor([15, 9]), beam_width=4, nbest=2, backend='cuda')
+    assert [[(h.tokens, h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
