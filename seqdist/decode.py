@@ -354,6 +354,7 @@ class Hotwords:
             own[s] += w * len(ids)
         n = len(depth)
         self.children, self.fail = children, [0] * n
+        self.root = [children.get((0, k), 0) for k in range(C)]       # (the root's moves, dense: the kernel's)
         self.partial = [weight[s] * depth[s] if s else 0.0 for s in range(n)]
         self.done = own[:]
         by_depth = sorted(range(1, n), key=depth.__getitem__)
@@ -642,12 +643,13 @@ def _top_tokens(row, top, M):
     return n
 
 @numba.njit(cache=_CACHE, inline='always')
-def _hot_next(keys, values, shift, fail, C, s, k):
-    "`Hotwords.next`: the automaton's state after token k from state s, along the failure links."
-    while True:
+def _hot_next(keys, values, shift, fail, root, C, s, k):
+    "`Hotwords.next`: the automaton's state after token k from state s, along the failure links to the `root`'s moves."
+    while s != 0:
         c = _find(keys, values, s * C + k, shift)
-        if c >= 0 or s == 0: return max(c, 0)
+        if c >= 0: return c
         s = fail[s]
+    return root[k]
 
 @numba.njit(cache=_CACHE, inline='always')
 def _spellable(keys, values, shift, K, lexicon, codes, code_off, node, has_word, kind_k, k):
@@ -666,7 +668,7 @@ def _spellable(keys, values, shift, K, lexicon, codes, code_off, node, has_word,
 def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, whole, recombine, code_off, codes, use_words, use_lm, use_lexicon,
                         trie_keys, trie_values, trie_shift, K, trie_word, trie_lexicon, trie_smear, smear_w, lm_keys, lm_values, lm_shift, V, log10p,
                         backoff, suffix, order, max_order, begin_state, unk, eos, lm_weight, word_score, unk_score, unk_prefix, use_hot,
-                        hot_keys, hot_values, hot_shift, hot_fail, hot_partial, hot_done, hot_bound,
+                        hot_keys, hot_values, hot_shift, hot_fail, hot_root, hot_partial, hot_done, hot_bound,
                         out_tokens, out_len, out_score, out_n, lo, hi):
     """The prefix beam search of utterances [lo, hi): `_prefix_beam_search` over a tree of prefixes (node n: its
     parent, its last token, its words' state) that grows by at most `beam` nodes a frame. Each frame's best `beam`
@@ -752,7 +754,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                     if s == -np.inf: continue
                     s += wscore[nd] + (done_score[nd] if use_words and kind[k] != 0 else 0.0)
                     if use_hot:
-                        h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, C, hot[nd], k)
+                        h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, hot_root, C, hot[nd], k)
                         s += hot_done[h] + hot_partial[h]
                     if (use_unk_prefix or use_smear) and kind[k] != 1 and code_off[k + 1] > code_off[k]:   # its word
                         cont = kind[k] == 0 and has_word[nd]
@@ -785,7 +787,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                     if use_words and kind[k] != 1 and hi_c > lo_c:   # its characters spell on
                         tn = _walk(trie_keys, trie_values, trie_shift, K, tn, codes, lo_c, hi_c) if walk else -1
                         hw, pl = True, pl + hi_c - lo_c
-                    h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, C, hot[p], k) if use_hot else 0
+                    h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, hot_root, C, hot[p], k) if use_hot else 0
                     if use_hot: ws += hot_done[h]
                     lm_state[n], wscore[n], trie[n], has_word[n], hot[n], plen[n] = st, ws, tn, hw, h, pl
                     run[n] = ws + (hot_partial[h] if use_hot else 0.0)
@@ -827,9 +829,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
             s, st = _plus(b_pb[i], b_pnb[i], use_max) + wscore[nd], lm_state[nd]
             cut[i] = has_word[nd] and (whole or use_lexicon and (trie[nd] < 0 or trie_lexicon[trie[nd]] < 2))
             if has_word[nd] and not cut[i]: s, st = s + done_score[nd], done_state[nd]
-            if use_lm:
-                p10, _ = lm_step(lm_keys, lm_values, lm_shift, V, log10p, backoff, suffix, order, max_order, st, eos)
-                s += lm_weight * p10
+            if use_lm: s += lm_weight * lm_step(lm_keys, lm_values, lm_shift, V, log10p, backoff, suffix, order, max_order, st, eos)[0]
             final[i] = s
             if not cut[i] and s > -np.inf: n_whole += 1
         for i in range(nb if n_whole else 0): final[i] = -np.inf if cut[i] else final[i]
@@ -900,7 +900,7 @@ def _hot_tables(hot):
     "The kernel's arrays of a `Hotwords` automaton, made once per automaton (a `Hotwords` given again reuses them)."
     if not hasattr(hot, '_tables'):
         hot._tables = (*_table({s * hot.C + k: c for (s, k), c in hot.children.items()}), np.array(hot.fail, np.int64),
-                       np.array(hot.partial), np.array(hot.done), np.array(hot.next_bound))
+                       np.array(hot.root, np.int64), np.array(hot.partial), np.array(hot.done), np.array(hot.next_bound))
     return hot._tables
 
 def _ctc_beam_search_cpu(log_probs, input_lengths, beam_width, blank, nbest, scorer, beam_threshold,
@@ -915,7 +915,7 @@ def _ctc_beam_search_cpu(log_probs, input_lengths, beam_width, blank, nbest, sco
     if lm is not None: lm_tables, ids = lm.tables, (lm.begin_state(), lm.unk, lm.word_id('</s>'))
     else:                                          # (arrays of the same types, unread: one compilation serves both)
         lm_tables, ids = (*_table({}), 1, np.zeros(1), np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.int64), 1), (0, 0, 0)
-    hot_tables = _hot_tables(hot) if hot is not None else (*_table({}), np.zeros(1, np.int64), *np.zeros((3, 1)))
+    hot_tables = _hot_tables(hot) if hot is not None else (*_table({}), *np.zeros((2, 1), np.int64), *np.zeros((3, 1)))
     out_tokens, out_len = np.zeros((N, nbest, T), np.int64), np.zeros((N, nbest), np.int64)
     out_score, out_n = np.full((N, nbest), -np.inf), np.zeros(N, np.int64)
     parallel_for(_beam_search_kernel, N, lp, input_lengths.cpu().long().numpy(), blank, beam_width, float(beam_threshold),
