@@ -43,23 +43,7 @@ __device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, i
     return w;
 }
 
-// Sort order[0, P) ascending by `before` (a strict order; positions >= n come last): a bitonic network.
-template <class Before>
-__device__ void ctc_block_sort(int* order, int n, int P, Before before) {
-    for (int i = threadIdx.x; i < P; i += blockDim.x) order[i] = i;
-    __syncthreads();
-    for (int k = 2; k <= P; k <<= 1)
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            for (int i = threadIdx.x; i < P; i += blockDim.x) {
-                const int l = i ^ j;
-                if (l <= i) continue;
-                const int a = order[i], b = order[l];
-                const bool a_first = a < n && (b >= n || before(a, b));
-                if ((i & k) == 0 ? !a_first : a_first) { order[i] = b; order[l] = a; }
-            }
-            __syncthreads();
-        }
-}
+#include "block_sort.cuh"             // block_sort: a bitonic network over the block
 
 struct ByLogProb {            // the tokens by falling log-probability, then by id; the blank last
     const double* row; int blank;
@@ -90,7 +74,7 @@ extern "C" __global__ void ctc_beam_search(
     for (int t = 0; t < il[b]; t++) {
         const double* row = lp + ((long long)b * T + t) * C;
         const int nb = nb_s;
-        ctc_block_sort(w.top, C, PC, ByLogProb{row, blank});
+        block_sort(w.top, C, PC, ByLogProb{row, blank});
         for (int i = threadIdx.x; i < nb; i += blockDim.x) {          // the stays, and each beam's parent beam
             const int nd = w.b_node[i];
             w.s_pb[i] = semiring_plus(w.b_pb[i], w.b_pnb[i], use_max) + row[blank];
@@ -120,7 +104,7 @@ extern "C" __global__ void ctc_beam_search(
             w.c_score[c] = s;
         }
         __syncthreads();
-        ctc_block_sort(w.order, n_c, P, ByScore{w.c_score});
+        block_sort(w.order, n_c, P, ByScore{w.c_score});
         if (threadIdx.x == 0) {                                        // the survivors
             const double best = w.c_score[w.order[0]];
             int m = 0, n_nodes = n_nodes_s;
