@@ -412,14 +412,15 @@ class PrefixScorer:
     unknown word by never ending it (pyctcdecode's partial-word score). `whole_words`: a hypothesis must end with its
     last word completed by a delimiter (as torchaudio's lexicon decoding ends at a word's end): `final` is -inf for
     one that does not. `lookahead`: a prefix spelling a word ranks with the best lm_weight ln P(word | <s>) of the
-    words (of the lexicon, else of the LM) it begins (at most 0; flashlight's smearing)."""
+    words (of the lexicon, else of the LM) it begins (at most 0; flashlight's smearing). `lm_tokens`: each token is a
+    word of its own (a token-level LM)."""
     def __init__(self, C, blank, tokens=None, lm=None, lm_weight=0.0, word_score=0.0, hotwords=None, lexicon=None,
-                 unk_score=0.0, unk_prefix_score=0.0, whole_words=False, lookahead=False):
+                 unk_score=0.0, unk_prefix_score=0.0, whole_words=False, lookahead=False, lm_tokens=False):
         self.kinds, self.chars = token_kinds(tokens, blank) if tokens is not None else ([ORDINARY] * C, [''] * C)
+        if lm_tokens: self.kinds, self.chars = [DELIMITER if i == blank else WORD_START for i in range(C)], list(tokens)
         self.spells, self.lm, self.lm_weight, self.word_score, self.hot = tokens is not None, lm, lm_weight, word_score, hotwords
         self.unk_score, self.unk_prefix_score, self.whole_words = unk_score, unk_prefix_score, whole_words
-        self.lexicon = None if lexicon is None else tuple(lexicon)
-        self.lookahead = lookahead and lm is not None
+        self.lexicon, self.lookahead = None if lexicon is None else tuple(lexicon), lookahead and lm is not None
 
     @functools.cached_property
     def smear(self):
@@ -812,9 +813,8 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                     if a < 0 or q < 0 or tok[q] != tok[a] or lm_state[q] != lm_state[a] or trie[q] != trie[a] or \
                        hot[q] != hot[a] or has_word[q] != has_word[a] or plen[q] != plen[a]: continue
                     ab, anb, qb, qnb = c_pb[i] + wscore[a], c_pnb[i] + wscore[a], c_pb[j] + wscore[q], c_pnb[j] + wscore[q]
-                    if ab == qb and anb == qnb: continue
-                    if qb <= ab and qnb <= anb: c_node[j] = -1
-                    elif ab <= qb and anb <= qnb: c_node[i] = -1; a = -1
+                    if (ab != qb or anb != qnb) and qb <= ab and qnb <= anb: c_node[j] = -1
+                    elif (ab != qb or anb != qnb) and ab <= qb and anb <= qnb: c_node[i] = -1; a = -1
             for i in range(m): final[i] = -(_plus(c_pb[i], c_pnb[i], use_max) + run[c_node[i]]) if c_node[i] >= 0 else np.inf
             by_rank = np.argsort(final[:m]) if m > beam or recombine else np.arange(m)
             nb = 0
@@ -890,10 +890,9 @@ def _spelling_trie(lm, lexicon=None):
 @functools.lru_cache(maxsize=8)
 def _trie_smear(lm, lexicon=None):
     "Each node of `_spelling_trie(lm, lexicon)`: the best log10 P(word | <s>) of the words below it (`PrefixScorer.smear`), else 0."
-    keys, values, shift, K = _spelling_trie(lm, lexicon)[:4]
-    out = np.zeros(len(_spelling_trie(lm, lexicon)[4]))
+    trie = _spelling_trie(lm, lexicon); out = np.zeros(len(trie[4]))
     for w, p in PrefixScorer(1, 0, None, lm, lexicon=lexicon, lookahead=True).smear.items():
-        out[_walk(keys, values, shift, K, 0, np.array([ord(c) for c in w], np.int64), 0, len(w))] = p
+        out[_walk(*trie[:4], 0, np.array([ord(c) for c in w], np.int64), 0, len(w))] = p
     return out
 
 def _hot_tables(hot):
@@ -949,21 +948,22 @@ def _check_search(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm
 
 def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest=1, tokens=None, lm=None,
                     lm_weight=0.0, word_score=0.0, lexicon=None, hotwords=None, beam_threshold=math.inf, backend='auto',
-                    merge_delimiters=False, unk_score=0.0, unk_prefix_score=0.0, semiring='log', whole_words=False, lm_lookahead=False):
+                    merge_delimiters=False, unk_score=0.0, unk_prefix_score=0.0, semiring='log', whole_words=False, lm_lookahead=False,
+                    lm_tokens=False):
     """The CTC prefix beam search of a batch of emissions `log_probs` (N, T, C), batch first as torchaudio's decoders
     take them, each utterance over its first input_lengths[n] frames (default: all T). A hypothesis is a label sequence
     (blanks and repeats removed), scored by its acoustic log-probability summed over its alignments, plus, where
     `tokens` (the C tokens' strings) spell words (`token_kinds`: '|' or a space between words, or SentencePiece's '▁'
     before them), `lm_weight` times the natural log-probability of its words and `</s>` under `lm` (an `NGramLM`) and
-    `word_score` per word (and `unk_score` per word the LM does not know, and `unk_prefix_score` <= 0 to the ranking of
-    a prefix whose word being spelled begins no known word, as `PrefixScorer` says; with a `lexicon`, a collection of
-    words, only its words may be spelled, as torchaudio's lexicon decoding), and for each occurrence of a `hotwords`
-    phrase its weight per token ({phrase: weight}, [(phrase, weight)] or [phrase] for weight 1; a phrase a string or
-    token ids; or a `Hotwords` built once for many calls). Each frame keeps the `beam_width` best prefixes within
-    `beam_threshold` of the best. Returns torchaudio's structure: a list over the batch of lists of the `nbest` best
-    `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the hypothesis,
-    by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (a search of token sequences: no
-    tokens, hotwords; emulated on CPU tensors); 'auto': 'cuda' for such a search of a CUDA tensor. With a beam that keeps every
+    `word_score` per word (`lm_tokens`: each token is a word, for a token-level LM; `unk_score` per word the LM does not
+    know, `unk_prefix_score` <= 0 to the ranking of a prefix whose word being spelled begins no known word, as
+    `PrefixScorer` says; with a `lexicon`, a collection of words, only its words may be spelled), and for each
+    occurrence of a `hotwords` phrase its weight per token ({phrase: weight}, [(phrase, weight)] or [phrase] for weight
+    1; a phrase a string or token ids; or a `Hotwords` built once for many calls). Each frame keeps the `beam_width`
+    best prefixes within `beam_threshold` of the best. Returns torchaudio's structure: per utterance, a list of the
+    `nbest` best `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the
+    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (token sequences only: no
+    tokens or hotwords; emulated on CPU tensors), 'auto' the last for such a CUDA tensor's. With a beam that keeps every
     prefix and no threshold, nothing is pruned: the n best of all label sequences. With `merge_delimiters`, a hypothesis
     is its words (pyctcdecode's hypotheses): the token sequences that differ only in their delimiters (leading, trailing
     or repeated) are one, their probabilities summed, and it is given with one delimiter between words and none around
@@ -979,7 +979,7 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
         if flag and tokens is None: raise ValueError(f"{name} needs tokens: they say which are delimiters")
     scorer = PrefixScorer(C, blank, tokens, lm, lm_weight, word_score,
                           Hotwords.from_arg(hotwords, tokens, blank, C) if hotwords else None, lexicon, unk_score,
-                          unk_prefix_score, whole_words, lm_lookahead)
+                          unk_prefix_score, whole_words, lm_lookahead, lm_tokens)
     if backend == 'auto': backend = 'cuda' if log_probs.is_cuda and tokens is None and not hotwords and 'cuda' in _BACKENDS else 'cpu'
     found = _BACKENDS[backend](log_probs.detach() if backend == 'cuda' else log_probs.detach().cpu(), il, beam_width, blank, nbest, scorer, beam_threshold, merge_delimiters, semiring)
     return [[CTCHypothesis(torch.tensor(seq, dtype=torch.long), spell(seq, tokens, blank) if tokens is not None else [],
@@ -1003,7 +1003,7 @@ ctc_beam_search = declared(ctc_beam_search, lambda: dict(log_probs=torch.randn(2
                            beam_width=IntArg(1), blank=IntArg(0, 'C', high_open=True), nbest=IntArg(1),
                            lm_weight=RealArg(), word_score=RealArg(), unk_score=RealArg(), unk_prefix_score=RealArg(high=0), beam_threshold=RealArg(0, finite=False),
                            backend=ChoiceArg('auto', 'cpu', 'reference', 'cuda'), merge_delimiters=BoolArg(), semiring=ChoiceArg('log', 'max'),
-                           whole_words=BoolArg(), lm_lookahead=BoolArg(), eager=True)
+                           whole_words=BoolArg(), lm_lookahead=BoolArg(), lm_tokens=BoolArg(), eager=True)
 
 # %% ../nbs/11a_transducer_decode.ipynb #td-hyp
 class TransducerHypothesis(NamedTuple):
@@ -1320,12 +1320,15 @@ class CTCDecoder:
                  blank, sil):
         self.nbest, self.tokens, self.lm, self.blank, self.sil = nbest, tokens, lm, blank, sil
         self.lexicon, self.sil_score = lexicon, sil_score
-        # the tokens as the search spells words: the silence the one delimiter, every other token a word's characters
-        spelt = None if lexicon is None else ['-' if i == blank else '|' if i == sil else t for i, t in enumerate(tokens)]
+        # the tokens as the search spells words: with a lexicon the silence the one delimiter and every other token a
+        # word's characters; without one, each token a word of the LM (flashlight's token LM, which has no word score)
+        spelt = (['-' if i == blank else '|' if i == sil else t for i, t in enumerate(tokens)] if lexicon is not None
+                 else tokens if lm is not None else None)
         self.search = dict(beam_width=beam_size, blank=blank, nbest=nbest, tokens=spelt, lm=lm, lm_weight=lm_weight / LN10,
-                           word_score=word_score, lexicon=lexicon, beam_threshold=beam_threshold,
-                           semiring='log' if log_add else 'max', whole_words=lexicon is not None,
-                           lm_lookahead=lm is not None)
+                           word_score=word_score if lexicon is not None else 0.0, lexicon=lexicon,
+                           beam_threshold=beam_threshold, semiring='log' if log_add else 'max',
+                           whole_words=lexicon is not None, lm_lookahead=lm is not None and lexicon is not None,
+                           lm_tokens=lexicon is None and lm is not None)
         self._online = []
 
     def __call__(self, emissions, lengths=None):
@@ -1347,7 +1350,7 @@ class CTCDecoder:
         raw = [self.sil] + path + [self.sil]
         steps = [i for i, k in enumerate(raw) if k != self.blank and (i == 0 or k != raw[i - 1])]
         # (where no hypothesis ended at a word's end, the one being spelled is no word)
-        words = h.words[:-1] if self.lexicon is not None and len(h.tokens) and h.tokens[-1] != self.sil else h.words
+        words = [] if self.lexicon is None else h.words[:-1] if len(h.tokens) and h.tokens[-1] != self.sil else h.words
         return CTCHypothesis(torch.tensor([raw[i] for i in steps], dtype=torch.long), list(words), h.score,
                              torch.tensor(steps, dtype=torch.int32))
 
@@ -1370,10 +1373,11 @@ def ctc_decoder(lexicon, tokens, lm=None, lm_dict=None, nbest=1, beam_size=50, b
     """torchaudio's `ctc_decoder`, the same arguments and defaults: a `CTCDecoder` over `tokens` (a list or a file)
     with a `lexicon` file (or None: lexicon-free) and `lm` (an ARPA file's path or an `NGramLM`; `lm_weight` times its
     log10 scores, as KenLM's are), `word_score` per word, `sil_score` per frame of silence; `log_add=False` scores a
-    hypothesis by its best alignment (torchaudio's default), True by the sum over them. `beam_size_token` is accepted
-    and prunes nothing (the search visits tokens by falling score and stops where none can enter the beam). Not
-    supported (refused by name): a finite `unk_score` (flashlight's unknown words), `lm_dict`, a custom LM object,
-    KenLM's binary files, an LM without a lexicon, and lexicons whose spellings are not their words' characters."""
+    hypothesis by its best alignment (torchaudio's default), True by the sum over them; without a lexicon the LM's
+    words are the tokens. `beam_size_token` is accepted and prunes nothing (the search visits tokens by falling score
+    and stops where none can enter the beam). Not supported (refused by name): a finite `unk_score` (flashlight's
+    unknown words), `lm_dict`, a custom LM object, KenLM's binary files, and lexicons whose spellings are not their
+    words' characters."""
     tokens = _read_tokens(tokens)
     for name, t in (('blank_token', blank_token), ('sil_token', sil_token)):
         if t not in tokens: raise ValueError(f"{name} {t!r} is not one of the tokens")
@@ -1384,7 +1388,6 @@ def ctc_decoder(lexicon, tokens, lm=None, lm_dict=None, nbest=1, beam_size=50, b
         if blank == sil: raise ValueError("sil_token must differ from blank_token when decoding with a lexicon")
         lexicon = _read_lexicon(lexicon, tokens, sil_token)
     if lm is not None:
-        if lexicon is None: raise NotImplementedError("a language model without a lexicon (flashlight's token LM) is not supported: give a lexicon")
         if isinstance(lm, (str, os.PathLike)):
             if not str(lm).endswith(('.arpa', '.arpa.gz')):
                 raise ValueError(f"lm must be an ARPA file (.arpa or .arpa.gz: NGramLM does not read KenLM's binary format) or an NGramLM, got {lm!r}")

@@ -110,7 +110,6 @@ def test_cuda_ctc_decoders_call_searches_the_frames_it_keeps():
         assert got[b][0].tokens == want.tokens.tolist() and got[b][0].words == [toks[k] for k in want.tokens.tolist()]
 
 @pytest.mark.parametrize('kwargs, error, message', [
-    (dict(lexicon=None, lm='lm.arpa'), NotImplementedError, 'without a lexicon'),
     (dict(unk_score=0.0), NotImplementedError, 'unk_score'),
     (dict(lm_dict='dict.txt'), NotImplementedError, 'lm_dict'),
     (dict(sil_token='#'), ValueError, "sil_token '#'"),
@@ -138,3 +137,21 @@ def test_cuda_ctc_decoder_bad_input_is_named(kwargs, message):
     from seqdist.decode import CUCTCDecoder
     with pytest.raises(ValueError, match=message): CUCTCDecoder(['-', 'a'], **kwargs)
     with pytest.raises(ValueError, match='encoder_out_lens'): cuda_ctc_decoder(['-', 'a'])(torch.zeros(1, 3, 2), torch.tensor([4]))
+
+def test_without_a_lexicon_the_lms_words_are_the_tokens(tmp_path):
+    "The best hypothesis of enumeration: every label sequence's best path plus lm_weight times its tokens' log10 probability."
+    import itertools
+    toks = ['-', '|', 'a', 'b']
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        T = 1 + seed % 5
+        lp = torch.randn(1, T, 4, generator=g).mul(2).log_softmax(-1)
+        arpa = tmp_path / f'tokens{seed}.arpa'
+        arpa.write_text(random_arpa(seed, toks[1:], order=2 + seed % 2, n_per_order=6, suffix_closed=True))
+        lm, weight = NGramLM(str(arpa)), 0.5 + seed % 3 * 0.5
+        best = max(float(forced_align(lp.double(), torch.tensor([list(seq) or [1]]), None, [len(seq)], 0, backend='cpu')[1].sum())
+                   + weight * lm.score(' '.join(toks[k] for k in seq))
+                   for L in range(T + 1) for seq in itertools.product(range(1, 4), repeat=L)
+                   if L + sum(a == b for a, b in zip(seq, seq[1:])) <= T)
+        got = ctc_decoder(None, toks, lm=str(arpa), lm_weight=weight, beam_size=10**4, beam_threshold=1e9)(lp)[0][0]
+        assert abs(got.score - best) < 1e-9 and got.words == []
