@@ -1084,34 +1084,36 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
         raise ValueError(f"blank must be one of the model's symbols: predict refused {blank} as the start token ({e})") from e
     t, emitted = torch.zeros(B, dtype=torch.long, device=dev), torch.zeros(B, dtype=torch.long, device=dev)
     score = torch.zeros(B, dtype=torch.float64, device=dev)
-    steps = []                                         # (label (B,) or -1, frame (B,)) of each step
-    batch = torch.arange(B, device=dev)
+    steps = []                                         # (symbol (B,), whether a label, frame (B,)) of each step
+    frames_flat, rows = encoder_out.reshape(B * T, -1), torch.arange(B, device=dev) * T
     live = t < lengths
-    while bool(live.any()):
-        logits = join(encoder_out[batch, t.clamp(max=T - 1)], pred)
+    while bool(live.any()):                            # (few small ops a step: their overhead is the cost on a CPU)
+        logits = join(frames_flat[rows + t.clamp(max=T - 1)], pred)
         V = logits.shape[-1] - D
         if blank >= V: raise ValueError(f"blank must be one of the joiner's {V} symbols, got {blank}")
-        best, k = logits[:, :V].log_softmax(-1).max(-1)
+        top, k = logits[:, :V].max(-1)
+        best = top - logits[:, :V].logsumexp(-1)       # (the likeliest's log-probability, without the log-softmax)
         if D:                                          # TDT: the likeliest duration too
-            best_d, j = logits[:, V:].log_softmax(-1).max(-1)
-            best, move, label = best + best_d, moves[j], live & (k != blank)
+            top_d, j = logits[:, V:].max(-1)
+            best, move, label = best + top_d - logits[:, V:].logsumexp(-1), moves[j], live & (k != blank)
         else:                                          # i = blank - k: the blank, big blank i - 1, or a label
-            i = blank - k
-            blanks = (i >= 0) & (i < len(moves) - 1)
-            move, label = moves[torch.where(blanks, i, len(moves) - 1)], live & ~blanks
-        score += torch.where(live, best.double(), 0.0)
-        steps.append((torch.where(label, k, -1), t.clone()))
+            i = (blank - k).clamp(min=-1)
+            move = moves[torch.where(i < len(moves) - 1, i, -1)]                # (-1: a label's move, moves' last)
+            label = live & (move == 0)
+        score += best.double() * live
+        steps.append((k, label, t))
         if bool(label.any()):                          # the predictor moves on for the utterances that emitted
             new_pred, new_state = predict(torch.where(label, k, blank), state)
             pred, state = _select(label, new_pred, pred), _select(label, new_state, state)
-        emitted = torch.where(label, emitted + 1, emitted)
-        move = torch.where(label, move, move.clamp(min=1))           # a blank moves on; a label at the cap too
-        move = torch.where(label & (move == 0) & (emitted >= max_symbols_per_frame), 1, move)
-        move = torch.where(live, move, 0)
-        t, emitted = t + move, torch.where(move > 0, 0, emitted)
+        emitted += label
+        move = torch.maximum(move, ~label)                                # a blank moves on by 1 at least,
+        move = torch.maximum(move, label & (emitted >= max_symbols_per_frame)) * live   # a label at the cap by 1
+        t, emitted = t + move, emitted * (move == 0)
         live = t < lengths
-    labels = torch.stack([s[0] for s in steps], 1).cpu() if steps else torch.empty(B, 0, dtype=torch.long)
-    frames = torch.stack([s[1] for s in steps], 1).cpu() if steps else torch.empty(B, 0, dtype=torch.long)
+    if steps:
+        k, label, t = (torch.stack(x, 1).cpu() for x in zip(*steps))
+        labels, frames = torch.where(label, k, -1), t
+    else: labels = frames = torch.empty(B, 0, dtype=torch.long)
     return [TransducerHypothesis(labels[b][labels[b] >= 0], frames[b][labels[b] >= 0].int(), float(score[b]))
             for b in range(B)]
 
