@@ -1,17 +1,21 @@
 // The CTC prefix beam search on a GPU (written by nbs/11e_ctc_beam_cuda.ipynb): `_beam_search_kernel`'s search of
-// token sequences (no words, language model, lexicon or hotwords), one block per utterance, no host read between
-// frames. Frame by frame: the token ids are sorted by the frame's log-probability (a bitonic network over the block);
-// each beam stays (a blank, or its last label again) and takes in the extensions of its parent that are itself (a
-// thread per beam); each beam proposes its stay and its extensions by its M likeliest tokens (M = hcap + beam + 1, or
-// C - 1: of those, at most beam - 1 are its children, merged, and one its last label, so hcap of the others outrank
-// any token after them); the candidates are sorted by score (the same network); one thread takes the best hcap
-// (beam, or 2 beam to recombine: max semiring, one best) within `threshold` of the best, drops those another with the
-// same last token dominates (no better ending in a blank and in a label), keeps the best beam of the rest and gives
-// the extensions new nodes. At the end one thread ranks the beams and walks the n best back. The CPU kernel's hypotheses and scores,
-// the same arithmetic in the same order. Scratch per utterance in global memory (`work`, `work_bytes` each).
+// token sequences, each token a word of its own (a token-level LM, `lm_tokens`: `word_score` a token and the LM's
+// log10 probability times `lm_weight`, scored when the next token comes and at the end, as the CPU kernel does; no
+// lexicon or hotwords), one block per utterance, no host read between frames. Frame by frame: the token ids are
+// sorted by the frame's log-probability (a bitonic network over the block); each beam stays (a blank, or its last
+// label again) and takes in the extensions of its parent that are itself (a thread per beam); each beam proposes its
+// stay and its extensions by its M likeliest tokens (M = hcap + beam + 1, or C - 1: of those, at most beam - 1 are
+// its children, merged, and one its last label, so hcap of the others outrank any token after them: an extension's
+// word scores do not depend on its token); the candidates are sorted by score (the same network); one thread takes
+// the best hcap (beam, or 2 beam to recombine: max semiring, one best) within `threshold` of the best, drops those
+// another with the same last token and LM state dominates (no better ending in a blank and in a label), keeps the
+// best beam of the rest and gives the extensions new nodes (their LM step). At the end one thread ranks the beams
+// and walks the n best back. The CPU kernel's hypotheses and scores, the same arithmetic in the same order. Scratch
+// per utterance in global memory (`work`, `work_bytes` each).
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)   // (NVRTC has no <cmath>; semiring.cuh's definition)
 #endif
+#include "block_sort.cuh"             // block_sort: a bitonic network over the block
 
 __device__ __forceinline__ double semiring_plus(double a, double b, int use_max) {
     if (use_max) return a > b ? a : b;
@@ -21,11 +25,37 @@ __device__ __forceinline__ double semiring_plus(double a, double b, int use_max)
     return hi + log1p(exp(lo - hi));                    // (the CPU kernel's _lae: max + log1p(exp(-|a - b|)))
 }
 
+struct NGramTables {          // `NGramLM.tables`: an open-addressed table of (context id * V + word) -> n-gram id
+    const long long *keys, *values; int shift; long long V;
+    const double *log10p, *backoff; const long long *suffix, *order; long long max_order;
+};
+
+__device__ long long ngram_find(const NGramTables& lm, long long key) {      // `_find`: Fibonacci hash, linear probing
+    const long long mask = (1LL << (64 - lm.shift)) - 1;                      // (the table holds 2^(64 - shift) slots)
+    long long h = (long long)(((unsigned long long)key * 11400714819323198485ULL) >> lm.shift);
+    while (lm.keys[h] != key && lm.keys[h] != -1) h = (h + 1) & mask;
+    return lm.keys[h] == key ? lm.values[h] : -1;
+}
+
+// `lm_step`: log10 P(word | state) by back-off, and the state after the word
+__device__ double ngram_step(const NGramTables& lm, long long state, long long word, long long* next) {
+    double bo = 0.0;
+    long long ctx = state;
+    while (true) {
+        const long long i = ngram_find(lm, ctx * lm.V + word);
+        if (i >= 0) { *next = lm.order[i] == lm.max_order ? lm.suffix[i] : i; return bo + lm.log10p[i]; }
+        if (ctx == 0) { *next = 0; return -INFINITY; }
+        bo += lm.backoff[ctx];
+        ctx = lm.suffix[ctx];
+    }
+}
+
 struct CtcBeamWork {          // one utterance's scratch
-    int *parent, *tok;                                  // the prefix tree's nodes (cap)
+    int *parent, *tok; signed char* has_word;           // the prefix tree's nodes (cap): a token word pending?
+    long long *lm_state, *done_state; double *wscore, *done_score;   // its words' LM state and score, the pending one's
     int *b_node, *child_of;                             // the beam, each one's parent beam (beam)
     double *b_pb, *b_pnb, *s_pb, *s_pnb;                // (beam)
-    int *n_node, *n_beam; double *n_pb, *n_pnb;         // the survivors (hcap)
+    int *n_node, *n_beam; double *n_pb, *n_pnb, *n_ws; long long* n_state;   // the survivors (hcap)
     int *top;                                           // the tokens by falling log-probability (PC)
     int *order;                                         // the candidates' order (P)
     double *c_score;                                    // (n_cand)
@@ -36,14 +66,15 @@ __device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, i
     size_t at = 0;
     #define TAKE(ptr, type, count) (at = (at + 7) & ~(size_t)7, ptr = (type*)(base + at), at += sizeof(type) * (size_t)(count))
     TAKE(w.b_pb, double, beam); TAKE(w.b_pnb, double, beam); TAKE(w.s_pb, double, beam); TAKE(w.s_pnb, double, beam);
-    TAKE(w.n_pb, double, hcap); TAKE(w.n_pnb, double, hcap); TAKE(w.c_score, double, n_cand);
-    TAKE(w.parent, int, cap); TAKE(w.tok, int, cap); TAKE(w.b_node, int, beam); TAKE(w.child_of, int, beam);
-    TAKE(w.n_node, int, hcap); TAKE(w.n_beam, int, hcap); TAKE(w.top, int, PC); TAKE(w.order, int, P);
+    TAKE(w.n_pb, double, hcap); TAKE(w.n_pnb, double, hcap); TAKE(w.n_ws, double, hcap); TAKE(w.n_state, long long, hcap);
+    TAKE(w.c_score, double, n_cand);
+    TAKE(w.wscore, double, cap); TAKE(w.done_score, double, cap); TAKE(w.lm_state, long long, cap);
+    TAKE(w.done_state, long long, cap); TAKE(w.parent, int, cap); TAKE(w.tok, int, cap); TAKE(w.b_node, int, beam);
+    TAKE(w.child_of, int, beam); TAKE(w.n_node, int, hcap); TAKE(w.n_beam, int, hcap); TAKE(w.top, int, PC);
+    TAKE(w.order, int, P); TAKE(w.has_word, signed char, cap);
     #undef TAKE
     return w;
 }
-
-#include "block_sort.cuh"             // block_sort: a bitonic network over the block
 
 struct ByLogProb {            // the tokens by falling log-probability, then by id; the blank last
     const double* row; int blank;
@@ -59,15 +90,23 @@ struct ByScore {              // the candidates by falling score, then by positi
 
 extern "C" __global__ void ctc_beam_search(
     const double* __restrict__ lp, const long long* __restrict__ il, int blank, int beam, double threshold,
-    int use_max, int recombine, long long* __restrict__ out_tokens, long long* __restrict__ out_len,
-    double* __restrict__ out_score, long long* __restrict__ out_n, unsigned char* __restrict__ work,
-    long long work_bytes, int T, int C, int nbest, int M, int PC, int P)
+    int use_max, int recombine, int use_words, int use_lm, const long long* __restrict__ tok_word,
+    double word_score, double unk_score, double lm_weight, long long unk, long long eos, long long begin_state,
+    const long long* __restrict__ lm_keys, const long long* __restrict__ lm_values, int lm_shift, long long V,
+    const double* __restrict__ log10p, const double* __restrict__ backoff, const long long* __restrict__ suffix,
+    const long long* __restrict__ ngram_order, long long max_order,
+    long long* __restrict__ out_tokens, long long* __restrict__ out_len, double* __restrict__ out_score,
+    long long* __restrict__ out_n, unsigned char* __restrict__ work, long long work_bytes, int T, int C, int nbest,
+    int M, int PC, int P)
 {
     const int b = blockIdx.x, hcap = recombine ? 2 * beam : beam, cap = T * beam + 1, n_cand = beam + beam * M;
+    const NGramTables lm{lm_keys, lm_values, lm_shift, V, log10p, backoff, suffix, ngram_order, max_order};
     CtcBeamWork w = ctc_beam_layout(work + (long long)b * work_bytes, cap, beam, hcap, PC, n_cand, P);
     __shared__ int nb_s, n_nodes_s;
     if (threadIdx.x == 0) {
-        w.parent[0] = -1; w.tok[0] = -1; w.b_node[0] = 0; w.b_pb[0] = 0.0; w.b_pnb[0] = -INFINITY;
+        w.parent[0] = -1; w.tok[0] = -1; w.has_word[0] = 0; w.lm_state[0] = begin_state; w.done_state[0] = begin_state;
+        w.wscore[0] = 0.0; w.done_score[0] = 0.0;
+        w.b_node[0] = 0; w.b_pb[0] = 0.0; w.b_pnb[0] = -INFINITY;
         nb_s = 1; n_nodes_s = 1;
     }
     __syncthreads();
@@ -94,12 +133,15 @@ extern "C" __global__ void ctc_beam_search(
         const int n_c = nb + nb * M;
         for (int c = threadIdx.x; c < n_c; c += blockDim.x) {         // the candidates: stays, then extensions
             double s;
-            if (c < nb) s = semiring_plus(w.s_pb[c], w.s_pnb[c], use_max);
-            else {
+            if (c < nb) {
+                s = semiring_plus(w.s_pb[c], w.s_pnb[c], use_max);
+                if (s > -INFINITY) s += w.wscore[w.b_node[c]];
+            } else {
                 const int i = (c - nb) / M, k = w.top[(c - nb) % M], nd = w.b_node[i];
                 bool merged = false;
                 for (int j = 0; j < nb; j++) merged |= w.child_of[j] == i && w.tok[w.b_node[j]] == k;
                 s = merged ? -INFINITY : (k == w.tok[nd] ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max)) + row[k];
+                if (s > -INFINITY) s += w.wscore[nd] + (use_words ? w.done_score[nd] : 0.0);   // (its pending word done)
             }
             w.c_score[c] = s;
         }
@@ -112,32 +154,52 @@ extern "C" __global__ void ctc_beam_search(
                 const int c = w.order[r];
                 const double s = w.c_score[c];
                 if (s == -INFINITY || s < best - threshold) break;
-                const int i = c < nb ? c : (c - nb) / M, last = c < nb ? w.tok[w.b_node[i]] : w.top[(c - nb) % M];
-                const double pb = c < nb ? w.s_pb[i] : -INFINITY, pnb = c < nb ? w.s_pnb[i] : s;
+                const int i = c < nb ? c : (c - nb) / M, p = w.b_node[i], last = c < nb ? w.tok[p] : w.top[(c - nb) % M];
+                const bool done = c >= nb && use_words && w.has_word[p];       // (an extension: its pending word done)
+                const double ws = done ? w.wscore[p] + w.done_score[p] : w.wscore[p];
+                const long long state = done ? w.done_state[p] : w.lm_state[p];
+                const int k = c < nb ? -1 : w.top[(c - nb) % M];
+                const double pb = c < nb ? w.s_pb[i] : -INFINITY,
+                             pnb = c < nb ? w.s_pnb[i] : (k == w.tok[p] ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max)) + row[k];
                 // recombining: out if a kept one dominates it, and the kept ones it dominates go (the kept stay in
                 // falling order of score: the non-dominated of the best hcap, as the CPU kernel's pairs leave them)
                 bool out = false;
                 int m2 = 0;
+                const double ab = pb + ws, anb = pnb + ws;                 // (compared with their words' scores)
                 for (int q = 0; q < m; q++) {
                     const int kept_last = w.n_node[q] >= 0 ? w.tok[w.n_node[q]] : w.top[-w.n_node[q] - 1];
-                    const bool rival = recombine && kept_last == last && !(pb == w.n_pb[q] && pnb == w.n_pnb[q]);
-                    out |= rival && pb <= w.n_pb[q] && pnb <= w.n_pnb[q];
-                    if (rival && w.n_pb[q] <= pb && w.n_pnb[q] <= pnb) continue;
+                    const double qb = w.n_pb[q] + w.n_ws[q], qnb = w.n_pnb[q] + w.n_ws[q];
+                    const bool rival = recombine && kept_last == last && w.n_state[q] == state && !(ab == qb && anb == qnb);
+                    out |= rival && ab <= qb && anb <= qnb;
+                    if (rival && qb <= ab && qnb <= anb) continue;
                     w.n_node[m2] = w.n_node[q]; w.n_beam[m2] = w.n_beam[q]; w.n_pb[m2] = w.n_pb[q]; w.n_pnb[m2] = w.n_pnb[q];
+                    w.n_ws[m2] = w.n_ws[q]; w.n_state[m2] = w.n_state[q];
                     m2++;
                 }
                 m = m2;
                 if (out) continue;
-                w.n_node[m] = c < nb ? w.b_node[i] : -((c - nb) % M) - 1;   // (an extension: its token's rank, for now)
-                w.n_beam[m] = i; w.n_pb[m] = pb; w.n_pnb[m] = pnb;
+                w.n_node[m] = c < nb ? p : -((c - nb) % M) - 1;        // (an extension: its token's rank, for now)
+                w.n_beam[m] = i; w.n_pb[m] = pb; w.n_pnb[m] = pnb; w.n_ws[m] = ws; w.n_state[m] = state;
                 m++;
             }
             if (m > beam) m = beam;
-            for (int q = 0; q < m; q++) {                              // the extensions' nodes
-                if (w.n_node[q] < 0) {
-                    const int nd = n_nodes++;
-                    w.parent[nd] = w.b_node[w.n_beam[q]]; w.tok[nd] = w.top[-w.n_node[q] - 1];
-                    w.n_node[q] = nd;
+            for (int q = 0; q < m; q++) {                              // the extensions' nodes: their words' state
+                if (w.n_node[q] >= 0) continue;
+                const int nd = n_nodes++, p = w.b_node[w.n_beam[q]], k = w.top[-w.n_node[q] - 1];
+                const bool done = use_words && w.has_word[p];
+                w.parent[nd] = p; w.tok[nd] = k; w.n_node[q] = nd;
+                w.lm_state[nd] = done ? w.done_state[p] : w.lm_state[p];
+                w.wscore[nd] = done ? w.wscore[p] + w.done_score[p] : w.wscore[p];
+                w.has_word[nd] = use_words && tok_word[k] >= 0;
+                w.done_score[nd] = 0.0; w.done_state[nd] = w.lm_state[nd];
+                if (w.has_word[nd]) {
+                    w.done_score[nd] = word_score;
+                    if (use_lm) {
+                        long long next;
+                        if (tok_word[k] == unk) w.done_score[nd] += unk_score;        // (the CPU kernel's order)
+                        w.done_score[nd] += lm_weight * ngram_step(lm, w.lm_state[nd], tok_word[k], &next);
+                        w.done_state[nd] = next;
+                    }
                 }
             }
             for (int q = 0; q < m; q++) { w.b_node[q] = w.n_node[q]; w.b_pb[q] = w.n_pb[q]; w.b_pnb[q] = w.n_pnb[q]; }
@@ -146,10 +208,17 @@ extern "C" __global__ void ctc_beam_search(
         __syncthreads();
     }
     if (threadIdx.x != 0) return;
-    const int nb = nb_s;                                               // the n best, walked back
-    for (int i = 0; i < nb; i++) w.s_pb[i] = semiring_plus(w.b_pb[i], w.b_pnb[i], use_max);
+    const int nb = nb_s;                                               // the end: the pending word and </s>
+    for (int i = 0; i < nb; i++) {
+        const int nd = w.b_node[i];
+        double s = semiring_plus(w.b_pb[i], w.b_pnb[i], use_max) + w.wscore[nd];
+        long long state = w.lm_state[nd], next;
+        if (w.has_word[nd]) { s += w.done_score[nd]; state = w.done_state[nd]; }
+        if (use_lm) s += lm_weight * ngram_step(lm, state, eos, &next);
+        w.s_pb[i] = s;
+    }
     long long n_out = 0;
-    for (int r = 0; r < nbest && r < nb; r++) {
+    for (int r = 0; r < nbest && r < nb; r++) {                        // the n best, walked back
         int k = -1;
         for (int i = 0; i < nb; i++) if (w.s_pb[i] > -INFINITY && (k < 0 || w.s_pb[i] > w.s_pb[k])) k = i;
         if (k < 0) break;

@@ -943,7 +943,7 @@ def _check_search(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm
     if lm is not None and not all(hasattr(lm, a) for a in ('tables', 'vocab', 'step')):   # (an NGramLM, or one like it)
         raise TypeError(f"lm must be an NGramLM, got {type(lm).__name__}")
     if lm is not None and tokens is None: raise ValueError("lm needs tokens: the LM scores the words the tokens spell")
-    refuse_nan(nonfinite_sequences(log_probs, 0, torch.arange(T) < il[:, None]), True, 'a beam search', 'log_probs')
+    refuse_nan(nonfinite_sequences(log_probs, 0, (torch.arange(T) < il[:, None]).to(log_probs.device)), True, 'a beam search', 'log_probs')
     return il
 
 def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest=1, tokens=None, lm=None,
@@ -962,8 +962,8 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     1; a phrase a string or token ids; or a `Hotwords` built once for many calls). Each frame keeps the `beam_width`
     best prefixes within `beam_threshold` of the best. Returns torchaudio's structure: per utterance, a list of the
     `nbest` best `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the
-    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (token sequences only: no
-    tokens or hotwords; emulated on CPU tensors), 'auto' the last for such a CUDA tensor's. With a beam that keeps every
+    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (token sequences, each token a
+    word or none; emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
     prefix and no threshold, nothing is pruned: the n best of all label sequences. With `merge_delimiters`, a hypothesis
     is its words (pyctcdecode's hypotheses): the token sequences that differ only in their delimiters (leading, trailing
     or repeated) are one, their probabilities summed, and it is given with one delimiter between words and none around
@@ -980,7 +980,7 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     scorer = PrefixScorer(C, blank, tokens, lm, lm_weight, word_score,
                           Hotwords.from_arg(hotwords, tokens, blank, C) if hotwords else None, lexicon, unk_score,
                           unk_prefix_score, whole_words, lm_lookahead, lm_tokens)
-    if backend == 'auto': backend = 'cuda' if log_probs.is_cuda and tokens is None and not hotwords and 'cuda' in _BACKENDS else 'cpu'
+    if backend == 'auto': backend = 'cuda' if log_probs.is_cuda and _BACKENDS['cuda'].handles(scorer, merge_delimiters) else 'cpu'
     found = _BACKENDS[backend](log_probs.detach() if backend == 'cuda' else log_probs.detach().cpu(), il, beam_width, blank, nbest, scorer, beam_threshold, merge_delimiters, semiring)
     return [[CTCHypothesis(torch.tensor(seq, dtype=torch.long), spell(seq, tokens, blank) if tokens is not None else [],
                            score, steps) for (score, seq), steps in zip(hyps, _first_frames(log_probs[b, :il[b]], hyps, blank))]
@@ -1451,28 +1451,62 @@ _CTC_BEAM_THREADS = 256
 resource_budget([_ctc_beam_kernel], block=_CTC_BEAM_THREADS, min_threads=_CTC_BEAM_THREADS,
                 why="one block per utterance: the sorts over the block, the survivors on one thread")
 
+def _token_words(scorer):
+    "Whether the scorer's words are its tokens (`lm_tokens`: every token but the blank a word start)."
+    return scorer.spells and all(k != ORDINARY for k in scorer.kinds) and scorer.kinds.count(DELIMITER) == 1
+
+def _cuda_handles(scorer, merge_delimiters):
+    "Whether the CUDA kernel does this search: token sequences, each token a word or none (no lexicon, no hotwords)."
+    return ((not scorer.spells or _token_words(scorer)) and scorer.hot is None and scorer.lexicon is None and
+            not (merge_delimiters or scorer.whole_words or scorer.lookahead or scorer.unk_prefix_score))
+
+def _lm_device_tables(lm, device):
+    "`lm.tables` as tensors on `device` (kept on the model, one copy a device), or placeholders without an LM."
+    if lm is None: return (torch.full((2,), -1, device=device), torch.full((2,), -1, device=device), 63, 1,
+                           *torch.zeros(2, 1, dtype=torch.float64, device=device), *torch.zeros(2, 1, dtype=torch.long, device=device), 1)
+    cache = lm.__dict__.setdefault('_device_tables', {})
+    if device not in cache:
+        keys, values, shift, V, log10p, backoff, suffix, order, max_order = lm.tables
+        cache[device] = (*(torch.as_tensor(a, device=device) for a in (keys, values)), shift, V,
+                         *(torch.as_tensor(a, device=device) for a in (log10p, backoff, suffix, order)), max_order)
+    return cache[device]
+
 def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, scorer, beam_threshold,
                           merge_delimiters=False, semiring='log'):
     """`_ctc_beam_search_cpu`'s answer from the CUDA kernel `ctc_beam_search` (emulated on CPU tensors), for a search
-    of token sequences (no tokens' words, LM, lexicon or hotwords). The scratch of each utterance in one buffer; the
-    hypotheses are read back once, after the last frame."""
-    if scorer.spells or scorer.hot is not None or merge_delimiters:
-        raise NotImplementedError("backend='cuda' searches token sequences: tokens (words, an LM, a lexicon), hotwords "
-                                  "and merge_delimiters are the 'cpu' backend's")
+    of token sequences, each token a word of the LM or none (`_cuda_handles`). The scratch of each utterance in one
+    buffer; the hypotheses are read back once, after the last frame."""
+    if not _cuda_handles(scorer, merge_delimiters):
+        raise NotImplementedError("backend='cuda' searches token sequences, each token a word (lm_tokens) or none: words "
+                                  "spelled by tokens, lexicons, hotwords, merge_delimiters, whole_words, lm_lookahead "
+                                  "and unk_prefix_score are the 'cpu' backend's")
     N, T, C = log_probs.shape
-    dev = log_probs.device
+    dev, lm = log_probs.device, scorer.lm
+    trie = _spelling_trie(lm, None)
+    def word_of(chars):                                   # (the CPU kernel's: the LM word its characters spell, or <unk>)
+        if not chars or lm is None: return 0 if chars else -1
+        node = _walk(*trie[:4], 0, np.array([ord(ch) for ch in chars], np.int64), 0, len(chars))
+        return int(trie[4][node]) if node >= 0 and trie[4][node] >= 0 else lm.unk
+    tok_word = torch.tensor([word_of(ch) if scorer.spells and i != blank else -1 for i, ch in enumerate(scorer.chars)], device=dev)
     recombine = semiring == 'max' and nbest == 1
     hcap = 2 * beam_width if recombine else beam_width
     M = min(C - 1, hcap + beam_width + 1)                 # each beam's likeliest tokens that can make the best hcap
     n_cand, cap = beam_width * (1 + M), T * beam_width + 1
     PC, P = (1 << max(0, n - 1).bit_length() for n in (C, n_cand))     # the sorts' widths: powers of 2
-    work_bytes = 8 * (4 * beam_width + 2 * hcap + n_cand) + 4 * (2 * cap + 2 * beam_width + 2 * hcap + PC + P) + 128
+    work_bytes = 8 * (4 * beam_width + 4 * hcap + n_cand + 4 * cap) + 4 * (2 * cap + 2 * beam_width + 2 * hcap + PC + P) + cap + 128
     out_tokens = torch.zeros(N, nbest, T, dtype=torch.long, device=dev)
     out_len, out_n = torch.zeros(N, nbest, dtype=torch.long, device=dev), torch.zeros(N, dtype=torch.long, device=dev)
     out_score = torch.full((N, nbest), -math.inf, dtype=torch.float64, device=dev)
+    keys, values, shift, V, log10p, backoff, suffix, order, max_order = _lm_device_tables(lm, dev)
     if N: _ctc_beam_kernel((N,), (min(_CTC_BEAM_THREADS, max(PC, P)),), lp=log_probs.detach().double().contiguous(),
                            il=input_lengths.to(dev).long().contiguous(), blank=blank, beam=beam_width,
                            threshold=float(beam_threshold), use_max=int(semiring == 'max'), recombine=int(recombine),
+                           use_words=int(bool(scorer.spells)), use_lm=int(lm is not None), tok_word=tok_word,
+                           word_score=float(scorer.word_score), unk_score=float(scorer.unk_score),
+                           lm_weight=float(scorer.lm_weight * LN10), unk=lm.unk if lm else 0,
+                           eos=lm.word_id('</s>') if lm else 0, begin_state=lm.begin_state() if lm else 0,
+                           lm_keys=keys, lm_values=values, lm_shift=shift, V=V, log10p=log10p, backoff=backoff,
+                           suffix=suffix, ngram_order=order, max_order=max_order,
                            out_tokens=out_tokens, out_len=out_len, out_score=out_score, out_n=out_n,
                            work=torch.empty(N * work_bytes, dtype=torch.uint8, device=dev), work_bytes=work_bytes,
                            T=T, C=C, nbest=nbest, M=M, PC=PC, P=P)
@@ -1480,4 +1514,5 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     return [[(float(out_score[b, r]), tuple(out_tokens[b, r, :out_len[b, r]].tolist())) for r in range(out_n[b])]
             for b in range(N)]
 
+_ctc_beam_search_cuda.handles = _cuda_handles
 _BACKENDS['cuda'] = _ctc_beam_search_cuda

@@ -3,7 +3,8 @@ the CPU kernel's hypotheses and scores, its refusals, and `cuda_ctc_decoder`'s f
 import math
 import pytest
 import torch
-from seqdist.decode import ctc_beam_search, PrefixScorer, cuda_ctc_decoder, _ctc_beam_search_cpu, _ctc_beam_search_cuda
+from seqdist.decode import (ctc_beam_search, PrefixScorer, NGramLM, random_arpa, cuda_ctc_decoder, _ctc_beam_search_cpu,
+                            _ctc_beam_search_cuda)
 
 @pytest.mark.parametrize('semiring', ['log', 'max'])
 def test_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
@@ -14,6 +15,20 @@ def test_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
         il = torch.randint(0, T + 1, (N,), generator=g)
         beam = 1 + seed % 6
         args = (lp, il, beam, seed % C, 1 + seed % min(3, beam), PrefixScorer(C, seed % C), (math.inf, 3.0)[seed % 3 == 1], False, semiring)
+        for cpu, cuda in zip(_ctc_beam_search_cpu(*args), _ctc_beam_search_cuda(*args)):
+            assert [s for _, s in cpu] == [s for _, s in cuda], seed
+            assert all(abs(a - b) < 1e-12 for (a, _), (b, _) in zip(cpu, cuda))
+
+@pytest.mark.parametrize('semiring', ['log', 'max'])
+def test_with_a_token_lm_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        N, T, C = 3, 2 + seed % 8, (4, 7, 13)[seed % 3]
+        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).mul(1 + seed % 3).log_softmax(-1)
+        toks, blank = [f't{i}' for i in range(C)], seed % C
+        lm = NGramLM(text=random_arpa(seed, toks[1:], order=1 + seed % 3, n_per_order=10))   # (t0: <unk>)
+        scorer = PrefixScorer(C, blank, toks, lm, 0.8, (seed % 5 - 2) * 0.3, unk_score=-1.5, lm_tokens=True)
+        args = (lp, torch.randint(0, T + 1, (N,), generator=g), 1 + seed % 5, blank, 1 + seed % 2, scorer, math.inf, False, semiring)
         for cpu, cuda in zip(_ctc_beam_search_cpu(*args), _ctc_beam_search_cuda(*args)):
             assert [s for _, s in cpu] == [s for _, s in cuda], seed
             assert all(abs(a - b) < 1e-12 for (a, _), (b, _) in zip(cpu, cuda))
@@ -33,6 +48,8 @@ def test_words_and_hotwords_are_refused_by_the_cuda_backend():
         ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], backend='cuda')
     with pytest.raises(NotImplementedError, match='hotwords'):
         ctc_beam_search(lp, beam_width=3, hotwords=[[1, 2]], backend='cuda')
+    with pytest.raises(NotImplementedError, match='lexicons'):
+        ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], lexicon=['a'], lm_tokens=True, backend='cuda')
     with pytest.raises(ValueError, match='backend'):
         ctc_beam_search(lp, beam_width=3, backend='gpu')
 
