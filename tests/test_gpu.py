@@ -715,6 +715,13 @@ def test_gpu_ctc_beam_search_equals_the_cpu_kernel(record):
         want = ctc_beam_search(lp, il, beam_width=8, nbest=nbest, semiring=semiring, backend='cpu')
         got = ctc_beam_search(lp.cuda(), il.cuda(), beam_width=8, nbest=nbest, semiring=semiring)
         assert [[(h.tokens.tolist(), h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
+    from seqdist.decode import NGramLM, random_arpa
+    toks = [f't{i}' for i in range(40)]
+    lm = NGramLM(text=random_arpa(0, toks[1:], order=3, n_per_order=50))
+    kw = dict(beam_width=6, tokens=toks, lm=lm, lm_weight=0.6, lm_tokens=True, semiring='max')
+    want = ctc_beam_search(lp, il, backend='cpu', **kw)
+    got = ctc_beam_search(lp.cuda(), il.cuda(), **kw)                      # ('auto': the CUDA kernel, with the LM)
+    assert [[(h.tokens.tolist(), h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
     face = cuda_ctc_decoder([str(i) for i in range(40)], blank_skip_threshold=1.0)(lp.float().cuda(), il.int().cuda())
     assert [h[0].tokens for h in face] == [x[0].tokens.tolist() for x in ctc_beam_search(lp.float(), il, beam_width=10, backend='cpu')]
     record('ctc_beam_search')
