@@ -1054,6 +1054,8 @@ def transducer_greedy_reference(encoder_out, encoder_lengths, predict, join, bla
     return out
 
 # %% ../nbs/11a_transducer_decode.ipynb #td-greedy
+_SYNC_EVERY = {'cuda': 16}     # steps between the host's reads of whether any utterance goes on, by device type (CPU: 1)
+
 @torch.no_grad()
 def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join, blank, max_symbols_per_frame=10,
                              durations=None, big_blank_durations=None):
@@ -1086,8 +1088,9 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
     score = torch.zeros(B, dtype=torch.float64, device=dev)
     steps = []                                         # (symbol (B,), whether a label, frame (B,)) of each step
     frames_flat, rows = encoder_out.reshape(B * T, -1), torch.arange(B, device=dev) * T
-    live = t < lengths
-    while bool(live.any()):                            # (few small ops a step: their overhead is the cost on a CPU)
+    live, check, step = t < lengths, _SYNC_EVERY.get(dev.type, 1), 0
+    while step % check or bool(live.any()):            # (few small ops a step: their overhead is the cost on a CPU;
+        step += 1                                      # on a GPU the host reads only every `check` steps)
         logits = join(frames_flat[rows + t.clamp(max=T - 1)], pred)
         V = logits.shape[-1] - D
         if blank >= V: raise ValueError(f"blank must be one of the joiner's {V} symbols, got {blank}")
@@ -1102,7 +1105,7 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
             label = live & (move == 0)
         score += best.double() * live
         steps.append((k, label, t))
-        if bool(label.any()):                          # the predictor moves on for the utterances that emitted
+        if check > 1 or bool(label.any()):             # the predictor moves on for the utterances that emitted
             new_pred, new_state = predict(torch.where(label, k, blank), state)
             pred, state = _select(label, new_pred, pred), _select(label, new_state, state)
         emitted += label

@@ -328,3 +328,17 @@ def test_a_blank_past_the_joiners_symbols_is_named():
     predict, join, _, opts = _scripted('multiblank')             # (its predictor takes any start token)
     with pytest.raises(ValueError, match=r"blank must be one of the joiner's 7 symbols, got 7"):
         transducer_greedy_decode(torch.zeros(1, 4, 3, dtype=torch.float64), predict=predict, join=join, blank=7, **opts)
+
+def test_greedy_decoding_reading_the_host_every_few_steps_is_the_same(monkeypatch):
+    "As on a GPU (the host reads whether any utterance goes on every _SYNC_EVERY steps): the loop's labels, frames, scores."
+    import seqdist.decode as D
+    monkeypatch.setitem(D._SYNC_EVERY, 'cpu', 5)
+    for kind, opts in (('rnnt', {}), ('tdt', dict(durations=[0, 1, 2])), ('multiblank', dict(big_blank_durations=[2]))):
+        predict, join = random_transducer(6, seed=3, dtype=torch.float64, blank=5 if kind == 'multiblank' else 0,
+                                          extra=len(opts.get('durations', ())))
+        enc, lengths = torch.randn(4, 13, 16, dtype=torch.float64), torch.tensor([13, 7, 0, 2])
+        blank = 5 if kind == 'multiblank' else 0
+        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=2, **opts)
+        loop = transducer_greedy_reference(enc, lengths, predict, join, blank, 2, **opts)
+        for a, b in zip(ours, loop):
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.timesteps, b.timesteps) and abs(a.score - b.score) < 1e-9
