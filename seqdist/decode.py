@@ -1445,7 +1445,6 @@ def _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symb
     return lengths
 
 # %% ../nbs/11d_transducer_beam.ipynb #tb-search
-@torch.no_grad()
 def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, blank, beam_width=4, nbest=1,
                            max_symbols_per_frame=10, durations=None, big_blank_durations=None, lm=None, lm_weight=0.0,
                            tokens=None, hotwords=None):
@@ -1463,14 +1462,40 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
     that keeps every hypothesis, the n best of all label sequences (`transducer_nbest_brute_force`); always,
     `transducer_beam_reference`'s answer."""
     lengths = _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens)
-    (B, T), dev, K, ninf = encoder_out.shape[:2], encoder_out.device, beam_width, -math.inf
+    found = _search(encoder_out, lengths, predict, join, blank, beam_width, max_symbols_per_frame, durations,
+                    big_blank_durations, lm, lm_weight, tokens, hotwords)
+    B = encoder_out.shape[0]
+    if found is None: return [[TransducerBeamHypothesis(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32), 0.0, 0.0, 0.0, 0.0)]
+                              for _ in range(B)]
+    # the ended hypotheses: with </s>, best first, their labels and frames read back along the tree of labels
+    Ef, Ei, tree, frame_of, sc, S = found
+    out = []
+    for b in range(B):
+        final = [float(Ef[b, s, 0] + Ef[b, s, 2]) + lm_weight * sc.eos(Ei[b, s, _LS]) for s in range(beam_width)]
+        hyps = []
+        for s in sorted(range(beam_width), key=lambda s: -final[s])[:nbest]:
+            if final[s] == -math.inf: break
+            labels, when, node = [], [], int(Ei[b, s, _NODE])
+            while node >= 0:
+                R, at = divmod(node, S)
+                labels.append(int(tree[R, b, at, _LAST])); when.append(frame_of[R]); node = int(tree[R, b, at, _PNODE])
+            lm_score, hot = sc.replay(labels[::-1])
+            hyps.append(TransducerBeamHypothesis(torch.tensor(labels[::-1], dtype=torch.long), torch.tensor(when[::-1], dtype=torch.int32),
+                                                 final[s], float(Ef[b, s, 0]), lm_score, hot))
+        out.append(hyps)
+    return out
+
+@torch.inference_mode()
+def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame, durations, big_blank_durations, lm, lm_weight,
+            tokens, hotwords):
+    """`transducer_beam_search`'s search: the ended sets (B, K) (floats, integers), the tree of labels (a Qi per round)
+    and each round's frame, the label scorer and the number of slots S; None where there are no frames."""
+    (B, T), dev, ninf = encoder_out.shape[:2], encoder_out.device, -math.inf
     D, moves = _transducer_moves(durations, big_blank_durations, blank, dev)
     try: pred, state = predict(torch.full((B,), blank, dtype=torch.long, device=dev), None)
     except (IndexError, RuntimeError) as e:
         raise ValueError(f"blank must be one of the model's symbols: predict refused {blank} as the start token ({e})") from e
-    if B == 0 or int(lengths.max()) == 0:
-        return [[TransducerBeamHypothesis(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32), 0.0, 0.0, 0.0, 0.0)]
-                for _ in range(B)]
+    if B == 0 or int(lengths.max()) == 0: return None
     V = join(encoder_out[:1, 0], _rows(pred, torch.zeros(1, dtype=torch.long, device=dev))).shape[-1] - D
     if blank >= V: raise ValueError(f"blank must be one of the joiner's {V} symbols, got {blank}")
     if tokens is not None and len(tokens) != V:
@@ -1590,22 +1615,4 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
         rows = (((batch * M)[:, None, None] + order[None, :, None]) * K + ar).view(-1)
         p = _rows(pred, rows)
         pred, state = (p, p) if state is pred else (p, _rows(state, rows))
-    # the ended hypotheses: with </s>, best first, their labels and frames read back along the tree
-    Ef, Ei = Ef.cpu(), Ei.cpu()
-    tree = torch.stack([q for q, _ in records]).view(len(records), B, S, 9).cpu().numpy()
-    frame_of = [f for _, f in records]
-    out = []
-    for b in range(B):
-        final = [float(Ef[b, s, 0] + Ef[b, s, 2]) + lm_weight * sc.eos(Ei[b, s, _LS]) for s in range(K)]
-        hyps = []
-        for s in sorted(range(K), key=lambda s: -final[s])[:nbest]:
-            if final[s] == ninf: break
-            labels, when, node = [], [], int(Ei[b, s, _NODE])
-            while node >= 0:
-                R, at = divmod(node, S)
-                labels.append(int(tree[R, b, at, _LAST])); when.append(frame_of[R]); node = int(tree[R, b, at, _PNODE])
-            lm_score, hot = sc.replay(labels[::-1])
-            hyps.append(TransducerBeamHypothesis(torch.tensor(labels[::-1], dtype=torch.long), torch.tensor(when[::-1], dtype=torch.int32),
-                                                 final[s], float(Ef[b, s, 0]), lm_score, hot))
-        out.append(hyps)
-    return out
+    return Ef.cpu().numpy(), Ei.cpu().numpy(), torch.stack([q for q, _ in records]).view(len(records), B, S, 9).cpu().numpy(), [f for _, f in records], sc, S
