@@ -1513,7 +1513,6 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
     a_rows = ((batch * M * K)[:, None] + ar).view(-1)              # the rows of the hypotheses at frame t
     pool = B * M * K + batch[:, None] * K                          # (B, 1): rows after them hold the expanded ones'
     x_src, y_src = torch.arange(B * M * K, device=dev).view(B, M, K), (pool + ar)[:, None].expand(B, M, K)
-    first = torch.arange(M, device=dev).view(1, M, 1) == 0
     k_of, j_of = torch.arange(K * V, device=dev) % V, torch.arange(K * V, device=dev) // V
     records = []                                                   # (Qi, frame) of each round: the labels' tree
     for t in range(int(lengths.max()) + M - 1):
@@ -1551,41 +1550,43 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
                 hs_next = sc.hot_next[ai[..., _HS]]
                 bonus, partial = bonus + sc.hot_done[hs_next], sc.hot_partial[hs_next].view(B, 1, K * V)
             bonus = bonus.reshape(B, 1, K * V)
-            # 3. the blanks (B, M, K), merged into the sets ahead where those hold their labels: U = those sets and blanks
-            y_ac, y_best = af[:, None, :, 0] + other.transpose(1, 2), af[:, None, :, 1] + other_max.transpose(1, 2)
-            x_ac, x_best = Qf[..., 0].masked_fill(first, ninf), Qf[..., 1]
-            same = (Qi[..., _H, None] == a_h[:, None, None, :]) & (x_ac > ninf)[..., None] & live[:, None, None, :]   # (B, M, K, K)
-            x_ac = torch.logaddexp(x_ac, torch.where(same, y_ac[:, :, None], ninf).amax(-1))
+            # 3. the blanks (B, M - 1, K) join the sets ahead, merged where those hold their labels: U = both
+            Xf, Xi = Qf[:, 1:], Qi[:, 1:]
+            y_ac, y_best = af[:, None, :, 0] + other[..., 1:].transpose(1, 2), af[:, None, :, 1] + other_max[..., 1:].transpose(1, 2)
+            same = (Xi[..., _H, None] == a_h[:, None, None, :]) & (Xf[..., 0] > ninf)[..., None] & live[:, None, None, :]   # (B, M - 1, K, K)
+            x_ac = torch.logaddexp(Xf[..., 0], torch.where(same, y_ac[:, :, None], ninf).amax(-1))
             b_best, j = torch.where(same, y_best[:, :, None], ninf).max(-1)
-            xi = Qi.clone()
-            xi[..., _NODE] = torch.where(b_best > x_best, ai[..., _NODE].gather(1, j.view(B, -1)).view(B, M, K), Qi[..., _NODE])
-            xi[..., _SRC] = x_src
-            yi = ai[:, None].expand(B, M, K, 9).clone()
-            yi[..., _PEND], yi[..., _SRC] = -1, y_src
-            Uf = torch.cat([torch.stack([x_ac, torch.maximum(x_best, b_best), Qf[..., 2]], -1),
-                            torch.stack([y_ac.masked_fill(same.any(2), ninf), y_best, af[:, None, :, 2].expand(B, M, K)], -1)], 2)
-            Ui = torch.cat([xi, yi], 2)                            # (B, M, 2K, 3), (B, M, 2K, 9)
+            xi = Xi.clone()
+            xi[..., _NODE] = torch.where(b_best > Xf[..., 1], ai[..., _NODE].gather(1, j.view(B, -1)).view(B, M - 1, K), Xi[..., _NODE])
+            xi[..., _SRC] = x_src[:, 1:]
+            yi = ai[:, None].expand(B, M - 1, K, 9).clone()
+            yi[..., _PEND], yi[..., _SRC] = -1, y_src[:, 1:]
+            Uf = torch.cat([torch.stack([x_ac, torch.maximum(Xf[..., 1], b_best), Xf[..., 2]], -1),
+                            torch.stack([y_ac.masked_fill(same.any(2), ninf), y_best, af[:, None, :, 2].expand(B, M - 1, K)], -1)], 2)
+            Ui = torch.cat([xi, yi], 2)                            # (B, M - 1, 2K, 3), (B, M - 1, 2K, 9)
             # 4. the extensions (B, n, K V), to the sets e0 .. e1 - 1 that labels reach (frame t alone for an RNN-T
-            # before the cap); an entry of U with the labels of one gives it its probability
+            # before the cap); an entry of U with the labels of one (in the sets o0 .. e1 - 1) gives it its probability
             e0, e1 = int(cap), (M if D else 1 + int(cap))
-            n = e1 - e0
+            n, o0 = e1 - e0, max(e0, 1)
             E = torch.stack([(af[..., 0, None] + sym).view(B, 1, K * V), (af[..., 1, None] + sym).view(B, 1, K * V)], -1)
             if D or cap: E = E + torch.stack([label[..., e0:e1], label_max[..., e0:e1]], -1).transpose(1, 2).repeat_interleave(V, 2)
             e_node = torch.full((B, n, K * V), -2, dtype=torch.long, device=dev)          # -2: a node of its own
-            if e1 > 1:
-                uf, ui = Uf[:, e0:e1], Ui[:, e0:e1]
+            if e1 > o0:
+                uf, ui, m = Uf[:, o0 - 1:e1 - 1], Ui[:, o0 - 1:e1 - 1], e1 - o0
                 same = (ui[..., _PH, None] == a_h[:, None, None, :]) & ((ui[..., _LAST] >= 0) & (uf[..., 0] > ninf))[..., None] \
-                       & live[:, None, None, :]                  # (B, n, 2K, K)
+                       & live[:, None, None, :]                  # (B, m, 2K, K)
                 hit = same.any(-1)
                 at = torch.where(hit, same.int().argmax(-1) * V + ui[..., _LAST], K * V)
                 put = uf[..., :2].masked_fill(~hit[..., None], ninf)
-                put = torch.full((B, n, K * V + 1, 2), ninf, dtype=torch.float64, device=dev).scatter_(2, at[..., None].expand(B, n, 2 * K, 2), put)[:, :, :K * V]
-                put_node = torch.full((B, n, K * V + 1), -1, dtype=torch.long, device=dev).scatter_(2, at, ui[..., _NODE])[:, :, :K * V]
-                e_node = torch.where(put[..., 1] > E[..., 1], put_node, -2)
-                E = torch.stack([torch.logaddexp(E[..., 0], put[..., 0]), torch.maximum(E[..., 1], put[..., 1])], -1)
+                put = torch.full((B, m, K * V + 1, 2), ninf, dtype=torch.float64, device=dev).scatter_(2, at[..., None].expand(B, m, 2 * K, 2), put)[:, :, :K * V]
+                put_node = torch.full((B, m, K * V + 1), -1, dtype=torch.long, device=dev).scatter_(2, at, ui[..., _NODE])[:, :, :K * V]
+                ov = E[:, o0 - e0:].expand(B, m, K * V, 2)
+                e_node = torch.cat([e_node[:, :o0 - e0], torch.where(put[..., 1] > ov[..., 1], put_node, -2)], 1)
+                E = torch.cat([E[:, :o0 - e0].expand(B, o0 - e0, K * V, 2),
+                               torch.stack([torch.logaddexp(ov[..., 0], put[..., 0]), torch.maximum(ov[..., 1], put[..., 1])], -1)], 1)
                 Uf = Uf.clone()
-                Uf[:, e0:e1, :, 0] = uf[..., 0].masked_fill(hit, ninf)
-            # 5. each set's K best: of its extensions' K best, and of U
+                Uf[:, o0 - 1:e1 - 1, :, 0] = uf[..., 0].masked_fill(hit, ninf)
+            # 5. each set's K best: the extensions' K best, and, ahead, the K best of those and U
             top_e, ie = (E[..., 0] + bonus + partial).topk(K, -1)                     # (B, n, K)
             je, ke = j_of[ie], k_of[ie]
             aj = ai.gather(1, je.view(B, -1, 1).expand(B, n * K, 9)).view(B, n, K, 9)     # the extensions' parents
@@ -1594,14 +1595,15 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
             ei = torch.stack([_label_hash(aj[..., _H], ke), aj[..., _H], ke, take(e_node), ke,
                               take(ls_next) if lm is not None else aj[..., _LS], take(hs_next) if sc.hot is not None else aj[..., _HS],
                               pool[:, :, None] + je, aj[..., _NODE]], -1)
-            if n < M:                                  # (the sets no label reaches: no extension)
-                full = top_e.new_full((B, M, K), ninf); full[:, e0:e1] = top_e; top_e = full
-                full = ef.new_zeros((B, M, K, 3)); full[:, e0:e1] = ef; ef = full
-                full = ei.new_zeros((B, M, K, 9)); full[:, e0:e1] = ei; ei = full
             rank_u = Uf[..., 0] + Uf[..., 2] + (sc.hot_partial[Ui[..., _HS]] if sc.hot is not None else 0.0)
-            top, i = torch.cat([rank_u, top_e], -1).topk(K, -1)
-            Qf = torch.cat([Uf, ef], 2).gather(2, i[..., None].expand(B, M, K, 3))
-            Qi = torch.cat([Ui, ei], 2).gather(2, i[..., None].expand(B, M, K, 9))
+            if e1 > o0:                                # (the sets ahead that no label reaches: no extension)
+                pad = lambda x, fill: torch.cat([x.new_full((B, o0 - 1, *x.shape[2:]), fill), x[:, o0 - e0:],
+                                                 x.new_full((B, M - e1, *x.shape[2:]), fill)], 1)
+                rank_u, Uf, Ui = (torch.cat([x, pad(y, fill)], 2) for x, y, fill in ((rank_u, top_e, ninf), (Uf, ef, 0.0), (Ui, ei, 0)))
+            top, i = rank_u.topk(K, -1)
+            Qf, Qi = Uf.gather(2, i[..., None].expand(B, M - 1, K, 3)), Ui.gather(2, i[..., None].expand(B, M - 1, K, 9))
+            if e0 == 0: top, Qf, Qi = torch.cat([top_e[:, :1], top], 1), torch.cat([ef[:, :1], Qf], 1), torch.cat([ei[:, :1], Qi], 1)
+            else: top, Qf, Qi = torch.cat([top[:, :1].clone().fill_(ninf), top], 1), torch.cat([Qf[:, :1], Qf], 1), torch.cat([Qi[:, :1], Qi], 1)
             Qf[..., 0] = Qf[..., 0].masked_fill(top == ninf, ninf)
             Qi[..., _NODE] = torch.where(Qi[..., _NODE] == -2, len(records) * S + torch.arange(S, device=dev).view(1, M, K), Qi[..., _NODE])
             records.append((Qi, t))
