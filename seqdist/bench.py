@@ -328,8 +328,8 @@ def _families(quick, device, gpu=None):
                 ('tdt_questions', bench_tdt_questions),
                 ('gru', bench_gru),
                 ('cross_entropy', bench_cross_entropy),
-                ('ctc_decoders', bench_ctc_decoders), ('transducer_greedy', bench_transducer_greedy),
-                ('transducer_beam', bench_transducer_beam)]
+                ('transducer_greedy', bench_transducer_greedy), ('transducer_beam', bench_transducer_beam),
+                ('ctc_decoders', bench_ctc_decoders)]
     if quick:
         q = dict(warmup=1, reps=3)
         return [('ctc', lambda: bench_ctc_gpu([(200, 16, 20, 30, 40)], device, **q)),
@@ -360,8 +360,8 @@ def run_benchmarks(quick=False, device='cpu', progress=True, only=None):
     """Every family's benchmark against its anchor on `device` (cross-entropy: CPU only so far), or `only` those named
     (e.g. ['ctc_decoders']); `quick` uses small shapes and few repetitions. Progress goes to stderr; a family whose
     anchor is missing gives a row that says so."""
-    torch.set_num_threads(2)
-    import numba; numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    torch.set_num_threads(2)      # (numba's own threads are not set: no kernel uses them, and starting its OpenMP
+                                  # pool slows torch's small ops by a quarter: transducer decoding, 115 -> 143 ms)
     families, rows = _families(quick, device), []
     if only is not None:
         unknown = set(only) - {name for name, _ in families}
