@@ -90,3 +90,16 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.section("GPU tests by family (worst err: largest absolute difference from the CPU in float64)")
     for line in lines: terminalreporter.line(line)
     if os.environ.get('SEQDIST_GPU_SUMMARY'): pathlib.Path(os.environ['SEQDIST_GPU_SUMMARY']).write_text('\n'.join(lines) + '\n')
+
+
+def small_emformer_rnnt(seed=0):
+    "A small torchaudio Emformer RNN-T (10 symbols, the blank 9), in eval mode: the transducer decoders' tests take it as it is."
+    from seqdist.timing import load_torchaudio
+    load_torchaudio()
+    from torchaudio.models import emformer_rnnt_model
+    torch.manual_seed(seed)
+    return emformer_rnnt_model(input_dim=20, encoding_dim=16, num_symbols=10, segment_length=4, right_context_length=0,
+        time_reduction_input_dim=16, time_reduction_stride=1, transformer_num_heads=2, transformer_ffn_dim=16,
+        transformer_num_layers=1, transformer_dropout=0.0, transformer_activation='relu', transformer_left_context_length=8,
+        transformer_max_memory_size=0, transformer_weight_init_scale_strategy=None, transformer_tanh_on_mem=False,
+        symbol_embedding_dim=8, num_lstm_layers=2, lstm_layer_norm=True, lstm_layer_norm_epsilon=1e-5, lstm_dropout=0.0).eval()

@@ -4,6 +4,7 @@ its Python reference (with pruning), torchaudio's structure of the answer, and b
 import math, random, tempfile
 import pytest
 import torch
+from conftest import small_emformer_rnnt
 from seqdist.decode import (NGramLM, ArpaError, arpa_reference_scores, random_arpa, ctc_beam_search, CTCHypothesis,
                             ctc_nbest_brute_force, spell, Hotwords, phrase_tokens)
 from seqdist.ctc import forced_align, token_spans
@@ -233,15 +234,7 @@ def test_batched_transducer_greedy_decoding_is_the_frame_by_frame_loops():
 
 @pytest.mark.torchaudio
 def test_torchaudios_rnnt_is_decoded_as_it_is():
-    from seqdist.timing import load_torchaudio
-    load_torchaudio()
-    from torchaudio.models import emformer_rnnt_model
-    torch.manual_seed(0)
-    model = emformer_rnnt_model(input_dim=20, encoding_dim=16, num_symbols=10, segment_length=4, right_context_length=0,
-        time_reduction_input_dim=16, time_reduction_stride=1, transformer_num_heads=2, transformer_ffn_dim=16,
-        transformer_num_layers=1, transformer_dropout=0.0, transformer_activation='relu', transformer_left_context_length=8,
-        transformer_max_memory_size=0, transformer_weight_init_scale_strategy=None, transformer_tanh_on_mem=False,
-        symbol_embedding_dim=8, num_lstm_layers=2, lstm_layer_norm=True, lstm_layer_norm_epsilon=1e-5, lstm_dropout=0.0).eval()
+    model = small_emformer_rnnt()
     with torch.no_grad(): enc, lengths = model.transcribe(torch.randn(3, 16, 20), torch.tensor([16, 9, 12]))
     predict, join = torchaudio_rnnt_parts(model)
     with torch.no_grad():

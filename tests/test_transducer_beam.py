@@ -5,6 +5,7 @@ has one place to go; torchaudio's RNNT decodes as it is; bad input is named."""
 import math
 import pytest
 import torch
+from conftest import small_emformer_rnnt
 from seqdist.decode import (transducer_beam_search, transducer_beam_reference, transducer_nbest_brute_force,
                             transducer_greedy_decode, random_transducer, torchaudio_rnnt_parts, NGramLM, random_arpa,
                             TransducerBeamHypothesis)
@@ -89,15 +90,7 @@ def test_utterances_of_no_frames_have_the_empty_hypothesis():
 
 @pytest.mark.torchaudio
 def test_torchaudios_rnnt_is_searched_as_it_is():
-    from seqdist.timing import load_torchaudio
-    load_torchaudio()
-    from torchaudio.models import emformer_rnnt_model
-    torch.manual_seed(0)
-    model = emformer_rnnt_model(input_dim=20, encoding_dim=16, num_symbols=10, segment_length=4, right_context_length=0,
-        time_reduction_input_dim=16, time_reduction_stride=1, transformer_num_heads=2, transformer_ffn_dim=16,
-        transformer_num_layers=1, transformer_dropout=0.0, transformer_activation='relu', transformer_left_context_length=8,
-        transformer_max_memory_size=0, transformer_weight_init_scale_strategy=None, transformer_tanh_on_mem=False,
-        symbol_embedding_dim=8, num_lstm_layers=2, lstm_layer_norm=True, lstm_layer_norm_epsilon=1e-5, lstm_dropout=0.0).eval()
+    model = small_emformer_rnnt()
     with torch.no_grad(): enc, lengths = model.transcribe(torch.randn(3, 12, 20), torch.tensor([12, 9, 5]))
     predict, join = torchaudio_rnnt_parts(model)
     ours = transducer_beam_search(enc, lengths, predict=predict, join=join, blank=9, beam_width=3, nbest=2, max_symbols_per_frame=2)
