@@ -1312,9 +1312,11 @@ face(LinearCrossEntropy, linear_cross_entropy, lambda init, kw: LinearCrossEntro
 
 def _parallel_example():
     "A valid sharded call on a group of one rank (gloo, a file store; made here if none is): 4 rows of 6 classes."
-    import tempfile, torch.distributed as dist
+    import atexit, tempfile, torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group('gloo', store=dist.FileStore(tempfile.mkstemp()[1], 1), rank=0, world_size=1)
+        # torn down before the interpreter: a gloo group left to die with it may abort (terminate) while exiting
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     e = _example()
     return dict(logits=e['input'], target=e['target'])
 
