@@ -25,6 +25,7 @@ EPSILON = -1     # the label of an arc that consumes no frame
 def _int_vector(x, name):
     "`x` (a list or an int tensor) as a 1-D int64 CPU tensor, or a TypeError/ValueError naming it."
     t = torch.as_tensor(x) if not isinstance(x, torch.Tensor) else x
+    if t.numel() == 0 and t.dim() == 1: t = t.long()                # ([] reads as float)
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name} must hold integers, got {t.dtype}")
     if t.dim() != 1: raise ValueError(f"{name} must be 1-D (one entry per arc or state), got shape {tuple(t.shape)}")
@@ -101,8 +102,11 @@ class Graph:
             if len(r) not in (2 + n_lab, 3 + n_lab):
                 raise ValueError(f"text: the line {' '.join(r)!r} is neither a final state nor an arc of {'an acceptor' if acceptor else 'a transducer'} "
                                  f"({2 + n_lab} or {3 + n_lab} fields{'' if acceptor else '; acceptor=True reads src dst label [weight]'})")
-            lab = int(r[2]) - 1
-            arcs.append((int(r[0]), int(r[1]), lab, lab if acceptor else int(r[3]) - 1, -float(r[2 + n_lab]) if len(r) == 3 + n_lab else 0.0))
+            try:
+                lab = int(r[2]) - 1
+                arcs.append((int(r[0]), int(r[1]), lab, lab if acceptor else int(r[3]) - 1, -float(r[2 + n_lab]) if len(r) == 3 + n_lab else 0.0))
+            except ValueError: raise ValueError(f"text: cannot read the line {' '.join(r)!r} as src dst {'label' if acceptor else 'ilabel olabel'} [weight] "
+                                                f"(integers, and a number){'' if acceptor else '; acceptor=True reads src dst label [weight]'}") from None
         if not arcs and not finals: raise ValueError("text holds no arc and no final state")
         start = arcs[0][0] if arcs else finals[0]
         return cls.from_arcs(arcs, start, finals, fscores, num_states)
@@ -182,7 +186,7 @@ def ctc_topology(C, blank=0):
 def compact_ctc_topology(C, blank=0):
     """The compact CTC topology of Laptev et al. (arXiv 2110.03098): the blank's state (the start) loops on the blank and
     enters label c's state reading c (outputting c); c's state loops on c and returns to the blank's by an epsilon
-    arc. 3(C - 1) + 1 arcs instead of C^2. Unlike CTC it also reads a label repeated without a blank as two tokens (c's
+    arc; the blank's state is the one final state. 3(C - 1) + 1 arcs instead of C^2. Unlike CTC it also reads a label repeated without a blank as two tokens (c's
     state -> epsilon -> the blank's -> c), so composed with a label sequence it has more paths than CTC where the
     sequence repeats a label."""
     C, blank = _positive(C, 'C'), _label(blank, C, 'blank')
@@ -193,7 +197,9 @@ def compact_ctc_topology(C, blank=0):
     dst = torch.cat([torch.tensor([0]), k, k, zeros])
     lab = torch.cat([torch.tensor([blank]), labels, labels, torch.full_like(k, EPSILON)])
     aux = torch.cat([torch.tensor([EPSILON]), labels, torch.full_like(k, EPSILON), torch.full_like(k, EPSILON)])
-    return Graph(src, dst, lab, torch.zeros(len(src)), start=0, finals=torch.arange(C), aux_labels=aux)
+    # the blank's state alone is final: a path ending in a label's state reaches it by the epsilon arc (both final
+    # would count that path twice)
+    return Graph(src, dst, lab, torch.zeros(len(src)), start=0, finals=[0], aux_labels=aux)
 
 def _positive(x, name):
     if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1: raise ValueError(f"{name} must be a positive int, got {x!r}")
@@ -750,7 +756,7 @@ graph_logz_op = Op(f'{_OPS}::graph_logz',
 def _backend(backend, log_probs):
     "'auto': the CPU kernel for CPU tensors, the reference on a GPU (no CUDA kernel yet); 'cuda' is not there yet."
     if backend == 'auto': return 'reference' if log_probs.is_cuda else 'cpu'
-    if backend == 'cuda': raise NotImplementedError("the graph lattice has no 'cuda' backend yet: backend='auto' runs the PyTorch reference on a GPU")
+    if backend == 'cuda': raise ValueError("backend='cuda': the graph lattice has no CUDA kernel yet; backend='auto' runs the PyTorch reference on a GPU")
     if backend not in ('cpu', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu', 'cuda' or 'reference', got {backend!r}")
     if backend == 'cpu' and log_probs.is_cuda: raise ValueError("backend='cpu' takes CPU tensors; log_probs is on a GPU")
     return backend

@@ -7,7 +7,7 @@ import pytest
 import seqdist
 from seqdist import ctc
 
-MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode', 'koi', 'crf', 'gru', 'decode']
+MODULES = ['ctc', 'rnnt', 'tdt', 'joint', 'cross_entropy', 'sparse', 'ctc_simple', 'koi_decode', 'koi', 'crf', 'gru', 'decode', 'graph']
 
 def declared_functions():
     import importlib

@@ -1,0 +1,252 @@
+"""The graph lattice (seqdist.graph): the reference and the CPU kernel against the enumeration of every path of small
+random graphs (with epsilon arcs), CTC given as a graph against PyTorch's ctc_loss and forced_align, every question of
+GraphLattice against enumeration, and the errors of malformed graphs and bad inputs."""
+import math
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import seqdist.graph as G
+from seqdist.graph import Graph, GraphLattice, graph_loss, graph_logz, ctc_topology, compact_ctc_topology, compose_labels, ctc_graph
+from seqdist.graph import enumerate_paths, path_score, random_graph
+from seqdist.core import Log, Max, Entropy, KL, CrossEntropy
+
+def brute(g, x):
+    "log Z, the best score and the path scores (float64) of graph g through emissions x (T, C), by enumeration."
+    paths = enumerate_paths(g, len(x))
+    s = torch.stack([path_score(g, x, a, f) for a, f in paths]) if paths else torch.zeros(0, dtype=torch.float64)
+    return paths, s
+
+def small(gen, eps=0.3, max_states=6, max_arcs=10, C=3):
+    return random_graph(int(torch.randint(1, max_states, (1,), generator=gen)), int(torch.randint(1, max_arcs, (1,), generator=gen)), C, eps, gen)
+
+@pytest.mark.parametrize("seed", range(2))
+def test_log_z_best_path_and_gradients_equal_enumeration(seed):
+    gen, checked = torch.Generator().manual_seed(seed), 0
+    for _ in range(25):
+        g = small(gen)
+        T = int(torch.randint(0, 6, (1,), generator=gen))
+        x = torch.randn(T, 1, 3, generator=gen, dtype=torch.float64)
+        paths, s = brute(g, x[:, 0])
+        if len(paths) > 300: continue                                 # (the enumeration's autograd is slow)
+        for backend in ('cpu', 'reference'):
+            z = graph_logz(x, torch.tensor([T]), g, backend=backend)[0]
+            zm = graph_logz(x, torch.tensor([T]), g, semiring='Max', backend=backend)[0]
+            if not paths:
+                assert z == -math.inf and zm == -math.inf
+                continue
+            assert torch.allclose(z, s.logsumexp(0), rtol=0, atol=1e-10) and torch.allclose(zm, s.max(), rtol=0, atol=1e-10)
+            # the gradient w.r.t. the emissions, the arc scores and the final scores: the enumeration's, by autograd
+            xs, w, f = x.clone().requires_grad_(), g.scores.clone().requires_grad_(), g.final_scores.clone().requires_grad_()
+            g2 = Graph(g.src, g.dst, g.labels, w, g.start, g.finals, f, num_states=g.num_states)
+            got = torch.autograd.grad(graph_logz(xs, torch.tensor([T]), g2, backend=backend)[0], (xs, w, f), allow_unused=True)
+            xb, wb, fb = x.clone().requires_grad_(), g.scores.clone().requires_grad_(), g.final_scores.clone().requires_grad_()
+            s2 = torch.stack([path_score(g, xb[:, 0], a, i, wb, fb) for a, i in paths]).logsumexp(0)
+            want = torch.autograd.grad(s2, (xb, wb, fb), allow_unused=True)
+            for a, b, like in zip(got, want, (xs, w, f)):
+                a, b = (torch.zeros_like(like) if v is None else v for v in (a, b))
+                assert torch.allclose(a, b, rtol=0, atol=1e-10)
+            checked += 1
+        lat = GraphLattice(x, torch.tensor([T]), g)
+        if paths:
+            best = lat.argmax[0]
+            best = best[best >= 0].tolist()
+            final = {tuple(a): i for a, i in paths}
+            assert tuple(best) in final and abs(float(path_score(g, x[:, 0], best, final[tuple(best)]) - s.max())) < 1e-10
+    assert checked > 20
+
+def test_a_graph_with_no_arcs_and_the_empty_input():
+    g = Graph([], [], [], start=0, finals=[0])
+    assert graph_logz(torch.zeros(0, 1, 2), torch.tensor([0]), g)[0] == 0
+    assert graph_logz(torch.zeros(3, 1, 2), torch.tensor([0]), g)[0] == 0       # input length 0: the empty path
+    assert graph_logz(torch.zeros(3, 1, 2), torch.tensor([1]), g)[0] == -math.inf
+
+@pytest.mark.parametrize('segment', [G.SEGMENT_BYTES, 64])
+def test_ragged_batches_kernel_equals_reference(monkeypatch, segment):
+    "Several graphs shared by some sequences, uneven lengths, whole and segmented backward passes (sqrt(T) checkpoints)."
+    monkeypatch.setattr(G, 'SEGMENT_BYTES', segment)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(8):
+        graphs = [random_graph(int(torch.randint(2, 8, (1,), generator=gen)), 14, 4, 0.4, gen) for _ in range(3)]
+        ws = [[g.scores.clone().requires_grad_() for g in graphs] for _ in range(2)]
+        x = torch.randn(11, 6, 4, generator=gen, dtype=torch.float64)
+        lengths = torch.randint(0, 12, (6,), generator=gen)
+        out = []
+        for backend, w in zip(('cpu', 'reference'), ws):
+            gs = [Graph(g.src, g.dst, g.labels, wi, g.start, g.finals, g.final_scores, num_states=g.num_states) for g, wi in zip(graphs, w)]
+            xs = x.clone().requires_grad_()
+            z = graph_logz(xs, lengths, [gs[n % 3] for n in range(6)], backend=backend)
+            torch.where(torch.isfinite(z), z, 0).sum().backward()
+            out.append((z.detach(), xs.grad, [torch.zeros_like(wi) if wi.grad is None else wi.grad for wi in w]))
+        (zk, gk, wk), (zr, gr, wr) = out
+        assert torch.equal(torch.isfinite(zk), torch.isfinite(zr))
+        assert torch.allclose(zk[torch.isfinite(zk)], zr[torch.isfinite(zr)], rtol=0, atol=1e-10)
+        assert torch.allclose(gk, gr, rtol=0, atol=1e-10) and all(torch.allclose(a, b, rtol=0, atol=1e-10) for a, b in zip(wk, wr))
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+def test_ctc_as_a_graph_equals_ctc_loss(dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    T, N, C = 60, 6, 9
+    logits = torch.randn(T, N, C, generator=gen, dtype=dtype, requires_grad=True)
+    targets, tl = torch.randint(1, C, (N, 15), generator=gen), torch.tensor([0, 1, 5, 15, 9, 12])
+    il = torch.tensor([60, 60, 30, 59, 25, 60])
+    ours = graph_loss(logits.log_softmax(-1), il, ctc_graph(targets, tl), reduction='none')
+    theirs = F.ctc_loss(logits.log_softmax(-1), targets, il, tl, reduction='none')
+    assert torch.allclose(ours, theirs, rtol=tol, atol=0)
+    g1, = torch.autograd.grad(ours.sum(), logits)
+    g2, = torch.autograd.grad(theirs.sum(), logits)
+    assert (g1 - g2).abs().max() <= tol * 10 * g2.abs().max()
+    # the composition builds the same lattice as ctc_graph; mean reduces over the batch
+    composed = [compose_labels(ctc_topology(C), targets[n, :tl[n]]) for n in range(N)]
+    assert torch.allclose(graph_loss(logits.log_softmax(-1), il, composed, reduction='none'), ours)
+    assert torch.allclose(graph_loss(logits.log_softmax(-1), il, composed), ours.mean())
+
+def test_compact_ctc_topology():
+    "Without a label repeated in a row, compact CTC's paths are CTC's; with one it has more (the repeat read twice)."
+    gen = torch.Generator().manual_seed(1)
+    lp = torch.randn(20, 1, 5, generator=gen, dtype=torch.float64).log_softmax(-1)
+    for y, more in (([1, 2, 3, 1], False), ([2, 2, 4], True)):
+        z_ctc = graph_logz(lp, torch.tensor([20]), compose_labels(ctc_topology(5), y))
+        z_compact = graph_logz(lp, torch.tensor([20]), compose_labels(compact_ctc_topology(5), y))
+        assert (z_compact > z_ctc + 1e-6).item() if more else torch.allclose(z_compact, z_ctc, rtol=0, atol=1e-10)
+
+def test_viterbi_equals_forced_align():
+    from seqdist.ctc import forced_align
+    gen = torch.Generator().manual_seed(3)
+    T, N, C = 50, 8, 6
+    lp = torch.randn(T, N, C, generator=gen, dtype=torch.float64).log_softmax(-1)
+    targets, tl = torch.randint(1, C, (N, 10), generator=gen), torch.randint(1, 11, (N,), generator=gen)
+    graphs = ctc_graph(targets, tl)
+    best = GraphLattice(lp, torch.full((N,), T), graphs).argmax
+    for n in range(N):
+        fa, _ = forced_align(lp[:, n][None], targets[n:n + 1, :tl[n]])
+        assert torch.equal(graphs[n].labels[best[n]], fa[0])
+    assert torch.allclose(graph_logz(lp, torch.full((N,), T), graphs, semiring='Max'),
+                          torch.stack([lp[torch.arange(T), n, graphs[n].labels[best[n]]].sum() for n in range(N)]))
+
+def test_gradcheck():
+    gen = torch.Generator().manual_seed(4)
+    g = random_graph(4, 10, 3, 0.3, gen)
+    x = torch.randn(5, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    w, f = g.scores.clone().requires_grad_(), g.final_scores.clone().requires_grad_()
+    def fn(x, w, f):
+        z = graph_logz(x, torch.tensor([5, 4]), Graph(g.src, g.dst, g.labels, w, g.start, g.finals, f, num_states=4))
+        return torch.where(torch.isfinite(z), z, 0)
+    assert torch.autograd.gradcheck(fn, (x, w, f))
+
+def test_infeasible_nan_and_dtypes():
+    one = Graph.from_arcs([(0, 1, 0, 0.0)], finals=[1])
+    x = torch.zeros(2, 2, 1, requires_grad=True)
+    loss = graph_loss(x, torch.tensor([2, 1]), one, reduction='none')
+    assert loss[0] == math.inf and loss[1] == 0
+    z = graph_loss(x, torch.tensor([2, 1]), one, reduction='sum', zero_infinity=True)
+    z.backward()
+    assert z == 0 and torch.isfinite(x.grad).all() and x.grad[:, 0].abs().sum() == 0
+    nan = torch.zeros(2, 2, 1)
+    nan[0, 1, 0] = math.nan
+    z = graph_logz(nan, torch.tensor([2, 1]), Graph.from_arcs([(0, 0, 0, 0.0)], finals=[0]))
+    assert torch.isnan(z[1]) and z[0] == 0
+    assert graph_logz(torch.zeros(2, 1, 1, dtype=torch.float64), torch.tensor([2]), one).dtype == torch.float64
+
+@pytest.mark.parametrize('backend', ['cpu', 'reference'])
+def test_lattice_questions_equal_enumeration(backend):
+    gen, n = torch.Generator().manual_seed(9), 0
+    for _ in range(15):
+        g = small(gen, max_states=5)
+        gq = Graph(g.src, g.dst, g.labels, torch.randn(g.num_arcs, generator=gen, dtype=torch.float64), g.start, g.finals,
+                   torch.randn(len(g.finals), generator=gen, dtype=torch.float64), num_states=g.num_states)
+        T = int(torch.randint(1, 5, (1,), generator=gen))
+        lp, lq = torch.randn(2, T, 2, 3, generator=gen, dtype=torch.float64)
+        lengths = torch.tensor([T, T - 1])
+        p, q = GraphLattice(lp, lengths, g, backend=backend), GraphLattice(lq, lengths, gq, backend=backend)
+        H, D, CE, M, A = p.entropy(), p.kl(q), p.cross_entropy(q), p.marginals, p.arc_marginals
+        for b in range(2):
+            paths = enumerate_paths(g, int(lengths[b]))
+            if not paths:
+                assert p.log_partition[b] == -math.inf
+                continue
+            sp = torch.stack([path_score(g, lp[:, b], a, f) for a, f in paths])
+            sq = torch.stack([path_score(gq, lq[:, b], a, f) for a, f in paths])
+            logp, logq = sp - sp.logsumexp(0), sq - sq.logsumexp(0)
+            pr = logp.exp()
+            assert abs(float(H[b] + (pr * logp).sum())) < 1e-10
+            assert abs(float(D[b] - (pr * (logp - logq)).sum())) < 1e-10
+            assert abs(float(CE[b] + (pr * logq).sum())) < 1e-10
+            m, am = torch.zeros(T, 3, dtype=torch.float64), torch.zeros(g.num_arcs, dtype=torch.float64)
+            for (arcs, f), w in zip(paths, pr):
+                t = 0
+                for a in arcs:
+                    am[a] += w
+                    if g.labels[a] >= 0: m[t, g.labels[a]] += w; t += 1
+            assert torch.allclose(M[:, b], m, rtol=0, atol=1e-10) and torch.allclose(A[b, :g.num_arcs], am, rtol=0, atol=1e-10)
+            value = torch.full((len(paths), 2, p.argmax.shape[1]), -1)
+            for i, (a, f) in enumerate(paths): value[i, b, :len(a)] = torch.tensor(a, dtype=torch.int64)
+            assert torch.allclose(p.log_prob(value)[:, b], logp, rtol=0, atol=1e-10)
+            n += 1
+    assert n > 10
+
+def test_log_prob_of_what_is_not_a_path():
+    g = Graph.from_arcs([(0, 0, 0, 0.0), (0, 1, 1, 0.0), (1, 1, 1, 0.0)], finals=[1])
+    lat = GraphLattice(torch.randn(3, 1, 2).log_softmax(-1), torch.tensor([3]), g)
+    for path in ([0, 1, 2], [1, 2, 2], [0, 0, 1]):
+        assert lat.log_prob(torch.tensor([[path]]))[0, 0] > -math.inf
+    for path in ([0, 0, 0], [2, 2, 2], [0, 1, -1], [-1, 0, 1], [0, 1, 7], [0, 1, 2, 2][:3][::-1]):
+        assert lat.log_prob(torch.tensor([[path]]))[0, 0] == -math.inf, path
+
+def test_samples_follow_the_posterior():
+    gen = torch.Generator().manual_seed(3)
+    g = random_graph(4, 8, 3, 0.3, gen)
+    lp = torch.randn(3, 1, 3, generator=gen, dtype=torch.float64)
+    paths, s = brute(g, lp[:, 0])
+    assert len(paths) > 3
+    pr = (s - s.logsumexp(0)).exp()
+    draws = GraphLattice(lp, torch.tensor([3]), g).sample((2000,), generator=torch.Generator().manual_seed(0))[:, 0]
+    index = {tuple(a): i for i, (a, f) in enumerate(paths)}
+    counts = torch.zeros(len(paths), dtype=torch.float64)
+    for d in draws: counts[index[tuple(d[d >= 0].tolist())]] += 1
+    sd = (pr * (1 - pr) / 2000).sqrt()
+    assert ((counts / 2000 - pr).abs() <= 5 * sd + 1e-3).all()
+
+def test_graph_formats():
+    text = "0 1 2 2 0.5\n0 0 1 1 0.25\n1 2 0 0\n1 1 3 3 1.0\n2 0.75\n1\n"
+    g = Graph.from_openfst(text)
+    assert g.num_states == 3 and g.start == 0 and g.labels.tolist() == [1, 0, -1, 2]
+    assert torch.allclose(g.scores, torch.tensor([-0.5, -0.25, 0.0, -1.0])) and g.finals.tolist() == [2, 1]
+    assert torch.allclose(g.final_scores, torch.tensor([-0.75, 0.0]))
+    acc = Graph.from_openfst("0 1 2 0.5\n1 0.1\n", acceptor=True)
+    assert acc.labels.tolist() == [1] and torch.allclose(acc.final_scores, torch.tensor([-0.1]))
+    with pytest.raises(ValueError, match='acceptor=True'): Graph.from_openfst("0 1 2 0.5\n1\n")
+    # k2's arc tensor: final arcs (label -1) into the last state become final scores
+    arcs = torch.tensor([[0, 1, 1, 0], [1, 1, 2, 0], [1, 2, -1, 0], [0, 2, -1, 0]], dtype=torch.int32)
+    arcs[:, 3] = torch.tensor([-0.5, -1.0, -0.25, -2.0]).view(torch.int32)
+    k = Graph.from_k2(arcs)
+    assert k.num_states == 2 and k.finals.tolist() == [0, 1] and torch.allclose(k.final_scores, torch.tensor([-2.0, -0.25]))
+    lp = torch.randn(3, 1, 3).log_softmax(-1)
+    want = torch.logsumexp(torch.stack([-0.5 + lp[0, 0, 1] - 1.0 + lp[1, 0, 2] - 1.0 + lp[2, 0, 2] - 0.25]), 0)
+    assert torch.allclose(graph_logz(lp, torch.tensor([3]), k)[0], want)
+
+@pytest.mark.parametrize('make,match', [
+    (lambda: Graph([0, 1], [1, 0], [-1, -1], finals=[1]), 'epsilon arcs .* cycle'),
+    (lambda: Graph([0], [3], [0], finals=[1], num_states=2), 'dst must hold states in'),
+    (lambda: Graph([0], [1], [0], finals=[]), 'finals'),
+    (lambda: Graph([0], [1], [0]), 'finals'),
+    (lambda: Graph([0], [1], [-2], finals=[1]), 'labels must be'),
+    (lambda: Graph([0, 1], [1], [0], finals=[1]), 'dst must have one entry per arc'),
+    (lambda: Graph([0.5], [1], [0], finals=[1]), 'src must hold integers'),
+    (lambda: Graph([0], [1], [0], scores=[1.0, 2.0], finals=[1]), 'scores must have shape'),
+    (lambda: Graph([0], [1], [0], finals=[1], final_scores=[0.0, 1.0]), 'final_scores must have shape'),
+    (lambda: Graph([0], [1], [0], start=5, finals=[1], num_states=2), 'start must be a state'),
+    (lambda: compose_labels(ctc_topology(3), [1, 5]), 'no path'),
+    (lambda: ctc_topology(0), 'C must be'),
+])
+def test_malformed_graphs_are_named(make, match):
+    with pytest.raises((ValueError, TypeError), match=match): make()
+
+def test_bad_calls_are_named():
+    g = ctc_graph(torch.tensor([1, 2]))
+    lp = torch.randn(5, 2, 3).log_softmax(-1)
+    with pytest.raises(ValueError, match='label 3'): graph_loss(lp, torch.tensor([5, 5]), ctc_graph(torch.tensor([1, 3])))
+    with pytest.raises(ValueError, match='graphs must be one Graph or a list of N = 2'): graph_loss(lp, torch.tensor([5, 5]), [g])
+    with pytest.raises(ValueError, match='input_lengths'): graph_loss(lp, torch.tensor([5, 6]), g)
+    with pytest.raises(ValueError, match="backend='cuda'"): graph_loss(lp, torch.tensor([5, 5]), g, backend='cuda')
+    with pytest.raises(ValueError, match='other must have'): GraphLattice(lp, torch.tensor([5, 5]), g).kl(GraphLattice(lp[:4], torch.tensor([4, 4]), g))
