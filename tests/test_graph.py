@@ -250,3 +250,49 @@ def test_bad_calls_are_named():
     with pytest.raises(ValueError, match='input_lengths'): graph_loss(lp, torch.tensor([5, 6]), g)
     with pytest.raises(ValueError, match="backend='cuda'"): graph_loss(lp, torch.tensor([5, 5]), g, backend='cuda')
     with pytest.raises(ValueError, match='other must have'): GraphLattice(lp, torch.tensor([5, 5]), g).kl(GraphLattice(lp[:4], torch.tensor([4, 4]), g))
+
+def test_a_ctc_crf_as_a_graph_equals_sparse_logZ():
+    from seqdist import sparse
+    from seqdist.crf import kmer_transitions
+    from seqdist.graph import sparse_crf_graph
+    gen = torch.Generator().manual_seed(2)
+    idx = kmer_transitions(2, 4)
+    T, N, C, NZ = 30, 3, *idx.shape
+    Ms = torch.randn(T, N, C, NZ, generator=gen, dtype=torch.float64, requires_grad=True)
+    v0, vT = torch.randn(C, generator=gen, dtype=torch.float64), torch.randn(C, generator=gen, dtype=torch.float64)
+    want = sparse.logZ(Ms, idx, v0.expand(N, C), vT.expand(N, C))
+    g_want, = torch.autograd.grad(want.sum(), Ms)
+    got = graph_logz(Ms.flatten(2), torch.full((N,), T), sparse_crf_graph(idx, v0, vT))
+    g_got, = torch.autograd.grad(got.sum(), Ms)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0) and torch.allclose(g_got, g_want, rtol=0, atol=1e-10)
+
+def test_a_wide_dynamic_range_goes_to_log_space():
+    "Emissions 1,000 nats apart (past the scaled kernel's range) give the reference's log Z and gradient."
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 4, 5, generator=gen, dtype=torch.float64) * 400
+    graphs = ctc_graph(torch.randint(1, 5, (4, 3), generator=gen), torch.tensor([3, 2, 1, 3]))
+    out = []
+    for backend in ('cpu', 'reference'):
+        xs = x.clone().requires_grad_()
+        z = graph_logz(xs, torch.full((4,), 12), graphs, backend=backend)
+        z.sum().backward()
+        out.append((z.detach(), xs.grad))
+    assert torch.allclose(out[0][0], out[1][0], rtol=1e-12) and torch.allclose(out[0][1], out[1][1], rtol=0, atol=1e-10)
+
+def test_hub_states_past_the_tables():
+    "A state entered (and one left) by many arcs: the scaled kernel's tables hold D arcs a state, the rest go to a list."
+    gen = torch.Generator().manual_seed(0)
+    S, C = 30, 6
+    src = torch.cat([torch.zeros(5, dtype=torch.long), torch.randint(0, S, (75,), generator=gen)])
+    dst = torch.cat([torch.zeros(60, dtype=torch.long), torch.randint(0, S, (20,), generator=gen)])
+    g = Graph(src, dst, torch.randint(0, C, (80,), generator=gen), torch.randn(80, generator=gen, dtype=torch.float64),
+              finals=torch.arange(S), num_states=S)
+    assert len(g.topology.rest_in) > 0 and len(g.topology.rest_out) > 0
+    x = torch.randn(15, 3, C, generator=gen, dtype=torch.float64)
+    out = []
+    for backend in ('cpu', 'reference'):
+        xs, w = x.clone().requires_grad_(), g.scores.clone().requires_grad_()
+        z = graph_logz(xs, torch.tensor([15, 10, 3]), Graph(g.src, g.dst, g.labels, w, g.start, g.finals, num_states=S), backend=backend)
+        z.sum().backward()
+        out.append((z.detach(), xs.grad, w.grad))
+    for a, b in zip(*out): assert torch.allclose(a, b, rtol=0, atol=1e-10)
