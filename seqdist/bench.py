@@ -309,6 +309,7 @@ def _families(quick, device, gpu=None):
     from seqdist.benchmarks.koi_decode import bench_beam_search
     from seqdist.benchmarks.crf import bench_crf_questions
     from seqdist.benchmarks.decode import bench_ctc_decoders, bench_transducer_greedy, bench_transducer_beam
+    from seqdist.benchmarks.graph import bench_graph
     if gpu is None: gpu = torch.device(device).type != 'cpu'
     if not gpu and quick:          # (the RNN-T and TDT questions only in the full run: compiling their kernels here cost
                                    # `make test` about two minutes, in the notebook that runs this list)
@@ -329,7 +330,7 @@ def _families(quick, device, gpu=None):
                 ('gru', bench_gru),
                 ('cross_entropy', bench_cross_entropy),
                 ('transducer_greedy', bench_transducer_greedy), ('transducer_beam', bench_transducer_beam),
-                ('ctc_decoders', bench_ctc_decoders)]
+                ('ctc_decoders', bench_ctc_decoders), ('graph', bench_graph)]
     if quick:
         q = dict(warmup=1, reps=3)
         return [('ctc', lambda: bench_ctc_gpu([(200, 16, 20, 30, 40)], device, **q)),
