@@ -296,3 +296,21 @@ def test_hub_states_past_the_tables():
         z.sum().backward()
         out.append((z.detach(), xs.grad, w.grad))
     for a, b in zip(*out): assert torch.allclose(a, b, rtol=0, atol=1e-10)
+
+def test_topk_equals_enumeration_and_its_scores_mark_their_paths():
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(12):
+        g = small(gen, max_states=5)
+        T = int(torch.randint(1, 5, (1,), generator=gen))
+        lp = torch.randn(T, 2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+        best, scores = GraphLattice(lp, torch.tensor([T, T - 1]), g).topk(4)
+        for b in range(2):
+            paths, s = brute(g, lp.detach()[:T - b, b])
+            want = s.sort(descending=True).values[:4]
+            got = scores[:len(want), b]
+            assert torch.allclose(got.detach(), want, rtol=0, atol=1e-10) and (scores[len(want):, b] == -math.inf).all()
+            if len(want) and T - b > 0:                    # (a path of no frame reads no emission)
+                grad, = torch.autograd.grad(scores[0, b], lp, retain_graph=True)
+                arcs = best[0, b][best[0, b] >= 0]
+                emitting = g.labels[arcs][g.labels[arcs] >= 0]
+                assert torch.equal(grad[:, b].nonzero()[:, 1], emitting) and grad.sum() == len(emitting)
