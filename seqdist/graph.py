@@ -731,9 +731,12 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
                         q[e + u] = y
                         gw[e + u] += y
                 g_row = grad_lp[t - 1, n]
-                acc4[:, :] = 0.0                               # four accumulators: the same label twice in a row (a
-                for j in range(oD * Sg): acc4[j & 3, out_slot[o0 + j]] += q[j]     # lattice's blanks) waits on no store
-                for k in range(U): g_row[glab[u0 + k]] += acc4[0, k] + acc4[1, k] + acc4[2, k] + acc4[3, k]
+                if 4 * U <= oD * Sg:                           # few labels, many arcs: four accumulators, so that the
+                    acc4[:, :] = 0.0                           # same label twice in a row (a lattice's blanks) waits on
+                    for j in range(oD * Sg): acc4[j & 3, out_slot[o0 + j]] += q[j]                          # no store
+                    for k in range(U): g_row[glab[u0 + k]] += acc4[0, k] + acc4[1, k] + acc4[2, k] + acc4[3, k]
+                else:
+                    for j in range(oD * Sg): g_row[out_lab[o0 + j]] += q[j]
                 for r in range(rem_out_ptr[gi], rem_out_ptr[gi + 1]):
                     u = rem_out[r, 0]
                     x = rem_out_W[r] * p[rem_out[r, 2]] * beta[rem_out[r, 1]]
