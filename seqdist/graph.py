@@ -1011,9 +1011,12 @@ graph_logz_op = Op(f'{_OPS}::graph_logz',
 # %% ../nbs/12_graph.ipynb #gr-api
 def _backend(backend, log_probs, questions=False):
     """'auto': the CPU kernel for CPU tensors, the CUDA kernel for CUDA ones; 'cuda' on CPU tensors runs the CUDA source
-    in the emulator. `questions` (GraphLattice's, whose posteriors and paths come from the CPU kernels): 'auto' runs
-    the reference on a GPU."""
-    if backend == 'auto' and questions and log_probs.is_cuda: return 'reference'
+    in the emulator. `questions` (GraphLattice's, whose posteriors and paths come from the CPU kernels): the reference
+    on a GPU."""
+    if questions and log_probs.is_cuda and backend in ('auto', 'cuda'):
+        if backend == 'cuda': raise ValueError("backend='cuda': GraphLattice's questions run on the CPU kernels or the reference; "
+                                               "backend='auto' runs the reference on a GPU")
+        return 'reference'
     return resolve_backend(backend, log_probs, ('cpu', 'cuda', 'reference'), 'log_probs')
 
 def graph_logz(log_probs, input_lengths, graphs, semiring='Log', backend='auto'):

@@ -104,3 +104,10 @@ def test_backends_are_named():
     lp = torch.randn(5, 2, 3).log_softmax(-1)
     with pytest.raises(ValueError, match="backend must be 'auto', 'cpu', 'cuda' or 'reference'"):
         graph_logz(lp, torch.tensor([5, 5]), ctc_graph(torch.tensor([1, 2])), backend='gpu')
+
+def test_graph_lattice_log_partition_through_the_kernel():
+    from seqdist.graph import GraphLattice
+    lp, lengths, gs, which = _batch(2, torch.float64, T=5)
+    graphs = [gs[i] for i in which]
+    got = GraphLattice(lp, lengths, graphs, backend='cuda').log_partition
+    torch.testing.assert_close(got, GraphLattice(lp, lengths, graphs, backend='cpu').log_partition, **TOL[torch.float64])
