@@ -111,3 +111,20 @@ def test_graph_lattice_log_partition_through_the_kernel():
     graphs = [gs[i] for i in which]
     got = GraphLattice(lp, lengths, graphs, backend='cuda').log_partition
     torch.testing.assert_close(got, GraphLattice(lp, lengths, graphs, backend='cpu').log_partition, **TOL[torch.float64])
+
+def test_nan_in_nan_out_and_half_precision_inputs():
+    lp = torch.randn(6, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    lp[2, 1, 3] = math.nan
+    gs = ctc_graph(torch.tensor([[1, 2], [2, 3], [3, 3]]), torch.tensor([2, 2, 2]))
+    out = {}
+    for backend in ('cpu', 'cuda'):
+        x = lp.clone().requires_grad_()
+        loss = graph_loss(x, torch.tensor([6, 6, 6]), gs, reduction='none', backend=backend)
+        out[backend] = loss.detach(), torch.autograd.grad(loss.sum(), x)[0]
+    torch.testing.assert_close(out['cuda'], out['cpu'], equal_nan=True, **TOL[torch.float64])
+    assert out['cuda'][0].isnan().tolist() == [False, True, False]
+    x = lp.nan_to_num().half().requires_grad_()                    # fp16: computed in float32, the gradient in fp16
+    loss = graph_loss(x, torch.tensor([6, 6, 6]), gs, reduction='sum', backend='cuda')
+    grad, = torch.autograd.grad(loss, x)
+    assert grad.dtype == torch.float16
+    torch.testing.assert_close(loss, graph_loss(x.detach().float(), torch.tensor([6, 6, 6]), gs, reduction='sum', backend='cpu'), **TOL[torch.float32])
