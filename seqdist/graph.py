@@ -1309,13 +1309,48 @@ def _by_label(u):
     ptr = np.concatenate([[0], np.cumsum(np.bincount(key, minlength=int(u.glab_ptr[-1])))])
     return ptr.astype(np.int64), emit[np.argsort(key, kind='stable')].astype(np.int64)
 
+def _epsilon_levels(u):
+    """The epsilon arcs as the kernel walks them, a level at a time (the layout's graphs one after another): graph g's
+    levels `lvl_off[g]` .. `lvl_off[g + 1]` (its longest chain of epsilon arcs); forward, level k the states
+    `fw_state[fw_lvl[k]:fw_lvl[k + 1]]` of depth k - lvl_off[g] + 1 (the longest chain into them), each with the arcs into
+    it in `eps_arcs`' order (`fw_ptr`, `fw_arcs`); backward, the sources of epsilon arcs by depth, deepest first
+    (`bw_lvl`, `bw_state`), each with the arcs out of it in reverse order (`bw_ptr`, `bw_arcs`)."""
+    eps, S, G = u.eps_arcs, int(u.g_state[-1]), len(u.g_start)
+    depth = np.zeros(S, np.int64)
+    while len(eps):                                       # longest chains: relax until nothing changes (depth + 1 rounds)
+        new = depth.copy()
+        np.maximum.at(new, u.dst[eps], depth[u.src[eps]] + 1)
+        if (new == depth).all(): break
+        depth = new
+    state_graph = np.repeat(np.arange(G), np.diff(u.g_state))
+    D = np.zeros(G, np.int64)
+    np.maximum.at(D, state_graph, depth)
+    lvl_off = np.concatenate([[0], np.cumsum(D)])
+    def side(states, level, ends, arcs):
+        "Entries (states sorted by level), the levels' bounds, and each entry's arcs (`arcs` in the order to keep)."
+        order = np.lexsort((states, level))
+        states, level = states[order], level[order]
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(level, minlength=int(lvl_off[-1])))])
+        pos = np.full(S, -1, np.int64)
+        pos[states] = np.arange(len(states))
+        by = arcs[np.argsort(pos[ends[arcs]], kind='stable')]
+        ptr = np.concatenate([[0], np.cumsum(np.bincount(pos[ends[arcs]], minlength=len(states)))])
+        return bounds, states, ptr, by
+    into = np.nonzero(depth > 0)[0]
+    fw = side(into, lvl_off[state_graph[into]] + depth[into] - 1, u.dst, eps)
+    out = np.unique(u.src[eps])
+    bw = side(out, lvl_off[state_graph[out]] + D[state_graph[out]] - 1 - depth[out], u.src, eps[::-1])
+    return [lvl_off, *fw, *bw]
+
+_LEVEL_PARTS = ('lvl_off', 'fw_lvl', 'fw_state', 'fw_ptr', 'fw_arcs', 'bw_lvl', 'bw_state', 'bw_ptr', 'bw_arcs')
+
 def _graph_cuda_tables(layout, device):
     "The layout's arrays the kernel reads, by parameter name, on `device`: one copy (one transfer) per layout and device."
     def make():
         u = unpack_layout(layout)
-        parts = [getattr(u, k) for k in _CUDA_PARTS] + list(_by_label(u))
+        parts = [getattr(u, k) for k in _CUDA_PARTS] + list(_by_label(u)) + _epsilon_levels(u)
         flat = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
-        return dict(zip(_CUDA_PARTS + ('bylab_ptr', 'bylab'), flat.split([len(p) for p in parts])))
+        return dict(zip(_CUDA_PARTS + ('bylab_ptr', 'bylab') + _LEVEL_PARTS, flat.split([len(p) for p in parts])))
     return tensor_cached(layout, f'graph_cuda:{device}', make)
 
 def _graph_forward_cuda(st):
