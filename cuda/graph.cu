@@ -1,0 +1,185 @@
+// The graph lattice on a GPU (written by nbs/12b_graph_cuda.ipynb): log Z of each sequence's graph through its frames
+// and, for the backward, its posteriors, in log space in FLOAT, in the semiring of the macros (Log: SUM is logsumexp;
+// Max: SUM is max, and the posteriors are the best path's arcs). The graphs come packed as `pack_graphs` lays them out:
+// states and arcs numbered one graph after another (src, dst, lab per arc; in_ptr/in_arcs the emitting arcs by
+// destination, out_ptr/out_arcs by source, eps_ptr/eps_arcs the epsilon arcs in a topological order of their sources),
+// and `bylab_ptr`/`bylab` each graph's emitting arcs by the label they read (glab: the labels a graph reads). The
+// epsilon arcs by levels (`_epsilon_levels`): graph g's levels lvl_off[g] <= k < lvl_off[g + 1]; forward, level k the
+// states fw_state[fw_lvl[k] .. fw_lvl[k + 1]] of one depth (the longest chain of epsilon arcs into them), shallowest
+// first, state i's arcs in fw_arcs[fw_ptr[i] .. fw_ptr[i + 1]]; backward, the sources of one depth, deepest first
+// (bw_lvl, bw_state, bw_ptr, bw_arcs), a source's arcs in reverse order.
+#include "semiring.cuh"
+
+typedef long long i64;
+
+// A score at or below this is no path: -inf (the accumulators start at ZERO, -1e38, so that no sum sees -inf - -inf).
+#define NO_PATH ((FLOAT)-1e30)
+
+// alpha[dst] (+)= alpha[src] (x) w along a graph's epsilon arcs, a level at a time (their sources, shallower, are final):
+// a thread a state of the level, summing the arcs into it in the order of eps_arcs; a barrier after each level.
+__device__ void epsilon_forward(FLOAT* a, i64 l0, i64 l1, const i64* __restrict__ fw_lvl, const i64* __restrict__ fw_state,
+                                const i64* __restrict__ fw_ptr, const i64* __restrict__ fw_arcs, const i64* __restrict__ src,
+                                const FLOAT* __restrict__ w, i64 s0) {
+    for (i64 k = l0; k < l1; k++) {
+        for (i64 i = fw_lvl[k] + threadIdx.x; i < fw_lvl[k + 1]; i += blockDim.x) {
+            const i64 v = fw_state[i] - s0;
+            FLOAT acc = a[v];
+            for (i64 j = fw_ptr[i]; j < fw_ptr[i + 1]; j++) acc = SUM(acc, MUL(a[src[fw_arcs[j]] - s0], w[fw_arcs[j]]));
+            a[v] = acc;
+        }
+        __syncthreads();
+    }
+}
+
+// One block per sequence n, threads over the states of its graph (strided when there are more states than threads).
+// 1. forward: alpha[t] (its graph's S_g scores after t frames and their epsilon arcs) for t = 0 .. T_n into
+//    alpha (N, T + 1, S_max), log Z into logz[n] (-inf where no path fits).
+// 2. with for_backward, Log: beta a level at a time (two rows of beta_buf (N, 2, S_max)), latest frame first, and the
+//    posteriors exp(alpha[t - 1][src a] + w_a + lp[t - 1, n, lab a] + beta[t][dst a] - log Z): each emitting arc's
+//    added by the thread of its source state into post_arcs (N, E_max), each label's summed over the arcs that read it
+//    (bylab, in a fixed order: no atomics) into post_lp (T, N, C), the epsilon arcs' by the thread of their source (a
+//    level at a time), the final states' into post_finals (N, S_max). Max: one thread walks the best path back (the
+//    first epsilon arc, else the first emitting arc, whose score makes the state's: the same sums in the same order as
+//    the forward's, so the comparison is exact) and adds 1 on each of its arcs, labels and its final state.
+// The epsilon arcs into a state are summed in eps_arcs' order, and those out of it in the reverse, whatever the levels:
+// the CPU kernel's order, so the result does not depend on the block's size.
+extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
+    const FLOAT* __restrict__ lp, const long long* __restrict__ lengths, const long long* __restrict__ seq_graph,
+    const FLOAT* __restrict__ w, const FLOAT* __restrict__ fin, const long long* __restrict__ src,
+    const long long* __restrict__ dst, const long long* __restrict__ lab, const long long* __restrict__ in_ptr,
+    const long long* __restrict__ in_arcs, const long long* __restrict__ out_ptr, const long long* __restrict__ out_arcs,
+    const long long* __restrict__ eps_ptr, const long long* __restrict__ eps_arcs, const long long* __restrict__ g_state,
+    const long long* __restrict__ g_start, const long long* __restrict__ g_arc, const long long* __restrict__ glab_ptr,
+    const long long* __restrict__ glab, const long long* __restrict__ bylab_ptr, const long long* __restrict__ bylab,
+    const long long* __restrict__ lvl_off, const long long* __restrict__ fw_lvl, const long long* __restrict__ fw_state,
+    const long long* __restrict__ fw_ptr, const long long* __restrict__ fw_arcs, const long long* __restrict__ bw_lvl,
+    const long long* __restrict__ bw_state, const long long* __restrict__ bw_ptr, const long long* __restrict__ bw_arcs,
+    FLOAT* __restrict__ alpha, FLOAT* __restrict__ beta_buf, FLOAT* __restrict__ logz, FLOAT* __restrict__ post_lp,
+    double* __restrict__ post_arcs, double* __restrict__ post_finals, int T, int N, int C, int S_max, int E_max,
+    int for_backward, int use_max)
+{
+    const int n = blockIdx.x;
+    const i64 g = seq_graph[n], s0 = g_state[g], e0 = eps_ptr[g], e1 = eps_ptr[g + 1];
+    const int S = (int)(g_state[g + 1] - s0);                    // the graph's states (local numbers 0 .. S - 1)
+    const i64 a0 = g_arc[g], l0 = lvl_off[g], l1 = lvl_off[g + 1];
+    const int Tn = (int)lengths[n];
+    FLOAT* A = alpha + (i64)n * (T + 1) * S_max;                  // A + t * S_max: alpha[t]
+    const FLOAT* L = lp + (i64)n * C;                             // L + t * N * C: frame t's emissions
+    const i64 frame = (i64)N * C;
+
+    // 1. the forward pass
+    for (int v = threadIdx.x; v < S; v += blockDim.x) A[v] = s0 + v == g_start[g] ? (FLOAT)ONE : (FLOAT)ZERO;
+    __syncthreads();
+    epsilon_forward(A, l0, l1, fw_lvl, fw_state, fw_ptr, fw_arcs, src, w, s0);
+    for (int t = 0; t < Tn; t++) {
+        const FLOAT* prev = A + (i64)t * S_max;
+        FLOAT* cur = A + (i64)(t + 1) * S_max;
+        for (int v = threadIdx.x; v < S; v += blockDim.x) {
+            FLOAT acc = ZERO;
+            for (i64 j = in_ptr[s0 + v]; j < in_ptr[s0 + v + 1]; j++) {
+                const i64 e = in_arcs[j];
+                acc = SUM(acc, MUL(MUL(prev[src[e] - s0], w[e]), L[t * frame + lab[e]]));
+            }
+            cur[v] = acc;
+        }
+        __syncthreads();
+        epsilon_forward(cur, l0, l1, fw_lvl, fw_state, fw_ptr, fw_arcs, src, w, s0);
+    }
+    const FLOAT* AT = A + (i64)Tn * S_max;
+    __shared__ FLOAT Z;                                           // log Z, as every thread reads it
+    if (threadIdx.x == 0) {
+        FLOAT z = ZERO;
+        for (int v = 0; v < S; v++) z = SUM(z, MUL(AT[v], fin[s0 + v]));
+        Z = z;
+        logz[n] = z <= NO_PATH ? (FLOAT)-INFINITY : z;
+    }
+    __syncthreads();
+    if (!for_backward || Z <= NO_PATH) return;                    // (the whole block alike: no barrier is left behind)
+
+    // 2. the posteriors: Max, the best path
+    if (use_max) {
+        if (threadIdx.x != 0) return;
+        i64 v = 0;
+        for (int u = 1; u < S; u++) if (MUL(AT[u], fin[s0 + u]) > MUL(AT[v], fin[s0 + v])) v = u;
+        post_finals[(i64)n * S_max + v] = 1.0;
+        for (int t = Tn; t >= 0; t--) {
+            const FLOAT* at = A + (i64)t * S_max;
+            for (bool moved = true; moved;) {                        // epsilon arcs into v at this frame
+                moved = false;
+                for (i64 k = e0; k < e1; k++) {
+                    const i64 e = eps_arcs[k];
+                    if (dst[e] - s0 == v && MUL(at[src[e] - s0], w[e]) == at[v]) {
+                        post_arcs[(i64)n * E_max + e - a0] += 1.0; v = src[e] - s0; moved = true;
+                        break;
+                    }
+                }
+            }
+            if (t == 0) break;
+            const FLOAT* before = A + (i64)(t - 1) * S_max;
+            for (i64 j = in_ptr[s0 + v]; j < in_ptr[s0 + v + 1]; j++) {
+                const i64 e = in_arcs[j];
+                if (MUL(MUL(before[src[e] - s0], w[e]), L[(t - 1) * frame + lab[e]]) == at[v]) {
+                    post_arcs[(i64)n * E_max + e - a0] += 1.0;
+                    post_lp[(t - 1) * frame + n * C + lab[e]] += (FLOAT)1;
+                    v = src[e] - s0;
+                    break;
+                }
+            }
+        }
+        return;
+    }
+
+    // 2. the posteriors: Log, the backward pass
+    FLOAT* beta = beta_buf + (i64)n * 2 * S_max;                  // the level's beta; the next one's at beta + S_max
+    const i64 u0 = glab_ptr[g];
+    const int U = (int)(glab_ptr[g + 1] - u0);
+    for (int v = threadIdx.x; v < S; v += blockDim.x) {
+        const FLOAT f = fin[s0 + v] > (FLOAT)ZERO ? fin[s0 + v] : (FLOAT)ZERO;
+        beta[v] = f;
+        post_finals[(i64)n * S_max + v] = (double)exp(MUL(AT[v], fin[s0 + v]) - Z);
+    }
+    __syncthreads();
+    for (int t = Tn; t >= 0; t--) {
+        const FLOAT* at = A + (i64)t * S_max;
+        for (i64 k = l0; k < l1; k++) {                              // the epsilon arcs of level t, by their sources'
+            for (i64 i = bw_lvl[k] + threadIdx.x; i < bw_lvl[k + 1]; i += blockDim.x) {     // depth, deepest first
+                const i64 u = bw_state[i] - s0;
+                FLOAT acc = beta[u];
+                for (i64 j = bw_ptr[i]; j < bw_ptr[i + 1]; j++) {
+                    const i64 e = bw_arcs[j];
+                    const FLOAT x = MUL(w[e], beta[dst[e] - s0]);
+                    post_arcs[(i64)n * E_max + e - a0] += (double)exp(at[u] + x - Z);
+                    acc = SUM(acc, x);
+                }
+                beta[u] = acc;
+            }
+            __syncthreads();
+        }
+        if (t == 0) break;
+        const FLOAT* before = A + (i64)(t - 1) * S_max;
+        const FLOAT* Lt = L + (i64)(t - 1) * frame;
+        FLOAT* nb = beta + S_max;
+        for (int u = threadIdx.x; u < S; u += blockDim.x) {          // the arcs leaving level t - 1, by source
+            FLOAT acc = ZERO;
+            for (i64 j = out_ptr[s0 + u]; j < out_ptr[s0 + u + 1]; j++) {
+                const i64 e = out_arcs[j];
+                const FLOAT x = MUL(MUL(w[e], Lt[lab[e]]), beta[dst[e] - s0]);
+                acc = SUM(acc, x);
+                post_arcs[(i64)n * E_max + e - a0] += (double)exp(before[u] + x - Z);
+            }
+            nb[u] = acc;
+        }
+        for (int k = threadIdx.x; k < U; k += blockDim.x) {          // the same posteriors, summed per label
+            FLOAT p = 0;
+            for (i64 j = bylab_ptr[u0 + k]; j < bylab_ptr[u0 + k + 1]; j++) {
+                const i64 e = bylab[j];
+                const FLOAT x = MUL(MUL(w[e], Lt[lab[e]]), beta[dst[e] - s0]);
+                p += exp(before[src[e] - s0] + x - Z);
+            }
+            post_lp[(t - 1) * frame + n * C + glab[u0 + k]] = p;
+        }
+        __syncthreads();
+        for (int v = threadIdx.x; v < S; v += blockDim.x) beta[v] = nb[v];
+        __syncthreads();
+    }
+}

@@ -1,0 +1,165 @@
+"""The graph lattice's CUDA kernel (`graph_logz(..., backend='cuda')`), through the emulator on CPU tensors: log Z and
+its gradients w.r.t. the emissions, arc and final scores equal the CPU kernel's and the reference's on random graphs
+with epsilon arcs, ragged batches, infeasible sequences, CTC graphs (= F.ctc_loss), the Max semiring (its gradient the
+best path), the looping path (more states than threads), repeatability and one launch a step."""
+import math
+import pytest
+import torch
+import torch.nn.functional as F
+from seqdist.graph import Graph, graph_logz, graph_loss, random_graph, ctc_graph
+from seqdist.ops import launch_limits
+from seqdist.kernel import count_launches
+
+TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+def _batch(seed, dtype, N=4, T=9, C=5):
+    "Random graphs with epsilon arcs (three, shared by a batch of N), emissions and uneven lengths (one 0)."
+    g = torch.Generator().manual_seed(seed)
+    gs = [random_graph(int(torch.randint(2, 11, (), generator=g)), int(torch.randint(3, 22, (), generator=g)), C, generator=g)
+          for _ in range(3)]
+    lp = torch.randn(T, N, C, generator=g, dtype=torch.float64).mul(2).log_softmax(-1).to(dtype)
+    lengths = torch.randint(0, T + 1, (N,), generator=g)
+    lengths[seed % N] = 0
+    return lp, lengths, gs, [seed % 3, 0, 1, 2][:N]
+
+def _grads(lp, lengths, gs, which, semiring, backend):
+    "log Z and its gradients (of the feasible sequences' sum) w.r.t. log_probs, each graph's arc and final scores."
+    x = lp.clone().requires_grad_()
+    ws = [g.scores.clone().requires_grad_() for g in gs]
+    fs = [g.final_scores.clone().requires_grad_() for g in gs]
+    gg = [Graph(g.src, g.dst, g.labels, w, g.start, g.finals, f, num_states=g.num_states) for g, w, f in zip(gs, ws, fs)]
+    z = graph_logz(x, lengths, [gg[i] for i in which], semiring=semiring, backend=backend)
+    grads = torch.autograd.grad(torch.where(torch.isfinite(z), z, 0).sum(), [x, *ws, *fs], allow_unused=True)
+    return z.detach(), [torch.zeros_like(t) if d is None else d for d, t in zip(grads, [x, *ws, *fs])]
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_the_emulated_kernel_equals_the_cpu_kernel_and_the_reference(dtype):
+    for seed in range(4):
+        lp, lengths, gs, which = _batch(seed, dtype)
+        z, grads = _grads(lp, lengths, gs, which, 'Log', 'cuda')
+        z_cpu, grads_cpu = _grads(lp, lengths, gs, which, 'Log', 'cpu')
+        z_ref = graph_logz(lp, lengths, [gs[i] for i in which], backend='reference')
+        assert z.dtype == dtype and not z.isnan().any()
+        torch.testing.assert_close(z, z_cpu, **TOL[dtype])
+        torch.testing.assert_close(z, z_ref, **TOL[dtype])
+        for a, b in zip(grads, grads_cpu): torch.testing.assert_close(a, b, **TOL[dtype])
+
+def test_max_semiring_its_value_and_its_gradient_the_best_path():
+    for seed in range(4):
+        lp, lengths, gs, which = _batch(seed, torch.float64)
+        z, grads = _grads(lp, lengths, gs, which, 'Max', 'cuda')
+        z_cpu, grads_cpu = _grads(lp, lengths, gs, which, 'Max', 'cpu')
+        assert torch.equal(z, z_cpu)
+        for a, b in zip(grads, grads_cpu): assert torch.equal(a, b)
+        torch.testing.assert_close(z, graph_logz(lp, lengths, [gs[i] for i in which], semiring='Max', backend='reference'), **TOL[z.dtype])
+
+def test_infeasible_sequences_give_minus_inf_and_zero_gradients():
+    g = ctc_graph(torch.tensor([1, 1, 2]))                  # needs 4 frames (a blank between the repeats)
+    lp = torch.randn(5, 3, 3, dtype=torch.float64).log_softmax(-1).requires_grad_()
+    lengths = torch.tensor([3, 5, 0])
+    for dtype in (torch.float64, torch.float32):
+        x = lp.detach().to(dtype).requires_grad_()
+        z = graph_logz(x, lengths, g, backend='cuda')
+        assert torch.isneginf(z[[0, 2]]).all() and torch.isfinite(z[1])
+        torch.testing.assert_close(z, graph_logz(x.detach(), lengths, g, backend='cpu'), **TOL[dtype])
+        loss = graph_loss(x, lengths, g, reduction='sum', zero_infinity=True, backend='cuda')
+        grad, = torch.autograd.grad(loss, x)
+        assert not grad.isnan().any() and (grad[:, [0, 2]] == 0).all()
+        torch.testing.assert_close(grad[:, 1].sum(-1), -torch.ones(5, dtype=dtype), **TOL[dtype])   # one label a frame
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_ctc_graphs_equal_ctc_loss(dtype):
+    g = torch.Generator().manual_seed(3)
+    T, N, C = 10, 4, 5
+    x = torch.randn(T, N, C, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    lp = x.log_softmax(-1)                  # (F.ctc_loss's gradient is that of log_softmax'd inputs: compare w.r.t. x)
+    targets = torch.randint(1, C, (N, 4), generator=g)
+    targets[0, 1] = targets[0, 0]                                       # a repeat
+    tl, il = torch.tensor([4, 2, 0, 3]), torch.tensor([10, 7, 3, 9])
+    ours = graph_loss(lp, il, ctc_graph(targets, tl), reduction='none', backend='cuda')
+    theirs = F.ctc_loss(lp, targets, il, tl, reduction='none')
+    torch.testing.assert_close(ours, theirs, **TOL[dtype])
+    g1, = torch.autograd.grad(ours.sum(), x, retain_graph=True)
+    g2, = torch.autograd.grad(theirs.sum(), x)
+    torch.testing.assert_close(g1, g2, **TOL[dtype])
+
+def test_more_states_than_threads_gives_the_same_bits_and_runs_again_the_same():
+    lp, lengths, gs, which = _batch(7, torch.float64, T=6)
+    gs = [random_graph(10, 20, 5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    z, grads = _grads(lp, lengths, gs, which, 'Log', 'cuda')
+    with launch_limits(max_threads=3):                        # (10 states, 3 threads: the strided loops)
+        z3, grads3 = _grads(lp, lengths, gs, which, 'Log', 'cuda')
+    z_again, grads_again = _grads(lp, lengths, gs, which, 'Log', 'cuda')
+    for a, b, c in zip([z, *grads], [z3, *grads3], [z_again, *grads_again]):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+def test_one_launch_for_a_forward_and_backward():
+    lp, lengths, gs, which = _batch(1, torch.float64, T=4)
+    x = lp.clone().requires_grad_()
+    with count_launches() as n:
+        graph_loss(x, lengths, [gs[i] for i in which], backend='cuda').backward()
+    assert dict(n) == {'graph_logz': 1}
+
+def test_backends_are_named():
+    lp = torch.randn(5, 2, 3).log_softmax(-1)
+    with pytest.raises(ValueError, match="backend must be 'auto', 'cpu', 'cuda' or 'reference'"):
+        graph_logz(lp, torch.tensor([5, 5]), ctc_graph(torch.tensor([1, 2])), backend='gpu')
+
+def test_graph_lattice_log_partition_through_the_kernel():
+    from seqdist.graph import GraphLattice
+    lp, lengths, gs, which = _batch(2, torch.float64, T=5)
+    graphs = [gs[i] for i in which]
+    got = GraphLattice(lp, lengths, graphs, backend='cuda').log_partition
+    torch.testing.assert_close(got, GraphLattice(lp, lengths, graphs, backend='cpu').log_partition, **TOL[torch.float64])
+
+def test_nan_in_nan_out_and_half_precision_inputs():
+    lp = torch.randn(6, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    lp[2, 1, 3] = math.nan
+    gs = ctc_graph(torch.tensor([[1, 2], [2, 3], [3, 3]]), torch.tensor([2, 2, 2]))
+    out = {}
+    for backend in ('cpu', 'cuda'):
+        x = lp.clone().requires_grad_()
+        loss = graph_loss(x, torch.tensor([6, 6, 6]), gs, reduction='none', backend=backend)
+        out[backend] = loss.detach(), torch.autograd.grad(loss.sum(), x)[0]
+    torch.testing.assert_close(out['cuda'], out['cpu'], equal_nan=True, **TOL[torch.float64])
+    assert out['cuda'][0].isnan().tolist() == [False, True, False]
+    x = lp.nan_to_num().half().requires_grad_()                    # fp16: computed in float32, the gradient in fp16
+    loss = graph_loss(x, torch.tensor([6, 6, 6]), gs, reduction='sum', backend='cuda')
+    grad, = torch.autograd.grad(loss, x)
+    assert grad.dtype == torch.float16
+    torch.testing.assert_close(loss, graph_loss(x.detach().float(), torch.tensor([6, 6, 6]), gs, reduction='sum', backend='cpu'), **TOL[torch.float32])
+
+def test_epsilon_arcs_by_levels_a_ctc_crf_and_a_deep_chain():
+    """A CTC-CRF as a graph (an epsilon arc from the start into each of 16 states) = sparse.logZ; a chain of epsilon
+    arcs 4 deep with arcs into one state from several levels = the CPU kernel, the same bits on 1 thread as on 32."""
+    from seqdist import sparse
+    from seqdist.crf import kmer_transitions
+    from seqdist.graph import sparse_crf_graph
+    gen = torch.Generator().manual_seed(2)
+    idx = kmer_transitions(2, 4)
+    T, N, C, NZ = 6, 2, *idx.shape
+    Ms = torch.randn(T, N, C, NZ, generator=gen, dtype=torch.float64, requires_grad=True)
+    v0, vT = torch.randn(C, generator=gen, dtype=torch.float64), torch.randn(C, generator=gen, dtype=torch.float64)
+    want = sparse.logZ(Ms, idx, v0.expand(N, C), vT.expand(N, C))
+    g_want, = torch.autograd.grad(want.sum(), Ms)
+    got = graph_logz(Ms.flatten(2), torch.full((N,), T), sparse_crf_graph(idx, v0, vT), backend='cuda')
+    g_got, = torch.autograd.grad(got.sum(), Ms)
+    torch.testing.assert_close(got, want, **TOL[torch.float64])
+    torch.testing.assert_close(g_got, g_want, **TOL[torch.float64])
+    # states 0 -eps-> 1 -eps-> 2 -eps-> 3 -eps-> 4, shortcuts 0 -> 2 and 1 -> 4 (eps), emitting arcs around
+    g = Graph.from_arcs([(0, 1, -1, 0.3), (1, 2, -1, -0.2), (2, 3, -1, 0.5), (3, 4, -1, 0.1), (0, 2, -1, -0.7), (1, 4, -1, 0.2),
+                         (4, 0, 1, 0.0), (2, 2, 0, -0.1), (3, 1, 2, 0.4), (4, 4, 1, 0.2), (0, 3, 0, -0.3)], start=0, finals=[2, 4],
+                        final_scores=[0.1, -0.2])
+    lp = torch.randn(5, 3, 3, generator=gen, dtype=torch.float64).log_softmax(-1)
+    lengths = torch.tensor([5, 2, 0])
+    ws = {}
+    for backend, limit in (('cpu', None), ('cuda', None), ('cuda', 1)):
+        x = lp.clone().requires_grad_()
+        w = g.scores.clone().requires_grad_()
+        gg = Graph(g.src, g.dst, g.labels, w, g.start, g.finals, g.final_scores)
+        with launch_limits(max_threads=limit):
+            z = graph_logz(x, lengths, gg, backend=backend)
+            ws[backend, limit] = [z.detach(), *torch.autograd.grad(z.sum(), [x, w])]
+    for a, b, c in zip(ws['cuda', None], ws['cuda', 1], ws['cpu', None]):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, **TOL[torch.float64])
