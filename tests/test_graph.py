@@ -251,18 +251,20 @@ def test_bad_calls_are_named():
     with pytest.raises(ValueError, match="backend must be 'auto', 'cpu', 'cuda' or 'reference'"): graph_loss(lp, torch.tensor([5, 5]), g, backend='gpu')
     with pytest.raises(ValueError, match='other must have'): GraphLattice(lp, torch.tensor([5, 5]), g).kl(GraphLattice(lp[:4], torch.tensor([4, 4]), g))
 
-def test_a_ctc_crf_as_a_graph_equals_sparse_logZ():
+@pytest.mark.parametrize('backend,T', [('cpu', 30), ('cuda', 6)])       # (cuda: the emulator, on few frames)
+def test_a_ctc_crf_as_a_graph_equals_sparse_logZ(backend, T):
+    "A CTC-CRF as a graph (an epsilon arc from the start into each of 16 states) = sparse.logZ, and its gradient."
     from seqdist import sparse
     from seqdist.crf import kmer_transitions
     from seqdist.graph import sparse_crf_graph
     gen = torch.Generator().manual_seed(2)
     idx = kmer_transitions(2, 4)
-    T, N, C, NZ = 30, 3, *idx.shape
+    N, C, NZ = 3, *idx.shape
     Ms = torch.randn(T, N, C, NZ, generator=gen, dtype=torch.float64, requires_grad=True)
     v0, vT = torch.randn(C, generator=gen, dtype=torch.float64), torch.randn(C, generator=gen, dtype=torch.float64)
     want = sparse.logZ(Ms, idx, v0.expand(N, C), vT.expand(N, C))
     g_want, = torch.autograd.grad(want.sum(), Ms)
-    got = graph_logz(Ms.flatten(2), torch.full((N,), T), sparse_crf_graph(idx, v0, vT))
+    got = graph_logz(Ms.flatten(2), torch.full((N,), T), sparse_crf_graph(idx, v0, vT), backend=backend)
     g_got, = torch.autograd.grad(got.sum(), Ms)
     assert torch.allclose(got, want, rtol=1e-12, atol=0) and torch.allclose(g_got, g_want, rtol=0, atol=1e-10)
 
