@@ -1142,12 +1142,24 @@ class GraphLattice(AlignmentPosterior):
         return out
 
     def sample(self, sample_shape=(), generator=None):
-        """Exact samples of paths (*sample_shape, N, P) (forward filtering, backward sampling: the reference's walk,
-        `choose_index` at each step); all -1 where no path fits."""
+        """Exact samples of paths (*sample_shape, N, P) (forward filtering, backward sampling: on the CPU the numba
+        walk `_graph_sample_cpu`, all draws at once; the reference's walk otherwise, `choose_index` at each step); all -1
+        where no path fits."""
         shape = torch.Size(sample_shape)
-        draws = [self._walks(lambda x, n: choose_index(x, torch.rand((), generator=generator, dtype=torch.float64).to(x.dtype)), Log)
-                 for _ in range(max(1, shape.numel()))]
-        x = torch.stack(draws)
+        n = max(1, shape.numel())
+        if self.backend == 'reference':
+            x = torch.stack([self._walks(lambda x, i: choose_index(x, torch.rand((), generator=generator, dtype=torch.float64).to(x.dtype)), Log)
+                             for _ in range(n)])
+        else:
+            st = self._state(self.log_probs.detach().double())
+            T, N, _ = st.lp.shape
+            P = path_length_batch(self.graphs, T)
+            u = torch.rand(n, N, 2 * P + 2, generator=generator, dtype=torch.float64)   # (at most P + T + 1 steps a walk)
+            paths = torch.empty(n, N, max(P, 1), dtype=torch.int64)
+            parallel_for(_graph_sample_cpu, N, st.lp.numpy(), st.lengths.numpy(), st.w.numpy(), st.fin.numpy(), st.seq_graph.numpy(),
+                         st.L, segment_frames(T, max(g.num_states for g in self.graphs)), u.numpy(), paths.numpy(),
+                         work=n * T * N * max(1, len(st.u.src)))
+            x = paths[..., :P]
         return x.reshape(*shape, *x.shape[1:])
 
     def topk(self, k):
@@ -1196,6 +1208,91 @@ class GraphLattice(AlignmentPosterior):
 def path_length_batch(graphs, T):
     "The path tensors' length P for these graphs and T frames (`path_length` of the deepest epsilon chains)."
     return T + (T + 1) * max(g.topology.eps_depth for g in graphs) if graphs else T
+
+# %% ../nbs/12a_graph_questions.ipynb #gq-sampler
+@numba.njit(nogil=True, cache=_CACHE)
+def _graph_sample_cpu(lp, lengths, w, fin, seq_graph, L, K, u, paths, lo, hi):
+    """paths[:, n] = u.shape[0] exact samples of sequence n's paths (forward filtering, backward sampling; arcs first to
+    last, -1 after them; all -1 where no path fits), for lo <= n < hi: the Log forward kept every K frames, then all
+    draws walked back together a segment at a time, each step an epsilon arc into the state or what its frame read
+    (then an emitting arc into it), chosen by the next uniform of u[draw, n] as choose_index does (the first whose
+    cumulative weight exceeds u times the total)."""
+    src, dst, lab, in_ptr, in_arcs, eps_ptr, eps_arcs, g_state, g_start, g_arc, max_deg = L
+    n_draws, P = u.shape[0], paths.shape[2]
+    for n in range(lo, hi):
+        gi = seq_graph[n]
+        s0, s1, e0, e1 = g_state[gi], g_state[gi + 1], eps_ptr[gi], eps_ptr[gi + 1]
+        Sg, T = s1 - s0, lengths[n]
+        nseg = (T + K - 1) // K
+        ck, alpha = np.empty((nseg + 1, Sg)), np.empty(Sg)
+        Z = _graph_forward(lp, lengths, w, fin, seq_graph, L, n, False, alpha, K, ck)
+        paths[:, n, :] = -1
+        if Z == -np.inf: continue
+        state, count, used = np.empty(n_draws, np.int64), np.zeros(n_draws, np.int64), np.zeros(n_draws, np.int64)
+        arcs = np.empty((n_draws, P), np.int64)
+        weights = np.empty(max(Sg, e1 - e0 + 1, max_deg))
+        for d in range(n_draws):                                     # the final state
+            m = -np.inf
+            for v in range(Sg): weights[v] = alpha[v] + fin[s0 + v]; m = max(m, weights[v])
+            state[d] = _draw(weights, Sg, m, u[d, n, 0])
+            used[d] = 1
+        seg, tmp = np.empty((K + 1, Sg)), np.empty(max_deg)
+        for k in range(nseg - 1, -2, -1):
+            if k >= 0:
+                t0, t1 = k * K, min(k * K + K, T)
+                seg[0, :] = ck[k]
+                for t in range(t0, t1 - 1):
+                    _emitting_step(lp, t, n, w, src, lab, in_ptr, in_arcs, s0, s1, seg[t - t0], seg[t - t0 + 1], tmp, False)
+                    _epsilon_step(w, src, dst, eps_arcs, e0, e1, s0, seg[t - t0 + 1], False)
+                seg[t1 - t0, :] = ck[k + 1]
+            else: t0, t1 = 0, 0
+            levels = ck[0:1] if k < 0 else seg
+            for d in range(n_draws):
+                for t in range(t1, t0 - (k < 0), -1):
+                    at, v = levels[t - t0], state[d]
+                    while True:                                      # epsilon arcs into v, or what the frame read
+                        j, m = 0, -np.inf
+                        if t > 0:
+                            before = levels[t - 1 - t0]
+                            pre = -np.inf
+                            for i in range(in_ptr[s0 + v], in_ptr[s0 + v + 1]):
+                                a = in_arcs[i]
+                                pre = semiring_sum2(pre, before[src[a] - s0] + w[a] + lp[t - 1, n, lab[a]], False)
+                        else: pre = 0.0 if v == g_start[gi] - s0 else -np.inf
+                        weights[0], m, j = pre, pre, 1
+                        for e in range(e0, e1):
+                            a = eps_arcs[e]
+                            weights[j] = at[src[a] - s0] + w[a] if dst[a] - s0 == v else -np.inf
+                            m = max(m, weights[j]); j += 1
+                        pick = _draw(weights, j, m, u[d, n, used[d]]); used[d] += 1
+                        if pick == 0: break
+                        a = eps_arcs[e0 + pick - 1]
+                        arcs[d, count[d]] = a; count[d] += 1; v = src[a] - s0
+                    if t == 0 or k < 0: break
+                    before = levels[t - 1 - t0]
+                    j, m = 0, -np.inf
+                    for i in range(in_ptr[s0 + v], in_ptr[s0 + v + 1]):
+                        a = in_arcs[i]
+                        weights[j] = before[src[a] - s0] + w[a] + lp[t - 1, n, lab[a]]
+                        m = max(m, weights[j]); j += 1
+                    a = in_arcs[in_ptr[s0 + v] + _draw(weights, j, m, u[d, n, used[d]])]; used[d] += 1
+                    arcs[d, count[d]] = a; count[d] += 1; v = src[a] - s0
+                    state[d] = v
+                state[d] = v
+        for d in range(n_draws):
+            for i in range(count[d]): paths[d, n, i] = arcs[d, count[d] - 1 - i] - g_arc[gi]
+
+@numba.njit(inline='always')
+def _draw(weights, k, m, u):
+    "The index in weights[:k] (log weights, largest m) whose cumulative weight first exceeds u times the total."
+    tot = 0.0
+    for i in range(k): tot += np.exp(weights[i] - m) if weights[i] > -np.inf else 0.0
+    acc, last = 0.0, 0
+    for i in range(k):
+        if weights[i] > -np.inf:
+            acc += np.exp(weights[i] - m); last = i
+            if acc > u * tot: return i
+    return last
 
 # %% ../nbs/12a_graph_questions.ipynb #gq-kbest
 def kbest_paths_reference(emissions, graph, k):

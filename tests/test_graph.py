@@ -193,19 +193,31 @@ def test_log_prob_of_what_is_not_a_path():
     for path in ([0, 0, 0], [2, 2, 2], [0, 1, -1], [-1, 0, 1], [0, 1, 7], [0, 1, 2, 2][:3][::-1]):
         assert lat.log_prob(torch.tensor([[path]]))[0, 0] == -math.inf, path
 
-def test_samples_follow_the_posterior():
+@pytest.mark.parametrize('backend,n', [('cpu', 4000), ('reference', 600)])
+def test_samples_follow_the_posterior(backend, n):
     gen = torch.Generator().manual_seed(3)
     g = random_graph(4, 8, 3, 0.3, gen)
     lp = torch.randn(3, 1, 3, generator=gen, dtype=torch.float64)
     paths, s = brute(g, lp[:, 0])
     assert len(paths) > 3
     pr = (s - s.logsumexp(0)).exp()
-    draws = GraphLattice(lp, torch.tensor([3]), g).sample((2000,), generator=torch.Generator().manual_seed(0))[:, 0]
+    draws = GraphLattice(lp, torch.tensor([3]), g, backend=backend).sample((n,), generator=torch.Generator().manual_seed(0))[:, 0]
     index = {tuple(a): i for i, (a, f) in enumerate(paths)}
     counts = torch.zeros(len(paths), dtype=torch.float64)
     for d in draws: counts[index[tuple(d[d >= 0].tolist())]] += 1
-    sd = (pr * (1 - pr) / 2000).sqrt()
-    assert ((counts / 2000 - pr).abs() <= 5 * sd + 1e-3).all()
+    sd = (pr * (1 - pr) / n).sqrt()
+    assert ((counts / n - pr).abs() <= 5 * sd + 1e-3).all()
+
+def test_every_sample_is_a_path():
+    "Ragged batches of graphs with many epsilon arcs, uneven lengths (0 too): each draw a path (or all -1 where none fits)."
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(20):
+        gs = [random_graph(int(torch.randint(2, 7, (1,), generator=gen)), 12, 4, 0.5, gen) for _ in range(3)]
+        lp = torch.randn(7, 3, 4, generator=gen, dtype=torch.float64)
+        lat = GraphLattice(lp, torch.randint(0, 8, (3,), generator=gen), gs)
+        x = lat.sample((30,), generator=gen)
+        ok, z = lat.log_prob(x) > -math.inf, lat.log_partition
+        for n in range(3): assert (x[:, n] == -1).all() if z[n] == -math.inf else ok[:, n].all()
 
 def test_graph_formats():
     text = "0 1 2 2 0.5\n0 0 1 1 0.25\n1 2 0 0\n1 1 3 3 1.0\n2 0.75\n1\n"
