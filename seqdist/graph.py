@@ -364,6 +364,19 @@ def _epsilon_step(w, src, dst, eps_arcs, e0, e1, s0, alpha, use_max):
         a = eps_arcs[k]
         alpha[dst[a] - s0] = semiring_sum2(alpha[dst[a] - s0], alpha[src[a] - s0] + w[a], use_max)
 
+@numba.njit(inline='always')
+def _segment(lp, n, w, src, dst, lab, in_ptr, in_arcs, eps_arcs, e0, e1, s0, s1, ck, k, K, T, seg, tmp, use_max):
+    """Segment k's forward scores, levels kK to min(kK + K, T), into seg[0:], recomputed from the checkpoints ck (its
+    last level is the next checkpoint): what the backward passes read a segment at a time. Returns its first and last
+    level."""
+    t0, t1 = k * K, min(k * K + K, T)
+    seg[0, :] = ck[k]
+    for t in range(t0, t1 - 1):
+        _emitting_step(lp, t, n, w, src, lab, in_ptr, in_arcs, s0, s1, seg[t - t0], seg[t - t0 + 1], tmp, use_max)
+        _epsilon_step(w, src, dst, eps_arcs, e0, e1, s0, seg[t - t0 + 1], use_max)
+    seg[t1 - t0, :] = ck[k + 1]
+    return t0, t1
+
 @numba.njit(nogil=True, cache=_CACHE)
 def _graph_forward(lp, lengths, w, fin, seq_graph, L, n, use_max, alpha, K, checkpoints):
     """Sequence n's forward scores: returns log Z (the semiring sum over its graph's paths); alpha (S_g,) ends as
@@ -422,12 +435,7 @@ def _graph_grad_cpu(lp, lengths, w, fin, seq_graph, L, out_ptr, out_arcs, seqs, 
         seg = np.empty((K + 1, Sg))
         tmp = np.empty(max_deg)
         for k in range(nseg - 1, -1, -1):
-            t0, t1 = k * K, min(k * K + K, T)
-            seg[0, :] = ck[k]
-            for t in range(t0, t1 - 1):
-                _emitting_step(lp, t, n, w, src, lab, in_ptr, in_arcs, s0, s1, seg[t - t0], seg[t - t0 + 1], tmp, False)
-                _epsilon_step(w, src, dst, eps_arcs, e0, e1, s0, seg[t - t0 + 1], False)
-            seg[t1 - t0, :] = ck[k + 1]
+            t0, t1 = _segment(lp, n, w, src, dst, lab, in_ptr, in_arcs, eps_arcs, e0, e1, s0, s1, ck, k, K, T, seg, tmp, False)
             for t in range(t1, t0, -1):
                 _epsilon_posteriors(w, src, dst, eps_arcs, e0, e1, s0, a0, seg[t - t0], beta, Z, g[n], grad_w[n])
                 a_prev = seg[t - 1 - t0]
@@ -491,14 +499,7 @@ def _graph_viterbi_cpu(lp, lengths, w, fin, seq_graph, L, K, paths, lo, hi):
         arcs = np.empty(paths.shape[1], dtype=np.int64)
         m = 0
         for k in range(nseg - 1, -2, -1):
-            if k >= 0:
-                t0, t1 = k * K, min(k * K + K, T)
-                seg[0, :] = ck[k]
-                for t in range(t0, t1 - 1):
-                    _emitting_step(lp, t, n, w, src, lab, in_ptr, in_arcs, s0, s1, seg[t - t0], seg[t - t0 + 1], tmp, True)
-                    _epsilon_step(w, src, dst, eps_arcs, e0, e1, s0, seg[t - t0 + 1], True)
-                seg[t1 - t0, :] = ck[k + 1]
-            else: t0, t1 = 0, 0
+            t0, t1 = _segment(lp, n, w, src, dst, lab, in_ptr, in_arcs, eps_arcs, e0, e1, s0, s1, ck, k, K, T, seg, tmp, True) if k >= 0 else (0, 0)
             levels = ck[0:1] if k < 0 else seg
             for t in range(t1, t0 - (k < 0), -1):
                 at = levels[t - t0]
@@ -1238,14 +1239,7 @@ def _graph_sample_cpu(lp, lengths, w, fin, seq_graph, L, K, u, paths, lo, hi):
             used[d] = 1
         seg, tmp = np.empty((K + 1, Sg)), np.empty(max_deg)
         for k in range(nseg - 1, -2, -1):
-            if k >= 0:
-                t0, t1 = k * K, min(k * K + K, T)
-                seg[0, :] = ck[k]
-                for t in range(t0, t1 - 1):
-                    _emitting_step(lp, t, n, w, src, lab, in_ptr, in_arcs, s0, s1, seg[t - t0], seg[t - t0 + 1], tmp, False)
-                    _epsilon_step(w, src, dst, eps_arcs, e0, e1, s0, seg[t - t0 + 1], False)
-                seg[t1 - t0, :] = ck[k + 1]
-            else: t0, t1 = 0, 0
+            t0, t1 = _segment(lp, n, w, src, dst, lab, in_ptr, in_arcs, eps_arcs, e0, e1, s0, s1, ck, k, K, T, seg, tmp, False) if k >= 0 else (0, 0)
             levels = ck[0:1] if k < 0 else seg
             for d in range(n_draws):
                 for t in range(t1, t0 - (k < 0), -1):
