@@ -20,7 +20,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.torchinductor-cache
 SITE := tools/site
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: install install-bonito demo test sanitize gpu-check gpu-bench docs docs-html docs-check chromium readme colab-cells clean
+.PHONY: install install-bonito demo test sanitize gpu-check gpu-bench gpu-bench-quick docs docs-html docs-check chromium readme colab-cells clean
 
 install: $(VENV)/.installed
 
@@ -82,6 +82,12 @@ gpu-check:
 	PYTHONPATH=. $(PYTHON) -c "import sys; from seqdist.bench import bench_cli; sys.argv[1:] = ['--device', 'cuda', '--quick']; bench_cli()" || status=1; \
 	echo "== GPU tests by family"; cat gpu-check-summary.txt 2>/dev/null || echo "(no GPU test ran)"; \
 	[ $$status = 0 ] && echo "gpu-check: all passed" || { echo "gpu-check: FAILED (see above)"; exit 1; }
+
+# The GPU issue's benchmark in one short run (at most about 6 minutes; same machine assumptions): every row with its
+# anchors, the variants behind their switches, the kernel profiles of the losing rows (into $$OUT when set), and
+# nbs/bench/cuda.json written as it goes. Carry .anchors (tools/gpu_anchors.sh) and Liger's wheel for those anchors.
+gpu-bench-quick:
+	$(PYTHON) tools/gpu_bench.py nbs/bench/cuda.json --seconds 330 $(if $(OUT),--profiles $(OUT)/profiles.txt)
 
 # The full GPU benchmark (same machine assumptions). Its seqdist 0.0.3 anchor comes from .anchors/: run
 # tools/gpu_anchors.sh where pip works and take .anchors along.

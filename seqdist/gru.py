@@ -13,7 +13,7 @@ import numba
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 from .core import bits_as_float64, LOG2E, LN2_HI, LN2_LO
 from .kernel import load_kernel
 from .checks import require, on_host, to_device
@@ -291,12 +291,35 @@ def _check_dropout(dropout):
     if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout <= 1:
         raise ValueError(f"dropout must be a number in [0, 1] (the probability of an element to be zeroed), got {dropout!r}")
 
+def _use_cudnn(x, lengths, backend):
+    """Whether `gru` calls cuDNN: backend 'cudnn', or 'auto' on CUDA tensors with cuDNN on, no lengths or lengths on the
+    CPU of at least one step each (cuDNN packs them; GPU lengths would cost a host read: our kernels take those)."""
+    if backend == 'cudnn':
+        if not x.is_cuda: raise ValueError(f"backend='cudnn' takes CUDA tensors, got input on {x.device}")
+        return True
+    return (backend == 'auto' and x.is_cuda and torch.backends.cudnn.enabled and torch.backends.cudnn.is_available()
+            and (lengths is None or (lengths.device.type == 'cpu' and bool((lengths > 0).all()))))
+
+def _cudnn_gru(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional, lengths):
+    """nn.GRU's own call (`torch._VF.gru`, cuDNN on a GPU) on time-major x: the same numbers as nn.GRU, bit for bit.
+    lengths: packed (sorted by length, as nn.GRU's packed path), then padded back with zeros past each length."""
+    if lengths is None: return torch._VF.gru(x, hx, weights, has_biases, num_layers, float(dropout), train, bidirectional, False)
+    lengths = lengths.cpu()                                   # (backend='cudnn' with GPU lengths: a host read)
+    if not bool((lengths > 0).all()): raise ValueError(f"backend='cudnn' takes lengths of at least 1 (cuDNN packs them), got {lengths.tolist()}")
+    packed = pack_padded_sequence(x, lengths, enforce_sorted=False)
+    data, h_n = torch._VF.gru(packed.data, packed.batch_sizes, hx.index_select(1, packed.sorted_indices), weights,
+                              has_biases, num_layers, float(dropout), train, bidirectional)
+    out, _ = pad_packed_sequence(PackedSequence(data, *packed[1:]), total_length=x.shape[0])
+    return out, h_n.index_select(1, packed.unsorted_indices)
+
 def gru(input, hx, weights, has_biases=True, num_layers=1, dropout=0.0, train=False, bidirectional=False,
         batch_first=False, lengths=None, backend='auto'):
     """The GRU stack as a function (what `torch._VF.gru` computes): input (T, N, I) ((N, T, I) if batch_first), hx
     (num_layers * D, N, H) or None (zeros), weights: nn.GRU's flat list (w_ih, w_hh[, b_ih, b_hh] per layer and
     direction). lengths (N,): variable-length batches (outputs zero past each length, h_n at the last valid step).
-    Returns (output (T, N, D H), h_n (num_layers * D, N, H)). float16/bfloat16 are computed in float32."""
+    Returns (output (T, N, D H), h_n (num_layers * D, N, H)). float16/bfloat16 are computed in float32.
+    backend: 'auto' (cuDNN for CUDA tensors where `_use_cudnn` says so, else our kernels by device), 'cudnn',
+    'cuda' (our CUDA kernels; emulated for CPU tensors), 'cpu' (numba), 'reference'."""
     if not isinstance(input, torch.Tensor): raise TypeError(f"input must be a tensor, got {type(input).__name__}")
     if input.dtype not in _FLOATS: raise TypeError(f"input must be float16, bfloat16, float32 or float64, got {input.dtype}")
     if input.dim() != 3: raise ValueError(f"input must have 3 dimensions {'(N, T, I)' if batch_first else '(T, N, I)'}, got shape {tuple(input.shape)}")
@@ -334,6 +357,9 @@ def gru(input, hx, weights, has_biases=True, num_layers=1, dropout=0.0, train=Fa
     elif hx.dtype != input.dtype: raise TypeError(f"hx ({hx.dtype}) and the input ({input.dtype}) must have the same dtype")
     elif hx.device != input.device: raise ValueError(f"hx ({hx.device}) and the input ({input.device}) must be on the same device")
     if lengths is not None: lengths = _check_lengths(lengths, N)
+    if _use_cudnn(x, lengths, backend):                           # nn.GRU's own kernels: the GPU's fastest exact path
+        output, h_n = _cudnn_gru(x, hx, weights, has_biases, num_layers, dropout, train, bidirectional, lengths)
+        return (output.transpose(0, 1) if batch_first else output), h_n
     low = input.dtype in (torch.float16, torch.bfloat16)          # half precision: computed in float32
     if low: x, hx, weights = x.float(), hx.float(), [w.float() for w in weights]
     layer_input, h_n = x, []
@@ -382,6 +408,7 @@ class GRU(nn.Module):
                     self.register_parameter(name + sfx, nn.Parameter(torch.empty(shape, **kw)))
                     self._flat_weights_names.append(name + sfx)
         self.reset_parameters()
+        self.flatten_parameters()
 
     def reset_parameters(self):
         "nn.GRU's initialisation: every parameter uniform in [-1/sqrt(hidden_size), 1/sqrt(hidden_size)]."
@@ -392,7 +419,21 @@ class GRU(nn.Module):
     def _flat_weights(self): return [getattr(self, n) for n in self._flat_weights_names]
 
     def flatten_parameters(self):
-        "A no-op, for code written for nn.GRU (which packs its weights for cuDNN here): the kernels take the parameters as they are."
+        """As nn.GRU's: on a GPU with cuDNN, the parameters become views into one buffer, which cuDNN (backend 'auto')
+        then reads without a copy; elsewhere a no-op (our kernels take the parameters as they are)."""
+        ws = self._flat_weights
+        if not all(w.is_cuda and w.dtype == ws[0].dtype and torch.backends.cudnn.is_acceptable(w) for w in ws): return
+        if len({w.data_ptr() for w in ws}) != len(ws) or not torch._use_cudnn_rnn_flatten_weight(): return
+        from torch.backends.cudnn.rnn import get_cudnn_mode
+        with torch.cuda.device_of(ws[0]), torch.no_grad():     # (in place: the parameters stay the same objects)
+            torch._cudnn_rnn_flatten_weight(ws, 4 if self.bias else 2, self.input_size, get_cudnn_mode('GRU'),
+                                            self.hidden_size, 0, self.num_layers, self.batch_first, bool(self.bidirectional))
+
+    def _apply(self, fn, recurse=True):
+        "After `.to`, `.cuda()`, `.half()`: the parameters flattened again, as nn.GRU does."
+        out = super()._apply(fn, recurse)
+        self.flatten_parameters()
+        return out
 
     @property
     def all_weights(self):
@@ -473,7 +514,7 @@ def _stack_example():
 gru = declared(gru, _stack_example, input=TensorArg('T N I'), hx=TensorArg('L B H', optional=True), weights=TensorListArg(),
                has_biases=BoolArg(), num_layers=IntArg(1), dropout=RealArg(0, 1), train=BoolArg(), bidirectional=BoolArg(),
                batch_first=BoolArg(), lengths=LengthArg('B', 0, optional=True),
-               backend=ChoiceArg('auto', 'cpu', 'cuda', 'reference'))
+               backend=ChoiceArg('auto', 'cudnn', 'cpu', 'cuda', 'reference'))
 
 def _module_example():
     "A valid module call: nn.GRU's shapes, 3 inputs, 4 hidden units, a padded batch of 2 with lengths."

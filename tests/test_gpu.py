@@ -773,3 +773,32 @@ def test_gpu_graph_logz_equals_the_cpu_kernel(dtype, semiring, record):
     tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
     err = _compare(got, want, tol, f"graph_logz {semiring} {dtype}")
     record('graph', ('graph_logz',), err)
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_gpu_gru_auto_is_cudnn_bit_for_bit(dtype, record):
+    """GRU (backend 'auto') on CUDA tensors calls cuDNN as nn.GRU does: the same outputs and gradients bit for bit,
+    with lengths (on the CPU: packed) as nn.GRU's packed path gives; its weights are flat (no copy per call, no
+    warning); backend='cuda' (our kernels) agrees within rounding."""
+    import warnings
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+    from seqdist.gru import GRU
+    anchor = torch.nn.GRU(12, 16, num_layers=2, bidirectional=True).cuda().to(dtype)
+    ours = GRU(12, 16, num_layers=2, bidirectional=True).cuda().to(dtype)
+    ours.load_state_dict(anchor.state_dict())
+    x = torch.randn(30, 5, 12, generator=_gen(4)).cuda().to(dtype)
+    lengths = torch.tensor([30, 7, 19, 1, 30])
+    def run(m, lengths=None, **kw):
+        xx = x.clone().requires_grad_()
+        if lengths is None or isinstance(m, GRU): y, h = m(xx, None, lengths, **kw) if lengths is not None else m(xx)
+        else:
+            y, h = m(pack_padded_sequence(xx, lengths, enforce_sorted=False))
+            y = pad_packed_sequence(y, total_length=x.shape[0])[0]
+        return [y, h] + list(torch.autograd.grad(y.float().sum() + h.float().sum(), [xx, *m.parameters()]))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')                       # (non-flat weights would warn)
+        for lens in (None, lengths):
+            for a, b in zip(run(ours, lens), run(anchor, lens)): assert torch.equal(a, b)
+    ours.backend = 'cuda'
+    err = _compare([t.float() for t in run(ours, lengths)], [t.float() for t in run(anchor, lengths)],
+                   dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4), f"GRU cuda {dtype}")
+    record('gru', ('cudnn',), err)

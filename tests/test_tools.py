@@ -26,3 +26,10 @@ def test_cells_run_in_order_and_writefile_and_flags(tmp_path):
 def test_a_failing_cell_is_named(tmp_path):
     r = run(notebook(tmp_path / 'b.ipynb', ["y = 1", "raise ValueError('boom')"]))
     assert r.returncode != 0 and 'b.ipynb, cell 1' in r.stdout + r.stderr and 'boom' in r.stdout + r.stderr
+
+def test_gpu_bench_script_parses_its_arguments():
+    "tools/gpu_bench.py (`make gpu-bench-quick`), the one script a GPU slot runs: it imports and takes its arguments."
+    import subprocess, sys
+    r = subprocess.run([sys.executable, 'tools/gpu_bench.py', '--help'], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0 and '--seconds' in r.stdout, r.stderr

@@ -34,15 +34,18 @@ def bench_gru(quick=False, device='cpu', shapes=None, warmup=2, reps=7):
             y, h = m(x)
             grads = torch.autograd.grad(y.float().sum(), [x, *m.parameters()])
             return y.detach(), grads
-        (y0, g0), (y1, g1) = run(anchor), run(ours)
         sync = (lambda: torch.cuda.synchronize()) if device != 'cpu' else (lambda: None)
-        t0, t1 = paired_median_ms(lambda: (run(anchor), sync()), lambda: (run(ours), sync()), warmup, reps)
         rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-        rows.append(dict(op=f"GRU fwd+bwd{'' if dtype == torch.float32 else ' ' + str(dtype).split('.')[1]}",
-                         shape=f"T={T} N={N} I={I} H={H}" + (f" layers={L}" if L > 1 else ""),
-                         anchor='torch.nn.GRU' + (' (cuDNN)' if device != 'cpu' else ''), anchor_ms=t0, ours_ms=t1,
-                         ratio=t0 / t1, check=f"output rel diff {rel(y1, y0):.1e}, grads rel diff "
-                                              f"{max(rel(a, b) for a, b in zip(g1, g0)):.1e}"))
+        for backend in ('auto',) if device == 'cpu' else ('auto', 'cuda'):   # GPU: cuDNN ('auto'), and our kernels
+            ours.backend = backend
+            (y0, g0), (y1, g1) = run(anchor), run(ours)
+            t0, t1 = paired_median_ms(lambda: (run(anchor), sync()), lambda: (run(ours), sync()), warmup, reps)
+            rows.append(dict(op=f"GRU fwd+bwd{'' if dtype == torch.float32 else ' ' + str(dtype).split('.')[1]}"
+                                + ('' if device == 'cpu' else ", seqdist's kernels" if backend == 'cuda' else ' (auto: cuDNN)'),
+                             shape=f"T={T} N={N} I={I} H={H}" + (f" layers={L}" if L > 1 else ""),
+                             anchor='torch.nn.GRU' + (' (cuDNN)' if device != 'cpu' else ''), anchor_ms=t0, ours_ms=t1,
+                             ratio=t0 / t1, check=f"output rel diff {rel(y1, y0):.1e}, grads rel diff "
+                                                  f"{max(rel(a, b) for a, b in zip(g1, g0)):.1e}"))
     return rows
 
 def sweep_gru(Hs=(64, 128, 256, 384, 512), T=100, N=16, layers=1, device='cpu', warmup=1, reps=5):

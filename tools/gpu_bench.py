@@ -1,0 +1,187 @@
+"""The GPU benchmark in one short run (`make gpu-bench-quick`): every row of the GPU issue with its anchors in the same
+run (F.ctc_loss native and cuDNN-eligible, seqdist 0.0.3 from .anchors/, cuDNN's GRU, Liger's fused linear
+cross-entropy where its wheel was carried), the variants to decide between (each behind its switch: an argument or an
+environment variable, named in the row), the lattice questions, the hour of forced alignment, and a kernel profile of
+the rows that lose. Written for a GPU machine without network or nbdev: torch, CuPy and numba already there.
+
+    PYTHONPATH=. python3 tools/gpu_bench.py [OUT.json] [--seconds 330] [--profiles FILE] [--device cpu --quick]
+
+It writes OUT.json (default nbs/bench/cuda.json) after every family, so a run cut short keeps what it measured; a
+family that raises gives a row saying so and the run goes on; families not reached before --seconds say 'not run'.
+`--device cpu --quick` runs the same script on small shapes on the CPU (a smoke test of the script, no figures)."""
+import argparse, datetime, json, os, sys, time, traceback
+from pathlib import Path
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from seqdist.bench import (_families, bench_ctc_gpu, GPU_CTC_SHAPES, compare_row, value_and_grad, load_seqdist003,
+                           _sync)
+from seqdist.timing import peak_gpu_mb
+
+
+def _now(): return datetime.datetime.now(datetime.timezone.utc)
+
+
+def _liger():
+    "Liger's fused linear cross-entropy (liger-kernel, carried as a wheel), or None."
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except Exception: return None
+    def f(h, W, t):
+        out = liger_fused_linear_cross_entropy(h, W, t)
+        return out[0] if isinstance(out, tuple) else getattr(out, 'loss', out)
+    return f
+
+
+def linear_ce_rows(device, quick):
+    """linear_cross_entropy against the eager composition and Liger (fp32 and bf16 shapes of the issue), its chunk
+    sizes as variants; linear_token_stats against its composition; each with both peak memories."""
+    import torch.nn.functional as F
+    from seqdist.cross_entropy import linear_cross_entropy, linear_token_stats, linear_token_stats_reference
+    from seqdist.benchmarks.cross_entropy import _ce_case, _stats_objective
+    shapes = [(256, 64, 4096, torch.float32)] if quick else [(4096, 1024, 32768, torch.float32), (8192, 4096, 131072, torch.bfloat16)]
+    q = dict(warmup=1, reps=3) if quick else dict(warmup=2, reps=7)
+    rows, liger = [], _liger()
+    eager = lambda h, W, t: F.cross_entropy((h @ W.T).float(), t)
+    for N, H, V, dt in shapes:
+        h, W, t = _ce_case(N, V, H, dtype=dt)
+        h, W, t = h.detach().to(device).requires_grad_(), W.detach().to(device).requires_grad_(), t.to(device)
+        vg = lambda f: (lambda: (lambda l: (l.detach(), torch.autograd.grad(l, (h, W))[0]))(f(h, W, t)))
+        shape = f"N={N} H={H} V={V} {str(dt).split('.')[1]}"
+        variants = [('default', None)] + ([('chunk_size=1024', 1024), ('chunk_size=2048', 2048)] if dt == torch.float32 else [('chunk_size=2048', 2048)])
+        for name, chunk in variants:
+            ours = vg(lambda h, W, t, c=chunk: linear_cross_entropy(h, W, t, chunk_size=c))
+            op = 'linear_cross_entropy fwd+bwd' + ('' if chunk is None else f' [{name}]')
+            rows.append(compare_row(op, shape, '(h @ W.T) then F.cross_entropy (eager)', vg(eager), ours, device, **q))
+            if chunk is None:
+                rows.append(compare_row(op, shape, 'Liger fused linear cross-entropy 0.8.5', None if liger is None else vg(liger),
+                                        ours, device, **q))
+        if dt == torch.float32:
+            ours = vg(lambda h, W, t: _stats_objective(*linear_token_stats(h, W, t)))
+            theirs = vg(lambda h, W, t: _stats_objective(*linear_token_stats_reference(h, W, t)))
+            rows.append(compare_row('linear_token_stats fwd+bwd', shape, 'logits, log_softmax, gather, entropy (eager)',
+                                    theirs, ours, device, **q))
+        del h, W
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
+def joint_rows(device, quick):
+    """joint_rnnt_loss against the composition, fp32 and bf16, with peak memory; the CUDA tile share as variants
+    (SEQDIST_JOINT_TILE_SHARE, read at each call)."""
+    from seqdist.benchmarks.joint import JOINT_SHAPES, joint_inputs_for, _composition, _fused, _fwd_bwd
+    shapes = [(2, 20, 5, 32, 16)] if quick else JOINT_SHAPES
+    q = dict(warmup=1, reps=3) if quick else dict(warmup=2, reps=7)
+    rows = []
+    for dt in (torch.float32, torch.bfloat16):
+        for B, T, U, V, H in shapes:
+            xs, *args = joint_inputs_for(B, T, U, V, H, device, dtype=dt)
+            run = lambda f: (lambda: (lambda l, g: (l, g[0]))(*_fwd_bwd(f, xs, *args)))
+            for share in ('default', '4', '8', '32'):
+                if share != 'default': os.environ['SEQDIST_JOINT_TILE_SHARE'] = share
+                try:
+                    op = 'joint_rnnt_loss fwd+bwd' + ('' if share == 'default' else f' [SEQDIST_JOINT_TILE_SHARE={share}]')
+                    rows.append(compare_row(op, f"B={B} T={T} U={U} V={V} H={H} {str(dt).split('.')[1]}",
+                                            'joiner + rnnt_loss', run(_composition), run(_fused), device, **q))
+                finally: os.environ.pop('SEQDIST_JOINT_TILE_SHARE', None)
+            del xs
+    return rows
+
+
+def align_hour_rows(device, quick):
+    "forced_align of an hour of frames (T=180,000, L=50,000, C=32) on the device: time and peak extra memory."
+    from seqdist.ctc import forced_align
+    T, L, C = (2000, 500, 32) if quick else (180000, 50000, 32)
+    g = torch.Generator().manual_seed(0)
+    lp = torch.randn(1, T, C, generator=g).log_softmax(-1).to(device)
+    targets = torch.randint(1, C, (1, L), generator=g).to(device)
+    forced_align(lp[:, :200], targets[:, :50])                        # compile
+    times = []
+    for _ in range(1 if not quick else 2):
+        _sync(device); start = time.perf_counter(); forced_align(lp, targets); _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    mb = peak_gpu_mb(lambda: forced_align(lp, targets), device)
+    return [dict(op='forced_align, an hour', shape=f"T={T} L={L} C={C}", anchor='- (measured, no target)',
+                 anchor_ms=float('nan'), ours_ms=min(times), ratio=float('nan'), ours_mb=mb, check='-')]
+
+
+def profiles(device, path, quick):
+    "torch.profiler's kernel table (device time) of one warm fwd+bwd of the losing rows, into `path`."
+    from torch.profiler import profile, ProfilerActivity
+    from seqdist.ctc import ctc_loss
+    from seqdist.gru import GRU
+    from seqdist.benchmarks.joint import joint_inputs_for, _fused, _fwd_bwd
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == 'cuda' else [])
+    cases = []
+    for T, N, C, L_min, L_max in (GPU_CTC_SHAPES[:1] if quick else GPU_CTC_SHAPES):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(T, N, C, generator=g).to(device).requires_grad_()
+        tg = torch.randint(1, C, (N, L_max), generator=g).to(device)
+        tl = torch.randint(L_min, L_max + 1, (N,), generator=g).to(device)
+        il = torch.full((N,), T, device=device)
+        cases.append((f"ctc_loss T={T} N={N} C={C} L={L_min}-{L_max}",
+                      lambda x=x, tg=tg, il=il, tl=tl: torch.autograd.grad(ctc_loss(x.log_softmax(2), tg, il, tl), x)))
+    xs, *args = joint_inputs_for(*((2, 20, 5, 32, 16) if quick else (4, 200, 50, 1024, 256)), device)
+    cases.append(("joint_rnnt_loss B=4 T=200 U=50 V=1024 H=256", lambda: _fwd_bwd(_fused, xs, *args)))
+    gru = GRU(256, 256, backend='cuda').to(device)
+    xg = torch.randn(200, 32, 256, device=device, requires_grad=True)
+    cases.append(("GRU backend='cuda' T=200 N=32 I=H=256", lambda: torch.autograd.grad(gru(xg)[0].sum(), [xg, *gru.parameters()])))
+    with open(path, 'w') as f:
+        for name, fn in cases:
+            try:
+                fn(); fn(); _sync(device)
+                with profile(activities=acts) as prof:
+                    fn(); _sync(device)
+                key = 'self_cuda_time_total' if len(acts) > 1 else 'self_cpu_time_total'
+                f.write(f"== {name}\n{prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60)}\n")
+            except Exception: f.write(f"== {name}\nFAILED\n{traceback.format_exc()}\n")
+            f.flush()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('out', nargs='?', default='nbs/bench/cuda.json')
+    p.add_argument('--seconds', type=float, default=330, help="stop starting families after this long")
+    p.add_argument('--profiles', help="write the kernel profiles of the losing rows here")
+    p.add_argument('--device', default='cuda')
+    p.add_argument('--quick', action='store_true', help="small shapes (a smoke test of this script)")
+    a = p.parse_args()
+    torch.set_num_threads(2)
+    start, deadline, dev = _now(), time.time() + a.seconds, a.device
+    name = torch.cuda.get_device_name() if dev == 'cuda' else 'CPU (smoke test)'
+    cuda = torch.version.cuda or '-'
+    head = dict(date='', machine=f"one {name}", torch=f"{torch.__version__.split('+')[0]} (CUDA {cuda})", threads=2,
+                command='make gpu-bench-quick (tools/gpu_bench.py)', seqdist003=load_seqdist003() is not None,
+                liger=_liger() is not None, rows=[], errors=[], not_run=[], seconds={})
+    fams = dict(_families(a.quick, dev, gpu=True))
+    fams.pop('cross_entropy', None); fams.pop('joint', None)
+    order = [('ctc', fams['ctc']), ('ctc_crf', fams['ctc_crf']), ('gru', fams['gru']),
+             ('joint', lambda: joint_rows(dev, a.quick)), ('linear_cross_entropy', lambda: linear_ce_rows(dev, a.quick)),
+             ('cross_entropy', lambda: __import__('seqdist.benchmarks.cross_entropy', fromlist=['x']).bench_cross_entropy(
+                 quick=a.quick, ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[], stats_shapes=[], device=dev)),
+             ('ctc_questions', fams['ctc_questions']), ('forced_align', fams['forced_align']),
+             ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']), ('tdt', fams['tdt']),
+             ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
+             ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick))]
+    if a.profiles: order.insert(5, ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
+    for name, bench in order:
+        if time.time() > deadline: head['not_run'].append(name); continue
+        t = time.time()
+        print(f"== {name}", file=sys.stderr, flush=True)
+        try:
+            for r in bench(): head['rows'].append(dict(r, family=name))
+        except Exception:
+            head['errors'].append(dict(family=name, error=traceback.format_exc()[-2000:]))
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
+        head['seconds'][name] = round(time.time() - t, 1)
+        head['date'] = f"{start:%Y-%m-%d %H:%M}-{_now():%H:%M} UTC"
+        Path(a.out).write_text(json.dumps(head, indent=1, default=float) + '\n')
+        print(f"   {name}: {head['seconds'][name]} s", file=sys.stderr, flush=True)
+    for r in head['rows']:
+        ratio = r.get('ratio')
+        print(f"{r['op'][:58]:58} {r['shape'][:42]:42} {r['anchor'][:40]:40} "
+              f"{'-' if ratio is None or ratio != ratio else f'{ratio:.2f}x'}  {r.get('ours_ms', float('nan')):.3f} ms")
+
+
+if __name__ == '__main__':
+    main()
