@@ -33,6 +33,21 @@ def _liger():
     return f
 
 
+def ctc_variant_rows(device, quick):
+    """ctc_loss fwd+bwd under each kernel variant (SEQDIST_CTC_VARIANT, read at each call) against seqdist 0.0.3 and
+    F.ctc_loss native, at the GPU issue's shapes: the rows that choose the default."""
+    shapes = [(200, 16, 20, 30, 40)] if quick else GPU_CTC_SHAPES
+    q = dict(warmup=1, reps=3) if quick else dict(warmup=2, reps=7)
+    rows = []
+    for variant in ('split', 'smem', 'split+smem'):
+        os.environ['SEQDIST_CTC_VARIANT'] = variant
+        try:
+            for r in bench_ctc_gpu(shapes, device, **q):
+                if 'cuDNN' not in r['anchor']: rows.append(dict(r, op=f"{r['op']} [SEQDIST_CTC_VARIANT={variant}]"))
+        finally: os.environ.pop('SEQDIST_CTC_VARIANT', None)
+    return rows
+
+
 def linear_ce_rows(device, quick):
     """linear_cross_entropy against the eager composition and Liger (fp32 and bf16 shapes of the issue), its chunk
     sizes as variants; linear_token_stats against its composition; each with both peak memories."""
@@ -155,7 +170,8 @@ def main():
                 liger=_liger() is not None, rows=[], errors=[], not_run=[], seconds={})
     fams = dict(_families(a.quick, dev, gpu=True))
     fams.pop('cross_entropy', None); fams.pop('joint', None)
-    order = [('ctc', fams['ctc']), ('ctc_crf', fams['ctc_crf']), ('gru', fams['gru']),
+    order = [('ctc', fams['ctc']), ('ctc_variants', lambda: ctc_variant_rows(dev, a.quick)), ('ctc_crf', fams['ctc_crf']),
+             ('gru', fams['gru']),
              ('joint', lambda: joint_rows(dev, a.quick)), ('linear_cross_entropy', lambda: linear_ce_rows(dev, a.quick)),
              ('cross_entropy', lambda: __import__('seqdist.benchmarks.cross_entropy', fromlist=['x']).bench_cross_entropy(
                  quick=a.quick, ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[], stats_shapes=[], device=dev)),
@@ -163,7 +179,7 @@ def main():
              ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']), ('tdt', fams['tdt']),
              ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
              ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick))]
-    if a.profiles: order.insert(5, ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
+    if a.profiles: order.insert(6, ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
     for name, bench in order:
         if time.time() > deadline: head['not_run'].append(name); continue
         t = time.time()
