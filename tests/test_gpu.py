@@ -294,7 +294,7 @@ def _linear_token_stats_case(size, dtype, device, seed=0):
                 bound=lambda: 2 * LCE_CHUNK_BYTES + 2 * (x.numel() + w.numel() + V) * 8 + (1 << 20))   # chunks, grads
 
 def _joint_case(size, dtype, device, seed=0):
-    from seqdist.joint import joint_rnnt_loss, JOINT_TILE_BYTES
+    from seqdist.joint import joint_rnnt_loss, JOINT_TILE_BYTES, JOINT_CUDA_TILE_BYTES, JOINT_CUDA_TILE_SHARE
     B, T, U, V, H = dict(small=(3, 30, 12, 40, 16), long=(2, 60, 40, 3000, 64))[size]   # long: rows past a block, tiles
     g = _gen(seed)
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -304,9 +304,11 @@ def _joint_case(size, dtype, device, seed=0):
     tl = torch.randint(U // 2, U + 1, (B,), generator=g); tl[0] = U
     p, W, bias = (x.to(device, dtype) for x in (p, W, bias))
     targets, ll, tl = targets.to(device), ll.to(device), tl.to(device)
+    logits = B * T * (U + 1) * V * torch.empty(0, dtype=dtype).element_size()          # a tile's logits, at most:
+    tile = min(JOINT_CUDA_TILE_BYTES, max(256 << 10, logits // JOINT_CUDA_TILE_SHARE)) if 'cuda' in str(device) else JOINT_TILE_BYTES
     return Case('joint_rnnt_loss', e.to(device, dtype),
                 lambda x: (joint_rnnt_loss(x, p, W, targets, ll, tl, bias, 'tanh', reduction='sum', fastemit_lambda=0.01),),
-                bound=lambda: 2 * JOINT_TILE_BYTES * (1 + 2 * (H + 1) / V) + 128 * B * T * (U + 1)
+                bound=lambda: 2 * tile * (1 + 2 * (H + 1) / V) + 128 * B * T * (U + 1)
                               + 16 * (e.numel() + p.numel() + W.numel() + V) + (1 << 20))   # tiles, per node, gradients
 
 def _ctc_divergence_case(size, dtype, device, seed=0):

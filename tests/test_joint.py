@@ -339,8 +339,8 @@ def test_workers_agree_and_repeat():
     for a, b in zip(got, again): assert torch.equal(a, b)
     assert torch.get_num_threads() == threads and ops._POOL            # (the workers ran, in the shared pool)
 
-# The CUDA path, run by the emulator on CPU tensors (small shapes): the same tiles over the padded grid, the per-tile
-# reductions in joint.cu.
+# The CUDA path, run by the emulator on CPU tensors (small shapes): tiles over the padded grid flattened (runs of
+# frames f = b T + t, across utterances), the per-tile kernels in joint.cu.
 
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_cuda_path_agrees_with_the_composition(dtype):
@@ -371,6 +371,47 @@ def test_cuda_path_ignores_garbage_padding():
     assert_relative(got, want, 1e-9)
     got_cpu = loss_and_grads(dirty, backend='cpu')        # (the CPU tiles never read the padding)
     assert_relative(got_cpu, want, 0)
+
+def test_cuda_tiles_run_across_utterances_over_nan_padding():
+    """The CUDA tiles are runs of the flat grid's frames f = b T + t: tiles that straddle utterances, tiles that hold
+    three, frames split along u. Uneven lengths (one utterance of one frame, one without labels) with NaN in the
+    padding of encoder_out and predictor_out: the reference's loss and four gradients on clean inputs (the padding's
+    gradients zero, as the composition's), every activation, bitwise repeatable."""
+    g = torch.Generator().manual_seed(31)
+    B, T, U, V, H = 4, 7, 4, 37, 6
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)
+    il, tl = torch.tensor([7, 3, 5, 1]), torch.tensor([4, 0, 2, 3])
+    case = dict(encoder_out=r(B, T, H), predictor_out=r(B, U + 1, H), weight=r(V, H), bias=r(V),
+                targets=torch.randint(1, V, (B, U), generator=g), logit_lengths=il, target_lengths=tl, blank=0)
+    dirty = dict(case, encoder_out=case['encoder_out'].clone(), predictor_out=case['predictor_out'].clone())
+    for b in range(B):
+        dirty['encoder_out'][b, il[b]:] = math.nan
+        dirty['predictor_out'][b, tl[b] + 1:] = math.nan
+    row = V * 8
+    for act, frames in (('relu', 3), ('tanh', 15), ('identity', 10), ('tanh', 0.4)):    # 0.4: 2 of a frame's 5 rows
+        kw = dict(activation=act, fastemit_lambda=0.1, reduction='none')
+        want = loss_and_grads(case, **kw, backend='reference')
+        with launch_limits(max_threads=64):
+            got = loss_and_grads(dirty, **kw, backend='cuda', tile_bytes=int(frames * (U + 1)) * row)
+            again = loss_and_grads(dirty, **kw, backend='cuda', tile_bytes=int(frames * (U + 1)) * row)
+        assert_relative(got, want, 1e-9, f"{act} {frames} frames a tile")
+        for a, b in zip(got, again): assert torch.equal(a, b)
+
+def test_cuda_tile_share_from_the_environment(monkeypatch):
+    "A CUDA tile holds 1/16 of the logits (at most 64 MiB), or 1/SEQDIST_JOINT_TILE_SHARE, read at each call; tile_bytes wins."
+    from types import SimpleNamespace
+    s = SimpleNamespace(shape=(8, 150, 41, 4096), e=torch.empty(0), tile_bytes=0, workers=1)
+    logits, row = 8 * 150 * 41 * 4096 * 4, 4096 * 4
+    monkeypatch.delenv('SEQDIST_JOINT_TILE_SHARE', raising=False)
+    assert joint._tile_rows(s, 'cuda') == logits // joint.JOINT_CUDA_TILE_SHARE // row
+    for share in (4, 8, 32):
+        monkeypatch.setenv('SEQDIST_JOINT_TILE_SHARE', str(share))
+        assert joint._tile_rows(s, 'cuda') == min(logits // share, joint.JOINT_CUDA_TILE_BYTES) // row
+    assert joint._tile_rows(s, 'cpu') == joint.JOINT_TILE_BYTES // row          # (the CPU's bound is its own)
+    assert joint._tile_rows(SimpleNamespace(**{**vars(s), 'tile_bytes': 10 * row}), 'cuda') == 10
+    for bad in ('2', 'x', '-8'):
+        monkeypatch.setenv('SEQDIST_JOINT_TILE_SHARE', bad)
+        with pytest.raises(ValueError, match=r"SEQDIST_JOINT_TILE_SHARE must be an integer >= 4"): joint._tile_rows(s, 'cuda')
 
 def test_cuda_path_half_precision():
     "bf16 inputs through the CUDA source: float32 arithmetic, gradients in bf16."

@@ -147,9 +147,11 @@ def test_tdt_budget_and_no_host_reads_with_gpu_resident_values(monkeypatch):
     assert ops.host_reads == 0, ops.ops
 
 def test_joint_rnnt_budget(monkeypatch):
-    """The fused joint + RNN-T loss on the GPU path, forward and backward: one stats and one gradient launch per tile,
-    the RNN-T lattice's own launches (its forward, then its posteriors), and no host read with the lengths and labels
-    on the device: the tiles cover the padded grid, whose shape the host knows."""
+    """The fused joint + RNN-T loss on the GPU path, forward and backward: per tile, forward `joint_tile_act`, the GEMM
+    and `joint_tile_stats` (3 launches), backward `joint_tile_act`, the GEMM, `joint_tile_grad`, dW's addmm, db's addmv,
+    dh's GEMM and `joint_tile_backprop` (7), however many utterances the tile spans; the RNN-T lattice's own launches
+    (its forward, then its posteriors); no host read with the lengths and labels on the device: the tiles cover the
+    padded grid, whose shape the host knows."""
     import seqdist.rnnt as rnnt, seqdist.joint as joint
     monkeypatch.setattr(rnnt, 'on_host', lambda *xs: False)
     torch.manual_seed(0)
@@ -159,14 +161,16 @@ def test_joint_rnnt_budget(monkeypatch):
     y, il, tl = torch.randint(1, V, (B, U)), torch.tensor([6, 4]), torch.tensor([3, 2])
     def run():
         loss = joint.joint_rnnt_loss(xs[0], xs[1], xs[2], y, il, tl, bias=xs[3], blank=0, backend="cuda",
-                                     tile_bytes=480)     # 12 rows of float32 logits: tiles of 3 frames
+                                     tile_bytes=640)     # 16 rows of float32 logits: tiles of 4 frames, one across b
         torch.autograd.grad(loss, xs)
     launches, ops = budget(run)
-    tiles = B * T // 3
-    assert launches == {'joint_tile_stats': tiles, 'joint_tile_grad': tiles, 'rnnt_lse': 2, 'rnnt_alpha_beta': 2,
-                        'rnnt_edges': 1}, launches
+    tiles = B * T // 4
+    assert launches == {'joint_tile_act': 2 * tiles, 'joint_tile_stats': tiles, 'joint_tile_grad': tiles,
+                        'joint_tile_backprop': tiles, 'rnnt_lse': 2, 'rnnt_alpha_beta': 2, 'rnnt_edges': 1}, launches
     assert ops.host_reads == 0, ops.ops
-    assert ops.total <= 200 + 60 * tiles, ops.total  # checks, the lattice's own (~200: most views); per tile ~55 (half views)
+    mm = ops.ops['aten.mm.out'], ops.ops['aten.addmm_.default'], ops.ops['aten.addmv_.default']
+    assert mm == (3 * tiles, tiles, tiles), ops.ops  # the GEMMs: z forward, z and dh backward; dW; db
+    assert ops.total <= 100 + 20 * tiles, ops.total  # checks, the lattice's own (~90); per tile 6 forward, 14 backward
 
 def test_kbest_budgets():
     """k-best on the CUDA kernels (emulated): one launch of the lattice's k-best kernel a call, the walks back on the
