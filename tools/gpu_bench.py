@@ -48,6 +48,37 @@ def ctc_variant_rows(device, quick):
     return rows
 
 
+def launch_rows(device, quick):
+    """Host time per launch (µs, from 2,000 back-to-back launches of a one-block kernel, then a sync): through
+    seqdist's Kernel (argument checks, marshalling, CuPy), CuPy's function called directly with the marshalled
+    arguments, and a PyTorch op of the same size; what a tile's or a step's launches cost before any GPU work."""
+    import numpy as np
+    from seqdist.ctc import _ctc_kernels
+    from seqdist.core import Log
+    k = _ctc_kernels[(torch.float32, Log)]['ctc_grad']
+    lp, grad, scale = (torch.zeros(4, 8, device=device) for _ in range(3))
+    launch = lambda: k((1,), (32,), lp=lp, minus_posteriors=None, scale=scale, grad=grad, rows=4, C=8, torch_grad=1)
+    n = 200 if quick else 2000
+    def per_launch(fn):
+        fn(); _sync(device)
+        start = time.perf_counter()
+        for _ in range(n): fn()
+        _sync(device)
+        return (time.perf_counter() - start) / n * 1e6
+    rows = [dict(op='one kernel launch, host time', shape='1 block of 32 threads', anchor='-', anchor_ms=float('nan'),
+                 ours_ms=per_launch(launch) / 1e3, ratio=float('nan'), check="seqdist Kernel.__call__ (by name)")]
+    if torch.device(device).type == 'cuda':
+        import cupy
+        fn = next(iter(k._compiled.values()))['fn']
+        args = (np.uint64(lp.data_ptr()), np.uint64(0), np.uint64(scale.data_ptr()), np.uint64(grad.data_ptr()),
+                np.int64(4), np.int32(8), np.int32(1))
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        rows.append(dict(rows[0], ours_ms=per_launch(lambda: fn((1,), (32,), args, stream=stream)) / 1e3,
+                         check='CuPy Function call, arguments marshalled once'))
+    rows.append(dict(rows[0], ours_ms=per_launch(lambda: torch.add(lp, 1, out=grad)) / 1e3, check='torch.add(out=) of the same size'))
+    return rows
+
+
 def linear_ce_rows(device, quick):
     """linear_cross_entropy against the eager composition and Liger (fp32 and bf16 shapes of the issue), its chunk
     sizes as variants; linear_token_stats against its composition; each with both peak memories."""
@@ -171,7 +202,7 @@ def main():
     fams = dict(_families(a.quick, dev, gpu=True))
     fams.pop('cross_entropy', None); fams.pop('joint', None)
     order = [('ctc', fams['ctc']), ('ctc_variants', lambda: ctc_variant_rows(dev, a.quick)), ('ctc_crf', fams['ctc_crf']),
-             ('gru', fams['gru']),
+             ('launch', lambda: launch_rows(dev, a.quick)), ('gru', fams['gru']),
              ('joint', lambda: joint_rows(dev, a.quick)), ('linear_cross_entropy', lambda: linear_ce_rows(dev, a.quick)),
              ('cross_entropy', lambda: __import__('seqdist.benchmarks.cross_entropy', fromlist=['x']).bench_cross_entropy(
                  quick=a.quick, ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[], stats_shapes=[], device=dev)),
@@ -179,7 +210,7 @@ def main():
              ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']), ('tdt', fams['tdt']),
              ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
              ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick))]
-    if a.profiles: order.insert(6, ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
+    if a.profiles: order.insert(7, ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
     for name, bench in order:
         if time.time() > deadline: head['not_run'].append(name); continue
         t = time.time()
