@@ -6,40 +6,43 @@
 #ifndef MAX_THREADS
 #define MAX_THREADS 1024   // the largest block the glue launches ctc_alpha_beta with (float64: 512, see below)
 #endif
+#ifndef SPLIT              // ctc_alpha_beta's variants (see there): the glue defines both or neither
+#define SPLIT 0
+#define LABELS_SMEM 0
+#endif
 
 __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank) {
     return s >= 2 && ext[s] != blank && ext[s] != ext[s - 2];
 }
 
 // The forward and the backward recursion at once, one block per sequence: the first half of the block computes
-// alpha_t(s) (paths in state s after emitting frame t) for t = 0, 1, ..., the second half beta_t(s) (paths from
-// state s after frame t to the end, frame t's emission excluded) for t = T-1, T-2, ..., one frame each per step, one
-// barrier per step for both. They meet in the middle of w[t, n, s]: the first to reach frame t stores its value
-// there, the second multiplies it in, so w ends as alpha_t(s) * beta_t(s), the (unnormalised) weight of state s at
-// frame t, in T steps and no more memory than alpha alone. For odd T the backward half starts one step late, so that
-// the two never reach the same frame in the same step. Each half keeps its last frame in shared memory (double-
-// buffered; the backward half keeps beta * emission, so a state reads one emission per step, its own), and loads
-// the emissions of its next frame before the barrier: the load's latency is off the critical path. Thread j of a
-// half owns states j, j + B, ..., at most SPT of them. Registers: the launch bounds give each thread 65536 /
-// MAX_THREADS of them (64 at 1024 threads, 128 at 512), and the SPT emissions must fit in them without spilling
-// (ptxas's report in `seqdist-compile-check`): so the labels are re-read each step rather than held (`label` is
-// volatile, or the compiler hoists e[s] out of the time loop, two registers per state), the skip transitions are one
-// bit per state, and float64 (whose log and exp take many registers) runs 512-thread blocks. `recursions`, a bit set:
-// FORWARD | BACKWARD both at once; FORWARD alone (it stores alpha: logZ only, or the first of two launches for targets
-// too long for four frames in shared memory); BACKWARD alone (it multiplies beta into the alpha that a forward launch
-// stored). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions that enter a label state (odd
-// s) in frame t, from the state before it or by a skip, and on starting in state 1: as k2 defines it, one number per
-// step (the state offsets of `delay_state_offsets`, one per state, would be held in registers the emissions need).
+// alpha_t(s) (paths in state s after emitting frame t) for t = 0, 1, ..., the second half beta_t(s) (paths from state s
+// after frame t to the end, frame t's emission excluded) for t = T-1, T-2, ..., a frame each per step, one barrier a
+// step for both. They meet in the middle of w[t, n, s]: the first to reach frame t stores its value there, the second
+// multiplies its own in, so w ends as alpha_t(s) * beta_t(s) in T steps and in alpha's memory. For odd T the backward
+// half starts a step late, never to meet in one step. Each half double-buffers its frames in shared memory (the
+// backward half keeps beta * emission: a state reads one emission a step, its own) and loads its next frame's emissions
+// before the barrier, off the chain. Thread j of a half owns states j, j + B, ..., at most SPT of them, whose emissions
+// must fit without spilling in the registers the launch bounds leave (65536 / MAX_THREADS: 64 at 1024 threads, 128 at
+// 512; see `seqdist-compile-check`): so `label` is volatile (re-read each step, or the compiler hoists e[s] out of the
+// time loop, two registers a state), the skips a bit per state, and float64 (whose log and exp take many registers)
+// runs 512-thread blocks. `recursions`, a bit set: FORWARD | BACKWARD both at once; FORWARD alone (it stores alpha:
+// logZ only, or the first of two launches for targets too long for four frames in shared memory); BACKWARD alone (beta
+// multiplied into the alpha a forward launch stored). Variants (SEQDIST_CTC_VARIANT, SPT = 4; see 02c): SPLIT=1, a grid
+// (N, 2), a block per recursion (row 0 forward), beta stored in `wb`; LABELS_SMEM=1, the labels in shared memory
+// (int32, after the frames). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions entering a
+// label state (odd s) in frame t, from the state before it or by a skip, and on starting in state 1: one number per
+// step, as k2 defines it (`delay_state_offsets`'s, one per state, would take the emissions' registers).
 enum { FORWARD = 1, BACKWARD = 2 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
-    int N, int C, int S_max, int blank, int recursions, double delay_penalty)
+    FLOAT* __restrict__ wb, int N, int C, int S_max, int blank, int recursions, double delay_penalty)
 {
     extern __shared__ unsigned char smem[];
-    const bool both = recursions == (FORWARD | BACKWARD);
+    const bool both = !SPLIT && recursions == (FORWARD | BACKWARD);     // SPLIT: a block each, blockIdx.y 1 backward
     const int B = both ? blockDim.x / 2 : blockDim.x;
-    const bool backward = recursions == BACKWARD || (both && threadIdx.x >= B);
+    const bool backward = recursions == BACKWARD || (both && threadIdx.x >= B) || (SPLIT && blockIdx.y);
     const int j = threadIdx.x - (both && backward ? B : 0);
     FLOAT* buf = (FLOAT*)smem + (both && backward ? 2 * S_max : 0);     // this recursion's two frames
     const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
@@ -47,7 +50,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const int h = both ? (T + 1) / 2 : T, late = both ? T % 2 : 0;   // frames t < h: alpha arrives first
     static_assert(SPT <= 32, "one bit per state in `skips`");
     const FLOAT* lp_n = lp + (long long)n * C;          // frame t of sequence n: lp_n + t * frame
-    FLOAT* w_n = w + (long long)n * S_max;
+    FLOAT* w_n = (SPLIT && backward ? wb : w) + (long long)n * S_max;        // SPLIT: beta apart, in wb
     const long long frame = (long long)N * C, wframe = (long long)N * S_max;
     FLOAT em[SPT];
     unsigned skips = 0;                                 // bit k: state j + k * B takes the skip transition
@@ -59,6 +62,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
         if (backward ? s + 2 < S && may_skip(e, s + 2, blank) : s < S && may_skip(e, s, blank)) skips |= 1u << k;
     }
     const volatile long long* label = e;                // re-read at each step, not held in registers
+    volatile int* lab = (int*)((FLOAT*)smem + (both ? 4 : 2) * S_max);      // LABELS_SMEM: the labels, after the frames
+    if (LABELS_SMEM) { for (int s = threadIdx.x; s < S; s += blockDim.x) lab[s] = (int)e[s]; __syncthreads(); }
     for (int i = 0; i < T + late; i++) {
         const int t = backward ? T - 1 - i + late : i;
         if (t >= 0 && t < T) {                  // a half idles for one step when T is odd
@@ -92,48 +97,49 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                     }
                     cur[s] = MUL(v, em[k]);                 // beta_t(s) * emission: what frame t - 1 reads
                 }
-                wt[s] = first ? v : MUL(wt[s], v);
-                if (t_next >= 0 && t_next < T) em[k] = lp_next[label[s]];
+                wt[s] = SPLIT || first ? v : MUL(wt[s], v);
+                if (t_next >= 0 && t_next < T) em[k] = lp_next[LABELS_SMEM ? lab[s] : label[s]];
             }
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0 && recursions != BACKWARD) {
+    if (threadIdx.x == 0 && !backward) {
         const FLOAT* last = buf + ((T + 1) % 2) * S_max;    // the forward recursion's frame T - 1
         const FLOAT z = T == 0 ? (S == 1 ? ONE : ZERO) : (S > 1 ? SUM(last[S - 1], last[S - 2]) : last[0]);
         logz[n] = z > (FLOAT)-1e30 ? z : -INFINITY;         // ZERO is finite (-1e38): infeasible
     }
 }
 
-// Posteriors from the state weights: out[t, n, k] -= posterior, where k is the state (by_state) or its label.
+// Posteriors from the state weights w (w * wb with SPLIT=1): out[t, n, k] -= posterior, k the state (by_state) or its label.
 // Log: posterior = exp(w - log sum_s exp(w)): every path is in one state at each frame, so the frame's total is Z in
 // exact arithmetic; normalising by it rather than by logZ cancels the rounding that a frame's alpha and beta share
 // (in float32 at T = 2000, L = 450: 4e-3 in the posteriors, measured in the emulator; 2.8e-4 normalised per frame). Max: 1 at
 // the first best state of each frame. Nothing for an infeasible sequence (logz = -inf). One thread per (t, n), which visits its states in order: no two threads write the same element,
 // and no atomics (deterministic).
 extern "C" __global__ void ctc_posteriors(
-    const FLOAT* __restrict__ w, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
-    const long long* __restrict__ target_lengths, const FLOAT* __restrict__ logz, FLOAT* __restrict__ out,
-    int T_max, int N, int K, int S_max, int by_state, int use_max)
+    const FLOAT* __restrict__ w, const FLOAT* __restrict__ wb, const long long* __restrict__ ext,
+    const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths, const FLOAT* __restrict__ logz,
+    FLOAT* __restrict__ out, int T_max, int N, int K, int S_max, int by_state, int use_max)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_max * N) return;   // no barrier in this kernel, so an early exit is safe
     const int t = (int)(i / N), n = (int)(i % N);
     if (t >= input_lengths[n] || logz[n] == -INFINITY) return;
     const int S = 2 * (int)target_lengths[n] + 1;
-    const FLOAT* wt = w + ((long long)t * N + n) * S_max;
+    const FLOAT *wt = w + ((long long)t * N + n) * S_max, *bt = SPLIT ? wb + (wt - w) : nullptr;
+    const auto weight = [&](int s) { return SPLIT ? MUL(wt[s], bt[s]) : wt[s]; };
     const long long* e = ext + (long long)n * S_max;
     FLOAT* o = out + ((long long)t * N + n) * K;
     if (use_max) {
         int best = 0;
-        for (int s = 1; s < S; s++) if (wt[s] > wt[best]) best = s;
+        for (int s = 1; s < S; s++) if (weight(s) > weight(best)) best = s;
         o[by_state ? best : e[best]] -= 1;
     } else {                                       // normalised by the frame's own total (see above)
-        FLOAT m = wt[0], z = 0;
-        for (int s = 1; s < S; s++) m = wt[s] > m ? wt[s] : m;
-        for (int s = 0; s < S; s++) z += exp(wt[s] - m);
+        FLOAT m = weight(0), z = 0;
+        for (int s = 1; s < S; s++) m = weight(s) > m ? weight(s) : m;
+        for (int s = 0; s < S; s++) z += exp(weight(s) - m);
         const FLOAT frame_logz = m + log(z);
-        for (int s = 0; s < S; s++) o[by_state ? s : e[s]] -= exp(wt[s] - frame_logz);
+        for (int s = 0; s < S; s++) o[by_state ? s : e[s]] -= exp(weight(s) - frame_logz);
     }
 }
 

@@ -6,7 +6,7 @@
 __all__ = ['ctc_op', 'interleave_blanks', 'logz_reference', 'delay_state_offsets', 'alignments_brute_force', 'logz_brute_force', 'ctc_inputs', 'padded_targets', 'check_alignable', 'poisoned_sequences', 'ctc_loss', 'CTCLoss', 'posteriors', 'viterbi_alignments', 'soft_alignments', 'refuse_nan_paths', 'divergence_poisoned', 'forced_align', 'TokenSpan', 'merge_tokens', 'token_spans', 'ctc_divergence_op', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_states', 'sample_alignments', 'CTCAlignments', 'ctc_loss', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_alignments', 'posteriors', 'token_spans', 'forced_align', 'merge_tokens', 'viterbi_alignments', 'soft_alignments', 'device', 'Prob', 'generate_sample_inputs', 'loss_pytorch', 'prepare_inputs', 'loss_basic', 'fwd_bwd', 'masked_grad', 'loss_py', 'loss_cupy', 'loss_direct_cupy']
 
 # %% ../nbs/02_ctc.ipynb #0da03c22
-import math
+import math, os
 from types import SimpleNamespace
 import numpy as np
 import numba
@@ -382,10 +382,11 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states, b
 # %% ../nbs/02_ctc.ipynb #d112fcf8
 _LAUNCH_BOUND = {torch.float32: 1024, torch.float64: 512}   # ctc_alpha_beta's largest block: float64 needs 128 registers
 _SPTS = {torch.float32: (4, 32), torch.float64: (4, 16)}      # its states-per-thread variants (the emissions' registers)
-_ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype],
-                                                                 **S.cuda_macros(dtype))
-                                                for spt in _SPTS[dtype]},
-                             'ctc_posteriors': load_kernel('ctc.cu', 'ctc_posteriors', **S.cuda_macros(dtype)),
+_CTC_VARIANTS = {v: dict(SPLIT=int('split' in v), LABELS_SMEM=int('smem' in v)) if v else {} for v in ('', 'split', 'smem', 'split+smem')}
+_ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {v: {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype],
+                                                                     **macros, **S.cuda_macros(dtype))
+                                                    for spt in (_SPTS[dtype] if v == '' else (4,))} for v, macros in _CTC_VARIANTS.items()},
+                             'ctc_posteriors': {v: load_kernel('ctc.cu', 'ctc_posteriors', **_CTC_VARIANTS[v], **S.cuda_macros(dtype)) for v in ('', 'split')},
                              'ctc_viterbi': load_kernel('ctc.cu', 'ctc_viterbi', **S.cuda_macros(dtype)),
                              'ctc_states_to_labels': load_kernel('ctc.cu', 'ctc_states_to_labels', **S.cuda_macros(dtype)),
                              'ctc_grad': load_kernel('ctc.cu', 'ctc_grad', **S.cuda_macros(dtype)),
@@ -393,46 +394,50 @@ _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {spt: load_kernel('ctc.cu', 'ctc_
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 _FORWARD, _BACKWARD = 1, 2    # ctc_alpha_beta's `recursions`, a bit set (the enum of ctc.cu): alpha, beta, or both at once
 
-def _recursion_launch(spts, width, elsize, n_recursions, threads_bound):
-    "(threads per recursion, states per thread) of a launch running `n_recursions` (1 or 2) at once; None if they do not fit."
+def _recursion_launch(spts, width, elsize, n_recursions, threads_bound, labels=0):
+    "(threads per recursion, states per thread) of a launch running `n_recursions` (1 or 2) at once (and `labels` bytes of labels); None if they do not fit."
     threads = min(threads_bound // n_recursions, 32 * math.ceil(width / 32))
     spt = next((m for m in spts if m * threads >= width), None)
-    return None if spt is None or n_recursions * 2 * width * elsize > EMULATOR_MAX_SHARED_MEM else (threads, spt)
+    return None if spt is None or n_recursions * 2 * width * elsize + labels > EMULATOR_MAX_SHARED_MEM else (threads, spt)
 
 def _ctc_cuda(st):
     """The CUDA kernels (on CUDA tensors through CuPy, on CPU tensors through the emulator): logZ (N,) and minus the
     posteriors. Both recursions run in one launch when four frames fit in shared memory, else one after the other
-    (long targets)."""
+    (long targets). The recursion's variant: `$SEQDIST_CTC_VARIANT` (`_CTC_VARIANTS`), read at each call."""
     lp, ext, il, tl = st.lp, st.ext, st.input_lengths, st.target_lengths
     T, N, C = lp.shape
     width = ext.shape[1]                        # 2L+1 states, L the longest target
+    if (variant := os.environ.get('SEQDIST_CTC_VARIANT', '')) not in _CTC_VARIANTS:
+        raise ValueError(f"SEQDIST_CTC_VARIANT must be one of {', '.join(map(repr, _CTC_VARIANTS))}, got {variant!r}")
     k = _ctc_kernels[(lp.dtype, Max if st.use_max else Log)]
-    kab, elsize, threads_bound = k['ctc_alpha_beta'], lp.element_size(), max_threads(_LAUNCH_BOUND[lp.dtype])
-    posteriors = st.posteriors_of != 'none'
-    both = _recursion_launch(kab, width, elsize, 2, threads_bound) if posteriors else None
-    one = _recursion_launch(kab, width, elsize, 1, threads_bound)
+    elsize, threads_bound, posteriors = lp.element_size(), max_threads(_LAUNCH_BOUND[lp.dtype]), st.posteriors_of != 'none'
+    for variant in dict.fromkeys([variant, '']):    # targets too long for a variant's 4 states a thread: the default
+        split, labels, kab = 'split' in variant, 4 * width * ('smem' in variant), k['ctc_alpha_beta'][variant]
+        if one := _recursion_launch(kab, width, elsize, 1, threads_bound, labels): break    # labels: int32, in shared memory
+    both = _recursion_launch(kab, width, elsize, 2, threads_bound, labels) if posteriors and not split else None
     if one is None:
         most = min(EMULATOR_MAX_SHARED_MEM // (2 * elsize), max(kab) * threads_bound)
         raise ValueError(f"targets of {(width - 1) // 2} labels are longer than the CUDA kernel holds in shared memory "
                          f"({(most - 1) // 2} labels in {lp.dtype})")
-    w, logz = lp.new_empty(T, N, width), lp.new_empty(N)      # w: the state weights alpha * beta (T, N, width)
-    def launch(recursions, threads, spt):
-        n = 2 if recursions == _FORWARD | _BACKWARD else 1
-        kab[spt]((N,), (n * threads,), shared_mem=n * 2 * width * elsize, lp=lp, ext=ext, input_lengths=il, target_lengths=tl,
-                 w=w, logz=logz, N=N, C=C, S_max=width, blank=st.blank, recursions=recursions,
+    w, logz = lp.new_empty(T, N, width), lp.new_empty(N)      # w: the state weights alpha * beta (T, N, width), or alpha
+    wb = lp.new_empty(T, N, width) if split and posteriors else None     # split: beta apart
+    def launch(recursions, n, threads, spt):                # n recursions at once: in one block, or (split) a block each
+        grid, block, frames = ((N, n), threads, 2) if split else ((N,), n * threads, 2 * n)
+        kab[spt](grid, (block,), shared_mem=frames * width * elsize + labels, lp=lp, ext=ext, input_lengths=il,
+                 target_lengths=tl, w=w, wb=wb, logz=logz, N=N, C=C, S_max=width, blank=st.blank, recursions=recursions,
                  delay_penalty=float(st.delay_penalty))
-    if both: launch(_FORWARD | _BACKWARD, *both)
+    if both or (split and posteriors): launch(_FORWARD | _BACKWARD, 2, *(both or one))
     else:
-        launch(_FORWARD, *one)
-        if posteriors: launch(_BACKWARD, *one)
+        launch(_FORWARD, 1, *one)
+        if posteriors: launch(_BACKWARD, 1, *one)
     k['ctc_poison']((N,), (max_threads(256),), lp=lp, ext=ext, input_lengths=il, target_lengths=tl, logz=logz, N=N, C=C,
                     S_max=width, above=HUGE_LOG_PROB)   # NaN or +inf read: logz NaN (`poisoned_sequences`, one launch)
     if not posteriors: return logz, lp.new_empty(0)
     by_state = st.posteriors_of == 'states'
     minus_posteriors = lp.new_zeros(T, N, width if by_state else C)
-    k['ctc_posteriors']((math.ceil(T * N / 256),), (256,), w=w, ext=ext, input_lengths=il, target_lengths=tl, logz=logz,
-                        out=minus_posteriors, T_max=T, N=N, K=minus_posteriors.shape[2], S_max=width,
-                        by_state=int(by_state), use_max=int(st.use_max))
+    k['ctc_posteriors']['split' if split else '']((math.ceil(T * N / 256),), (256,), w=w, wb=wb, ext=ext, input_lengths=il,
+                        target_lengths=tl, logz=logz, out=minus_posteriors, T_max=T, N=N, K=minus_posteriors.shape[2],
+                        S_max=width, by_state=int(by_state), use_max=int(st.use_max))
     return logz, minus_posteriors
 
 def _label_grad_cuda(st, minus_posteriors, scale):
@@ -1898,12 +1903,14 @@ soft_alignments = declared(soft_alignments, _logits_example, eager=True, **_LOGI
 # %% ../nbs/02c_ctc_checks.ipynb #d0f05bc9
 for (dtype, S), ks in _ctc_kernels.items():   # how the glue launches them, and the resident threads each needs
     bound, el = _LAUNCH_BOUND[dtype], dtype.itemsize
-    for spt, k in ks['ctc_alpha_beta'].items():    # SPT=4: both recursions, four frames; the long variant: shared memory full
-        resource_budget([k], block=bound, shared_mem=8 * bound * el if spt == 4 else EMULATOR_MAX_SHARED_MEM, min_threads=bound,
-                        why="a latency-bound recursion, one block per sequence: its largest block stays resident")
+    for variant, kabs in ks['ctc_alpha_beta'].items():   # SPT=4: both recursions, four frames (split: a recursion, two
+        labels = 16 * bound if 'smem' in variant else 0   # frames of up to 4 x bound states; smem: 4 bytes a state more)
+        for spt, k in kabs.items():                       # the long variant (default only): shared memory full
+            resource_budget([k], block=bound, shared_mem=8 * bound * el + labels if spt == 4 else EMULATOR_MAX_SHARED_MEM,
+                            min_threads=bound, why="a latency-bound recursion, one block per sequence: its largest block stays resident")
     resource_budget([ks['ctc_viterbi']], block=1024, shared_mem=2 * (_VITERBI_TILE + 2) * 8, min_threads=1024,
                     why="a block per 2,048 states of a sequence, two frames of them in shared memory")
-    resource_budget([ks[n] for n in ('ctc_posteriors', 'ctc_grad', 'ctc_states_to_labels', 'ctc_poison')], block=256, min_threads=1024,
+    resource_budget([*ks['ctc_posteriors'].values(), *(ks[n] for n in ('ctc_grad', 'ctc_states_to_labels', 'ctc_poison'))], block=256, min_threads=1024,
                     why="memory-bound passes over (T, N, C): half the SM's threads in flight")
 resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_THREADS, min_threads=_DIVERGENCE_THREADS,
                 why="the lattice questions: one block per sequence, float64 states in global memory")

@@ -368,6 +368,32 @@ def test_cuda_targets_too_long_for_shared_memory():
     with pytest.raises(ValueError, match=r"targets of 10500 labels are longer than the CUDA kernel holds .*10431 labels in torch.float32"):
         compute(lp, targets, il, tl, False, 'labels', 'cuda')
 
+@pytest.mark.parametrize('variant', ['split', 'smem', 'split+smem'])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_cuda_variants_equal_the_default(variant, dtype, monkeypatch):
+    """The recursion's variants (SEQDIST_CTC_VARIANT, for a GPU run to decide between) give the default's logZ and
+    posteriors: Log and Max, with a delay penalty or not, odd and even lengths shorter than T, a zero-length target,
+    repeats, labels or state posteriors or logZ alone. Blocks of 32 threads: the default holds 3 states a thread (16 a
+    recursion), split 2; of 16: split 3, smem's recursions one launch after the other; of 8: too long for a variant,
+    the default's path."""
+    torch.manual_seed(4)
+    T, N, C = 30, 6, 5
+    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2).to(dtype)
+    targets = torch.randint(1, C, (N, 17)); targets[2, 3] = targets[2, 2]; targets[3, 5:9] = 2
+    il, tl = torch.tensor([30, 29, 12, 30, 0, 1]), torch.tensor([17, 0, 5, 12, 0, 1])
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    for max_threads in (32, 16, 8):
+        for S, delay, posteriors_of in ((Log, 0.0, 'labels'), (Max, 0.0, 'labels'), (Log, 0.3, 'states'), (Max, 0.3, 'none')):
+            run = lambda: compute(lp, targets, il, tl, S is Max, posteriors_of, 'cuda', delay=delay)
+            with launch_limits(max_threads=max_threads):
+                monkeypatch.delenv('SEQDIST_CTC_VARIANT', raising=False); default = run()
+                monkeypatch.setenv('SEQDIST_CTC_VARIANT', variant); out = run()
+            assert torch.isfinite(default[0][[0, 1, 2, 3, 5]]).all()
+            torch.testing.assert_close(out[0], default[0], **tol); torch.testing.assert_close(out[1], default[1], **tol)
+    monkeypatch.setenv('SEQDIST_CTC_VARIANT', 'spilt')
+    with pytest.raises(ValueError, match="SEQDIST_CTC_VARIANT must be one of '', 'split', 'smem', 'split\\+smem', got 'spilt'"):
+        run()
+
 @pytest.mark.parametrize('max_threads', [1024, 32])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_forced_align_cuda_kernel_equals_the_cpu_kernel(max_threads, dtype):
