@@ -1919,6 +1919,8 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     n_cand, cap = beam_width * (1 + M), T * beam_width + 1
     PC, P = (1 << max(0, n - 1).bit_length() for n in (C, n_cand))     # the sorts' widths: powers of 2
     work_bytes = 8 * (4 * beam_width + 4 * hcap + n_cand + 4 * cap) + 4 * (2 * cap + 2 * beam_width + 2 * hcap + PC + P) + cap + 128
+    work_bytes = -(-work_bytes // 256) * 256             # each utterance's scratch 256-byte aligned: its doubles are
+                                                         # misaligned otherwise (a GPU fault the CPU never shows)
     out_tokens = torch.zeros(N, nbest, T, dtype=torch.long, device=dev)
     out_len, out_n = torch.zeros(N, nbest, dtype=torch.long, device=dev), torch.zeros(N, dtype=torch.long, device=dev)
     out_score = torch.full((N, nbest), -math.inf, dtype=torch.float64, device=dev)

@@ -216,6 +216,7 @@ def _search_cuda(M, blank, alpha1, beta, beam_width, log_cut):
     n_cand = max(C, 5 * beam_width)                       # candidates a frame (frame 0: every state)
     P = 1 << (n_cand - 1).bit_length()                    # the sorts' width: a power of 2
     work_bytes = 8 * (4 * n_cand + 4 * beam_width) + 4 * (3 * n_cand + P + 2 * T * beam_width) + n_cand + T * beam_width + 128
+    work_bytes = -(-work_bytes // 256) * 256             # each chunk's scratch 256-byte aligned (its doubles)
     dev = M.device
     best = torch.empty(N, dtype=torch.float64, device=dev)
     path_base, path_state = torch.empty(N, T, dtype=torch.int8, device=dev), torch.empty(N, T, dtype=torch.int32, device=dev)
