@@ -689,8 +689,8 @@ def pack_graphs(graphs, N):
     layout = torch.from_numpy(np.concatenate([header] + [np.asarray(p, dtype=np.int64) for p in parts]))
     dtype = torch.promote_types(gs[0].scores.dtype, torch.float32)
     scores = torch.cat([g.scores for g in gs])
-    final = torch.cat([torch.full((g.num_states,), -math.inf, dtype=g.final_scores.dtype).index_put((g.finals,), g.final_scores)
-                       for g in gs])
+    final = torch.cat([torch.full((g.num_states,), -math.inf, dtype=g.final_scores.dtype, device=g.final_scores.device)
+                       .index_put((g.finals.to(g.final_scores.device),), g.final_scores) for g in gs])   # (structure: CPU)
     return SimpleNamespace(layout=layout, seq_graph=torch.tensor(seq_graph, dtype=torch.int64), arc_scores=scores,
                            final_scores=final, graphs=gs, distinct=seq_graph)
 

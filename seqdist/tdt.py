@@ -797,7 +797,8 @@ def _timestamps(taken, table, il, T, U):
     leaves each frame (m, B, T), 0 where none does (a label moves on, or a longer blank skips the frame), -1 past T_b."""
     t, u, k = taken
     on = k >= 0
-    label, d = (torch.as_tensor(table[:, c], device=il.device)[k.clamp(min=0)] for c in (1, 2))
+    rows = _device_table(table, il.device).view(len(table), -1).long()     # (on the device once: no host wait after)
+    label, d = (rows[:, c][k.clamp(min=0)] for c in (1, 2))
     is_label, is_blank = on & (label == 1), on & (label == 0)
     at = lambda where, i, n: torch.where(where, i, n)                      # steps of the other kind go to a spare column
     frames = torch.full((*t.shape[:2], U + 1), -1, device=t.device).scatter_(-1, at(is_label, u, U), t)[..., :U]
