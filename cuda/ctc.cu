@@ -15,24 +15,20 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
     return s >= 2 && ext[s] != blank && ext[s] != ext[s - 2];
 }
 
-// The forward and the backward recursion at once, one block per sequence: the first half of the block computes
-// alpha_t(s) (paths in state s after emitting frame t) for t = 0, 1, ..., the second half beta_t(s) (paths from state s
-// after frame t to the end, frame t's emission excluded) for t = T-1, T-2, ..., a frame each per step, one barrier a
-// step for both. They meet in the middle of w[t, n, s]: the first to reach frame t stores its value there, the second
-// multiplies its own in, so w ends as alpha_t(s) * beta_t(s) in T steps and in alpha's memory. For odd T the backward
-// half starts a step late, never to meet in one step. Each half double-buffers its frames in shared memory (the
-// backward half keeps beta * emission: a state reads one emission a step, its own) and loads its next frame's emissions
-// before the barrier, off the chain. Thread j of a half owns states j, j + B, ..., at most SPT of them, whose emissions
-// must fit without spilling in the registers the launch bounds leave (65536 / MAX_THREADS: 64 at 1024 threads, 128 at
-// 512; see `seqdist-compile-check`): so `label` is volatile (re-read each step, or the compiler hoists e[s] out of the
-// time loop, two registers a state), the skips a bit per state, and float64 (whose log and exp take many registers)
-// runs 512-thread blocks. `recursions`, a bit set: FORWARD | BACKWARD both at once; FORWARD alone (it stores alpha:
-// logZ only, or the first of two launches for targets too long for four frames in shared memory); BACKWARD alone (beta
-// multiplied into the alpha a forward launch stored). Variants (SEQDIST_CTC_VARIANT, SPT = 4; see 02c): SPLIT=1, a grid
-// (N, 2), a block per recursion (row 0 forward), beta stored in `wb`; LABELS_SMEM=1, the labels in shared memory
-// (int32, after the frames). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions entering a
-// label state (odd s) in frame t, from the state before it or by a skip, and on starting in state 1: one number per
-// step, as k2 defines it (`delay_state_offsets`'s, one per state, would take the emissions' registers).
+// Both recursions at once, a block a sequence: its first half computes alpha_t(s) (paths in state s after emitting
+// frame t) for t = 0, 1, ..., its second half beta_t(s) (paths from s after frame t to the end, t's emission excluded)
+// for t = T-1, T-2, ..., a frame each a step, one barrier a step for both. They meet in w[t, n, s]: the first to reach
+// frame t stores its value, the second multiplies its own in (alpha_t(s) beta_t(s), in T steps and alpha's memory; for
+// odd T the backward half starts a step late). Each half double-buffers its frames in shared memory (the backward one
+// keeps beta * emission: a state reads only its own emission) and loads its next frame's emissions before the barrier.
+// Thread j owns states j, j + B, ..., at most SPT, whose emissions must fit unspilled in the registers the launch bounds
+// leave (65536 / MAX_THREADS; `seqdist-compile-check`): so `label` is volatile (else e[s] is hoisted out of the loop,
+// two registers a state), the skips a bit a state, and float64 runs 512-thread blocks. `recursions`, a bit set:
+// FORWARD | BACKWARD at once; FORWARD alone (alpha: logZ only, or the first of two launches for targets too long for
+// four frames in shared memory); BACKWARD alone (beta multiplied into a forward launch's alpha). Variants (SPT = 4;
+// 02c): SPLIT=1, a grid (N, 2), a block a recursion (row 0 forward), beta stored in `wb`; LABELS_SMEM=1, the labels in
+// shared memory (int32, after the frames). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions
+// entering a label state (odd s) in frame t, and on starting in state 1: one number a step, as k2 defines it.
 enum { FORWARD = 1, BACKWARD = 2 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
@@ -161,20 +157,20 @@ extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* _
 
 // PyTorch's semantics for non-finite scores: logz[n] becomes NaN where sequence n's log_probs hold a NaN or +inf (or a
 // log-probability of `above` or more, which stands for +inf) at a class its lattice reads (ext[n, s],
-// s < 2 L_n + 1) in one of its frames (t < input_lengths[n]). One block per sequence, its threads striding over
-// (frame, state); any thread that finds one sets the shared flag (all write 1: no race matters).
+// s < 2 L_n + 1) in one of its frames (t < input_lengths[n]). Blocks (n, y) take frames y, y + gridDim.y, ... (one a
+// sequence idled the GPU: 1/4 of the loss at T=2000 N=8 on an H200); any hit sets the flag (all write 1: no race).
 extern "C" __global__ void ctc_poison(const FLOAT* __restrict__ lp, const long long* __restrict__ ext,
                                       const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths,
                                       FLOAT* __restrict__ logz, int N, int C, int S_max, FLOAT above)
 {
     const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
+    const long long* e = ext + (long long)n * S_max;
     __shared__ int found;
     if (threadIdx.x == 0) found = 0;
     __syncthreads();
-    for (long long i = threadIdx.x; i < (long long)T * S; i += blockDim.x) {
-        const long long t = i / S, s = i % S;
-        const FLOAT v = lp[(t * N + n) * C + ext[(long long)n * S_max + s]];
-        if (!(v < above)) found = 1;
+    for (int t = blockIdx.y; t < T; t += gridDim.y) {
+        const FLOAT* row = lp + ((long long)t * N + n) * C;
+        for (int s = threadIdx.x; s < S; s += blockDim.x) if (!(row[e[s]] < above)) found = 1;
     }
     __syncthreads();
     if (threadIdx.x == 0 && found) logz[n] = (FLOAT)INFINITY - (FLOAT)INFINITY;     // NaN

@@ -383,6 +383,8 @@ def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states, b
 _LAUNCH_BOUND = {torch.float32: 1024, torch.float64: 512}   # ctc_alpha_beta's largest block: float64 needs 128 registers
 _SPTS = {torch.float32: (4, 32), torch.float64: (4, 16)}      # its states-per-thread variants (the emissions' registers)
 _CTC_VARIANTS = {v: dict(SPLIT=int('split' in v), LABELS_SMEM=int('smem' in v)) if v else {} for v in ('', 'split', 'smem', 'split+smem')}
+_CTC_VARIANT_NAMES, _SPLIT_ABOVE = {'both': '', **{v: v for v in _CTC_VARIANTS if v}}, 256    # $SEQDIST_CTC_VARIANT's values;
+                                                      # unset: smem up to 256 states, split+smem beyond (the H200's choice)
 _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {v: {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype],
                                                                      **macros, **S.cuda_macros(dtype))
                                                     for spt in (_SPTS[dtype] if v == '' else (4,))} for v, macros in _CTC_VARIANTS.items()},
@@ -407,8 +409,10 @@ def _ctc_cuda(st):
     lp, ext, il, tl = st.lp, st.ext, st.input_lengths, st.target_lengths
     T, N, C = lp.shape
     width = ext.shape[1]                        # 2L+1 states, L the longest target
-    if (variant := os.environ.get('SEQDIST_CTC_VARIANT', '')) not in _CTC_VARIANTS:
-        raise ValueError(f"SEQDIST_CTC_VARIANT must be one of {', '.join(map(repr, _CTC_VARIANTS))}, got {variant!r}")
+    variant = os.environ.get('SEQDIST_CTC_VARIANT') or ('smem' if width <= _SPLIT_ABOVE else 'split+smem')
+    if variant not in _CTC_VARIANT_NAMES:
+        raise ValueError(f"SEQDIST_CTC_VARIANT must be one of {', '.join(map(repr, _CTC_VARIANT_NAMES))}, got {variant!r}")
+    variant = _CTC_VARIANT_NAMES[variant]
     k = _ctc_kernels[(lp.dtype, Max if st.use_max else Log)]
     elsize, threads_bound, posteriors = lp.element_size(), max_threads(_LAUNCH_BOUND[lp.dtype]), st.posteriors_of != 'none'
     for variant in dict.fromkeys([variant, '']):    # targets too long for a variant's 4 states a thread: the default
@@ -430,8 +434,9 @@ def _ctc_cuda(st):
     else:
         launch(_FORWARD, 1, *one)
         if posteriors: launch(_BACKWARD, 1, *one)
-    k['ctc_poison']((N,), (max_threads(256),), lp=lp, ext=ext, input_lengths=il, target_lengths=tl, logz=logz, N=N, C=C,
-                    S_max=width, above=HUGE_LOG_PROB)   # NaN or +inf read: logz NaN (`poisoned_sequences`, one launch)
+    k['ctc_poison']((N, max(1, min(T, 2048 // max(N, 1)))), (max_threads(min(256, 32 * math.ceil(width / 32))),), lp=lp,
+                    ext=ext, input_lengths=il, target_lengths=tl, logz=logz, N=N, C=C, S_max=width,
+                    above=HUGE_LOG_PROB)      # NaN or +inf read: logz NaN (`poisoned_sequences`, one launch of ~2048 blocks)
     if not posteriors: return logz, lp.new_empty(0)
     by_state = st.posteriors_of == 'states'
     minus_posteriors = lp.new_zeros(T, N, width if by_state else C)

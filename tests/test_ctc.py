@@ -345,6 +345,7 @@ def test_cuda_recursions_meet_at_every_length(max_threads, two_launches, monkeyp
     and targets with more states than 4 per thread (the wider register variant). Or, when four frames do not fit
     in shared memory, one launch after the other."""
     if two_launches: monkeypatch.setattr(ctc, 'EMULATOR_MAX_SHARED_MEM', 2 * 81 * 8)      # two frames of 81 states
+    monkeypatch.setenv('SEQDIST_CTC_VARIANT', 'both')             # (the one-block kernel; the variants: below)
     with launch_limits(max_threads=max_threads):
         torch.manual_seed(3)
         T, N, C = 90, 8, 5
@@ -368,7 +369,7 @@ def test_cuda_targets_too_long_for_shared_memory():
     with pytest.raises(ValueError, match=r"targets of 10500 labels are longer than the CUDA kernel holds .*10431 labels in torch.float32"):
         compute(lp, targets, il, tl, False, 'labels', 'cuda')
 
-@pytest.mark.parametrize('variant', ['split', 'smem', 'split+smem'])
+@pytest.mark.parametrize('variant', ['split', 'smem', 'split+smem', ''])
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_cuda_variants_equal_the_default(variant, dtype, monkeypatch):
     """The recursion's variants (SEQDIST_CTC_VARIANT, for a GPU run to decide between) give the default's logZ and
@@ -386,12 +387,12 @@ def test_cuda_variants_equal_the_default(variant, dtype, monkeypatch):
         for S, delay, posteriors_of in ((Log, 0.0, 'labels'), (Max, 0.0, 'labels'), (Log, 0.3, 'states'), (Max, 0.3, 'none')):
             run = lambda: compute(lp, targets, il, tl, S is Max, posteriors_of, 'cuda', delay=delay)
             with launch_limits(max_threads=max_threads):
-                monkeypatch.delenv('SEQDIST_CTC_VARIANT', raising=False); default = run()
+                monkeypatch.setenv('SEQDIST_CTC_VARIANT', 'both'); default = run()       # (the one-block kernel)
                 monkeypatch.setenv('SEQDIST_CTC_VARIANT', variant); out = run()
             assert torch.isfinite(default[0][[0, 1, 2, 3, 5]]).all()
             torch.testing.assert_close(out[0], default[0], **tol); torch.testing.assert_close(out[1], default[1], **tol)
     monkeypatch.setenv('SEQDIST_CTC_VARIANT', 'spilt')
-    with pytest.raises(ValueError, match="SEQDIST_CTC_VARIANT must be one of '', 'split', 'smem', 'split\\+smem', got 'spilt'"):
+    with pytest.raises(ValueError, match="SEQDIST_CTC_VARIANT must be one of 'both', 'split', 'smem', 'split\\+smem', got 'spilt'"):
         run()
 
 @pytest.mark.parametrize('max_threads', [1024, 32])
