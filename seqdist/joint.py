@@ -54,7 +54,8 @@ def _reference_forward(s):
 JOINT_TILE_BYTES = 8 << 20        # CPU: the most bytes of logits in the tiles in flight (one per worker)
 JOINT_TILE_SHARE = 64             # and at most this fraction of all the logits (floor: 256 KiB)
 JOINT_CUDA_TILE_BYTES = 64 << 20  # CUDA: the most bytes of logits in a tile (one at a time, on the stream)
-JOINT_CUDA_TILE_SHARE = 16        # and at most this fraction of all the logits; SEQDIST_JOINT_TILE_SHARE overrides it
+JOINT_CUDA_TILE_SHARE = 8         # and at most this fraction of all the logits (8: the H200 run's choice, within 10% of
+                                  # the composition's memory); SEQDIST_JOINT_TILE_SHARE overrides it
 
 def _cuda_tile_share():
     "`JOINT_CUDA_TILE_SHARE`, or the environment's SEQDIST_JOINT_TILE_SHARE (read at each call), at least 4."

@@ -398,12 +398,12 @@ def test_cuda_tiles_run_across_utterances_over_nan_padding():
         for a, b in zip(got, again): assert torch.equal(a, b)
 
 def test_cuda_tile_share_from_the_environment(monkeypatch):
-    "A CUDA tile holds 1/16 of the logits (at most 64 MiB), or 1/SEQDIST_JOINT_TILE_SHARE, read at each call; tile_bytes wins."
+    "A CUDA tile holds 1/8 of the logits (at most 64 MiB), or 1/SEQDIST_JOINT_TILE_SHARE, read at each call; tile_bytes wins."
     from types import SimpleNamespace
     s = SimpleNamespace(shape=(8, 150, 41, 4096), e=torch.empty(0), tile_bytes=0, workers=1)
     logits, row = 8 * 150 * 41 * 4096 * 4, 4096 * 4
     monkeypatch.delenv('SEQDIST_JOINT_TILE_SHARE', raising=False)
-    assert joint._tile_rows(s, 'cuda') == logits // joint.JOINT_CUDA_TILE_SHARE // row
+    assert joint._tile_rows(s, 'cuda') == min(logits // joint.JOINT_CUDA_TILE_SHARE, joint.JOINT_CUDA_TILE_BYTES) // row
     for share in (4, 8, 32):
         monkeypatch.setenv('SEQDIST_JOINT_TILE_SHARE', str(share))
         assert joint._tile_rows(s, 'cuda') == min(logits // share, joint.JOINT_CUDA_TILE_BYTES) // row
