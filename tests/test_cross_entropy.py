@@ -601,3 +601,22 @@ def test_an_infinite_softcap_is_no_cap(backend):
     assert torch.equal(*(torch.autograd.grad(v, x)[0] for v in (got, want)))
     h, w = torch.randn(6, 3, generator=g, dtype=torch.float64), torch.randn(7, 3, generator=g, dtype=torch.float64)
     assert torch.equal(ce.linear_cross_entropy(h, w, t, softcap=math.inf), ce.linear_cross_entropy(h, w, t))
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_linear_half_precision_gemms_match_eager(dtype, monkeypatch):
+    """With every GEMM in half precision (the GPU's path, `_HALF_GEMMS`; forced here on the CPU), dW's product taken a
+    block of classes at a time: the loss and gradients of eager PyTorch in that dtype (its own GEMMs, float32 loss),
+    within its rounding, over chunks and class blocks that do not divide N and C, with a bias and a K-dim target."""
+    import seqdist.cross_entropy as ce
+    monkeypatch.setattr(ce, '_HALF_GEMMS', {'cpu'}); monkeypatch.setattr(ce, 'LCE_DW_BLOCK', 7)
+    g = torch.Generator().manual_seed(12)
+    h, W, b = torch.randn(20, 32, generator=g), torch.randn(30, 32, generator=g) / 6, torch.randn(30, generator=g) / 4
+    t = torch.randint(0, 30, (20,), generator=g); t[3] = -100
+    hb, Wb, bb = (x.to(dtype).requires_grad_() for x in (h, W, b))
+    ours = linear_cross_entropy(hb, Wb, t, linear_bias=bb, chunk_size=6)
+    g_ours = torch.autograd.grad(ours, (hb, Wb, bb))
+    ref = F.cross_entropy(F.linear(hb, Wb, bb).float(), t)
+    g_ref = torch.autograd.grad(ref, (hb, Wb, bb))
+    assert ours.dtype == torch.float32 and all(x.dtype == dtype for x in g_ours)
+    torch.testing.assert_close(ours, ref, rtol=2e-3, atol=2e-3)
+    for a, r in zip(g_ours, g_ref): torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=2e-3)
