@@ -89,9 +89,22 @@ def _tiles(s, padded):
             for t in range(Tb):
                 for u0 in range(0, U1b, s.rows): yield b, t, t + 1, u0, min(U1b, u0 + s.rows)
 
+_HALF_GEMMS = {'cuda'}   # devices where half-precision inputs keep the tiles' GEMMs in half precision (the tensor cores)
+
 def _tile_logits(s, h, buf):
-    "z (n, V) = h @ W.T, one GEMM, in `buf` (the per-tile kernels add the bias as they read z)."
-    return torch.mm(h, s.W.T, out=buf[:h.shape[0] * s.shape[3]].view(h.shape[0], s.shape[3]))
+    """z (n, V) = h @ W.T, one GEMM, in `buf` (the per-tile kernels add the bias as they read z). Half-precision inputs
+    on a device of `_HALF_GEMMS`: the product in their dtype (float32 accumulation, as the composition's), then float32."""
+    z = buf[:h.shape[0] * s.shape[3]].view(h.shape[0], s.shape[3])
+    return torch.mm(h, s.W.T, out=z) if s.half is None else z.copy_(torch.mm(h.to(s.half), s.W_half.T))
+
+def _tile_backward_gemms(s, dz, h, dw, dhbuf, want_w, want_h):
+    "dW += dz^T h and dh = dz W (None unless want_h): float32 GEMMs, or (`s.half`) products in half precision."
+    if s.half is None:
+        if want_w: dw.addmm_(dz.T, h)
+        return torch.mm(dz, s.W, out=dhbuf[:h.numel()].view(h.shape)) if want_h else None
+    dzh, hh = dz.to(s.half), h.to(s.half)
+    if want_w: dw.add_(torch.mm(dzh.T, hh))
+    return dhbuf[:h.numel()].view(h.shape).copy_(torch.mm(dzh, s.W_half)) if want_h else None
 
 # %% ../nbs/06b_joint.ipynb #597d6cbb
 _CACHE = __name__ != "__main__"   # numba caches compiled kernels for the package, not for notebook cells
@@ -262,8 +275,8 @@ def _tiled_backward(s, outputs, grads, backend):
             h = k.activations(s, tile, hbuf)
             dz = _tile_logits(s, h, zbuf)
             k.grad(s, dz, tile, lse, post, g, db)                              # the logits become delta, in place
-            if want_w: dw.addmm_(dz.T, h)
-            if want_h: k.backprop(s, torch.mm(dz, s.W, out=dhbuf[:h.numel()].view(h.shape)), h, tile, de, dp)
+            dh = _tile_backward_gemms(s, dz, h, dw, dhbuf, want_w, want_h)
+            if want_h: k.backprop(s, dh, h, tile, de, dp)
         return de, dp, dw, db
     parts = _for_tiles(s, backend, work)
     de, dp, dw, db = parts[0]
@@ -336,6 +349,9 @@ def _prepare(a, backend, check):
                         clamp=a.clamp, fastemit_lambda=a.fastemit_lambda, delay_penalty=a.delay_penalty,
                         tile_bytes=a.tile_bytes, shape=(B, T, U1, V), dtype=a.encoder_out.dtype)
     if backend != 'reference': s.bias_arg = bias if bias is not None else W.new_empty(0)     # (what the kernels take)
+    low = a.encoder_out.dtype in (torch.float16, torch.bfloat16) and a.encoder_out.device.type in _HALF_GEMMS
+    s.half = a.encoder_out.dtype if low and backend != 'reference' else None        # GEMMs in half precision
+    s.W_half = a.weight.detach().contiguous() if s.half is not None else None
     if backend == 'cpu': s.il_host, s.tl_host = il.tolist(), tl.tolist()     # CPU tensors: the tiles skip the padding
     s.workers = _workers(s, backend)
     if backend != 'reference': s.rows = _tile_rows(s, backend)       # (CUDA's bound read from the environment, here)

@@ -421,6 +421,18 @@ def test_cuda_path_half_precision():
     want = loss_and_grads({k: (v.float() if k in PARAMS else v) for k, v in case.items()}, backend='cpu')
     for a, b in zip(got, want): torch.testing.assert_close(a.float(), b, rtol=2 ** -6, atol=2 ** -6 * b.abs().max().item())
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('backend', ['cuda', 'cpu'])
+def test_half_precision_gemms(dtype, backend, monkeypatch):
+    """The GPU's path for half-precision inputs (`_HALF_GEMMS`, forced here on the CPU): the tiles' products in that
+    dtype, the rest in float32: the composition's loss and gradients in that dtype, within its rounding."""
+    monkeypatch.setattr(joint, '_HALF_GEMMS', {'cpu'})
+    case = random_case(random.Random(29), dtype=dtype, max_V=12, bias=True)
+    got = loss_and_grads(case, backend=backend, tile_bytes=3 * 12 * 4)          # (tiles of 3 rows: several a call)
+    assert all(g.dtype == dtype for g in got[1:])
+    want = loss_and_grads({k: (v.float() if k in PARAMS else v) for k, v in case.items()}, backend='cpu')
+    for a, b in zip(got, want): torch.testing.assert_close(a.float(), b, rtol=2 ** -6, atol=2 ** -6 * b.abs().max().item())
+
 def test_lengths_and_labels_are_checked_once_per_forward_and_backward(monkeypatch):
     """The joint's prepare checks and cleans the targets, once per fwd+bwd; the lattice (forward, then the posteriors)
     and the reference's composition run rnnt's ops on them without checks."""
