@@ -184,6 +184,30 @@ def profiles(device, path, quick):
             f.flush()
 
 
+def host_profile(device, path, quick):
+    """cProfile of 20 warm ctc_loss fwd+bwd calls (T=500 N=128 C=20 L=80-100, the GPU's first shape), synchronised
+    once at the end: where the host's time goes (the GPU's kernels took under half the wall time there)."""
+    import cProfile, pstats, io
+    from seqdist.ctc import ctc_loss
+    T, N, C, L_min, L_max = (100, 8, 20, 10, 20) if quick else GPU_CTC_SHAPES[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, N, C, generator=g).to(device).requires_grad_()
+    tg = torch.randint(1, C, (N, L_max), generator=g).to(device)
+    tl = torch.randint(L_min, L_max + 1, (N,), generator=g).to(device)
+    il = torch.full((N,), T, device=device)
+    step = lambda: torch.autograd.grad(ctc_loss(x.log_softmax(2), tg, il, tl), x)
+    for _ in range(3): step()
+    _sync(device)
+    prof = cProfile.Profile()
+    start = time.perf_counter(); prof.enable()
+    for _ in range(20): step()
+    prof.disable(); host = time.perf_counter() - start
+    _sync(device); wall = time.perf_counter() - start
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats('tottime').print_stats(35)
+    Path(path).write_text(f"20 calls: host {host * 1e3:.1f} ms, wall {wall * 1e3:.1f} ms (profiled)\n" + out.getvalue())
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('out', nargs='?', default='nbs/bench/cuda.json')
@@ -191,6 +215,7 @@ def main():
     p.add_argument('--profiles', help="write the kernel profiles of the losing rows here")
     p.add_argument('--device', default='cuda')
     p.add_argument('--quick', action='store_true', help="small shapes (a smoke test of this script)")
+    p.add_argument('--only', help="comma-separated families to run (e.g. ctc,joint,host), not all")
     a = p.parse_args()
     torch.set_num_threads(2)
     start, deadline, dev = _now(), time.time() + a.seconds, a.device
@@ -211,6 +236,11 @@ def main():
              ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
              ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick))]
     if a.profiles: order.insert(7, ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
+    if a.profiles: order.append(('host', lambda: host_profile(dev, a.profiles.replace('.txt', '_host.txt'), a.quick) or []))
+    if a.only:
+        unknown = set(a.only.split(',')) - {n for n, _ in order}
+        if unknown: raise SystemExit(f"--only: no families {sorted(unknown)} (there are {[n for n, _ in order]})")
+        order = [f for f in order if f[0] in a.only.split(',')]
     for name, bench in order:
         if time.time() > deadline: head['not_run'].append(name); continue
         t = time.time()
