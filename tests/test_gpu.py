@@ -803,5 +803,7 @@ def test_gpu_gru_auto_is_cudnn_bit_for_bit(dtype, record):
     ours.backend = 'cuda'
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):  # (cuDNN's float32 RNN takes TF32 by default)
         err = _compare([t.float() for t in run(ours, lengths)], [t.float() for t in run(anchor, lengths)],
-                       dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4), f"GRU cuda {dtype}")
+                       dict(rtol=5e-2, atol=1e-1) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4), f"GRU cuda {dtype}")
+    # (bfloat16: ours computes in float32, cuDNN in bfloat16; the weights' gradients, sums over 150 steps, differ by
+    # up to 0.053 on the H200)
     record('gru', ('cudnn',), err)
