@@ -29,18 +29,9 @@ def budget(fn):
     with count_launches() as launches, CountOps() as ops: fn()
     return launches, ops
 
-def test_ctc_budget():
-    torch.manual_seed(0)
-    T, N, C = 20, 3, 6
-    lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
-                                   torch.tensor([5, 3, 4]))
-    launches, ops = budget(lambda: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, 0.0, backend='cuda'))
-    assert launches == {'ctc_alpha_beta': 1, 'ctc_poison': 1, 'ctc_posteriors': 1}
-    assert ops.total <= 36, ops.ops          # lengths and labels on the CPU are checked there (host reads, no GPU wait)
-
-@pytest.mark.parametrize('variant', ['split', 'smem', 'split+smem'])
-def test_ctc_variants_budget(variant, monkeypatch):
-    "The recursion's variants (SEQDIST_CTC_VARIANT) launch as the default does: split's two blocks a sequence are one launch."
+@pytest.mark.parametrize('variant', ['', 'both', 'split', 'smem', 'split+smem'])
+def test_ctc_budget(variant, monkeypatch):
+    "Each recursion variant (SEQDIST_CTC_VARIANT; '' the default) launches alike: split's two blocks a sequence are one launch."
     monkeypatch.setenv('SEQDIST_CTC_VARIANT', variant)
     torch.manual_seed(0)
     T, N, C = 20, 3, 6
@@ -48,7 +39,8 @@ def test_ctc_variants_budget(variant, monkeypatch):
                                    torch.tensor([5, 3, 4]))
     launches, ops = budget(lambda: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, 0.0, backend='cuda'))
     assert launches == {'ctc_alpha_beta': 1, 'ctc_poison': 1, 'ctc_posteriors': 1}
-    assert ops.total <= 36 + ('split' in variant), ops.ops     # split: beta's buffer besides
+    assert ops.total <= 36 + ('split' in variant), ops.ops   # (split: beta's buffer besides; lengths and labels on the
+                                                             # CPU are checked there: host reads, no GPU wait)
 
 def test_ctc_with_lengths_on_the_gpu_reads_nothing_on_the_host(monkeypatch):
     "Tensors that `on_host` calls GPU-resident are checked by the device (torch._assert_async): no host read at all."
