@@ -20,7 +20,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.torchinductor-cache
 SITE := tools/site
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: install install-bonito demo test sanitize gpu-check gpu-bench gpu-bench-quick docs docs-html docs-check chromium readme colab-cells clean
+.PHONY: install install-bonito demo test sanitize gpu-check gpu-check-tests gpu-check-notebooks gpu-bench gpu-bench-quick docs docs-html docs-check chromium readme colab-cells clean
 
 install: $(VENV)/.installed
 
@@ -75,6 +75,8 @@ sanitize: install
 # On a machine with a GPU and torch, CuPy, numba and pytest already installed, and no network: no venv, no pip.
 # The GPU tests (marker `gpu`), every notebook with its `cuda` cells, and the quick GPU benchmark.
 # It goes on past a failure, and ends with the GPU tests' summary per family (tests, kernels, worst error).
+# Its two halves apart, for GPU slots too short for both (the tests take about a minute on 8 workers, PYTEST_ADDOPTS='-n 8'):
+# gpu-check-tests, gpu-check-notebooks.
 gpu-check:
 	@rm -f gpu-check-summary.txt; status=0; \
 	SEQDIST_GPU_SUMMARY=gpu-check-summary.txt PYTHONPATH=. $(PYTHON) -m pytest -m gpu -rs tests || status=1; \
@@ -82,6 +84,13 @@ gpu-check:
 	PYTHONPATH=. $(PYTHON) -c "import sys; from seqdist.bench import bench_cli; sys.argv[1:] = ['--device', 'cuda', '--quick']; bench_cli()" || status=1; \
 	echo "== GPU tests by family"; cat gpu-check-summary.txt 2>/dev/null || echo "(no GPU test ran)"; \
 	[ $$status = 0 ] && echo "gpu-check: all passed" || { echo "gpu-check: FAILED (see above)"; exit 1; }
+
+gpu-check-tests:
+	SEQDIST_GPU_SUMMARY=gpu-check-summary.txt PYTHONPATH=. $(PYTHON) -m pytest -m gpu -rs tests; status=$$?; \
+	echo "== GPU tests by family"; cat gpu-check-summary.txt 2>/dev/null; exit $$status
+
+gpu-check-notebooks:
+	PYTHONPATH=. $(PYTHON) tools/run_notebook.py --flags cuda nbs/*.ipynb
 
 # The GPU issue's benchmark in one short run (at most about 6 minutes; same machine assumptions): every row with its
 # anchors, the variants behind their switches, the kernel profiles of the losing rows (into $$OUT when set), and

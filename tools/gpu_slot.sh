@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What one GPU slot runs (the device tool's `run`, under its 10-minute limit), from the repository root on a GPU machine
 # without network: the carried wheels (.whl/, e.g. Liger's) installed, the quick benchmark (`make gpu-bench-quick`:
-# nbs/bench/cuda.json and the kernel profiles), then `make gpu-check` on 8 workers, each under its own time limit.
+# nbs/bench/cuda.json and the kernel profiles), then `make gpu-check-tests` on 8 workers (or $CHECK), each under
+# its own time limit.
 # Logs and the JSON go to $OUT (the device tool brings that folder back). Carry .anchors and .whl along.
 set -u
 export OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
@@ -17,7 +18,8 @@ if ! command -v make >/dev/null; then        # a bare image: the two recipes, ru
 #!/usr/bin/env bash
 case $1 in
     gpu-bench-quick) python3 tools/gpu_bench.py nbs/bench/cuda.json --seconds 300 --profiles "$OUT/profiles.txt";;
-    gpu-check) SEQDIST_GPU_SUMMARY=gpu-check-summary.txt PYTHONPATH=. python3 -m pytest -m gpu -rs tests;;
+    gpu-check-tests) SEQDIST_GPU_SUMMARY=gpu-check-summary.txt PYTHONPATH=. python3 -m pytest -m gpu -rs tests;;
+    gpu-check-notebooks) PYTHONPATH=. python3 tools/run_notebook.py --flags cuda nbs/*.ipynb;;
 esac
 SH
     chmod +x /tmp/nomake/make && export PATH=/tmp/nomake:$PATH
@@ -25,5 +27,5 @@ fi
 timeout "${BENCH_S:-330}" make gpu-bench-quick PYTHON=python3 OUT="$OUT" > "$OUT/bench.log" 2>&1
 echo "gpu-bench-quick exit $?" >> "$OUT/bench.log"
 cp nbs/bench/cuda.json "$OUT/cuda.json"
-PYTEST_ADDOPTS="-n 8" timeout "${CHECK_S:-210}" make gpu-check PYTHON=python3 > "$OUT/check.log" 2>&1
-echo "gpu-check exit $?" >> "$OUT/check.log"
+PYTEST_ADDOPTS="-n 8" timeout "${CHECK_S:-210}" make "${CHECK:-gpu-check-tests}" PYTHON=python3 > "$OUT/check.log" 2>&1
+echo "${CHECK:-gpu-check-tests} exit $?" >> "$OUT/check.log"     # (CHECK=gpu-check-notebooks in a slot of their own)
