@@ -169,6 +169,23 @@ def profiles(device, path, quick):
                       lambda x=x, tg=tg, il=il, tl=tl: torch.autograd.grad(ctc_loss(x.log_softmax(2), tg, il, tl), x)))
     xs, *args = joint_inputs_for(*((2, 20, 5, 32, 16) if quick else (4, 200, 50, 1024, 256)), device)
     cases.append(("joint_rnnt_loss B=4 T=200 U=50 V=1024 H=256", lambda: _fwd_bwd(_fused, xs, *args)))
+    from seqdist import sparse, ctc_simple
+    from seqdist.crf import kmer_transitions
+    from seqdist.core import Log
+    from seqdist.cross_entropy import cross_entropy
+    g = torch.Generator().manual_seed(0)
+    T, N, k = (50, 2, 3) if quick else (500, 16, 4)                       # sparse.logZ at the GPU issue's first shape
+    Ms = torch.randn(T, N, 4 ** k, 5, generator=g).to(device).requires_grad_()
+    idx, v = kmer_transitions(k, 4), torch.zeros(N, 4 ** k, device=device)
+    cases.append((f"sparse.logZ T={T} N={N} C={4 ** k}", lambda: torch.autograd.grad(sparse.logZ(Ms, idx, v, v, Log).sum(), Ms)))
+    T, N, L = (50, 2, 10) if quick else (800, 64, 160)                     # ctc_simple.logZ
+    stay = torch.randn(T, N, L, generator=g).to(device).requires_grad_()
+    move = torch.randn(T, N, L - 1, generator=g).to(device)
+    lens = torch.full((N,), L, device=device)
+    cases.append((f"ctc_simple.logZ T={T} N={N} L={L}", lambda: torch.autograd.grad(ctc_simple.logZ(stay, move, lens).sum(), stay)))
+    xc = torch.randn(*((64, 512) if quick else (4096, 32768)), generator=g).to(device).requires_grad_()
+    tc = torch.randint(0, xc.shape[1], (xc.shape[0],), generator=g).to(device)
+    cases.append((f"cross_entropy N={xc.shape[0]} V={xc.shape[1]}", lambda: torch.autograd.grad(cross_entropy(xc, tc), xc)))
     gru = GRU(256, 256, backend='cuda').to(device)
     xg = torch.randn(200, 32, 256, device=device, requires_grad=True)
     cases.append(("GRU backend='cuda' T=200 N=32 I=H=256", lambda: torch.autograd.grad(gru(xg)[0].sum(), [xg, *gru.parameters()])))
