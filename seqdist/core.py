@@ -26,6 +26,9 @@ _cuda_dtypes = {torch.float32: 'float', torch.float64: 'double'}
 def compute_dtype(dtype):
     "The dtype the kernels compute in for inputs of `dtype`: float64 for float64, else float32 (half precision too)."
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+_HALF_GEMM_DEVICES = frozenset({'cuda'})   # where a loss's GEMMs on half-precision inputs stay in their dtype (the tensor
+                                           # cores, float32 accumulation), its kernels still in `compute_dtype`
 ZERO_BELOW = -1e30   # scores at or below this are the semiring's zero (-1e38), or sums of it
 
 class semiring(namedtuple('semiring', ('zero', 'one', 'mul', 'sum', 'dsum'))):

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from .kernel import load_kernel
+from .core import _HALF_GEMM_DEVICES
 from .memory import empty_large
 from .checks import on_host, require, to_device
 from .compile_check import resource_budget
@@ -505,7 +506,7 @@ LCE_CHUNK_BYTES = 64 << 20   # the default float32 logits chunk (half of it for 
 LCE_GPU_MIN_ROWS = 1024      # on a GPU, at least this many rows a chunk: fewer make small GEMMs (an H200 at V=131072 bf16:
                              # 64-row chunks 2.2x the time of 2048-row ones)
 LCE_DW_BLOCK = 16384         # classes a half-precision dW product takes at a time (its temporary: this many rows of W)
-_HALF_GEMMS = {'cuda'}       # devices where half-precision inputs keep every GEMM in half precision (the tensor cores)
+_HALF_GEMMS = _HALF_GEMM_DEVICES   # devices where half-precision inputs keep every GEMM in half precision (seqdist.core)
 
 def _capped_and_weighted(x, p, o):
     "The soft-capped rows x (M, C) in the arithmetic dtype, and w_c q_c (M, C), q = (1 - eps) p + eps / C (a new tensor)."

@@ -13,7 +13,7 @@ import numba
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .core import Log, compute_dtype, fast_exp, fast_exp8, fast_logsumexp
+from .core import Log, compute_dtype, fast_exp, fast_exp8, fast_logsumexp, _HALF_GEMM_DEVICES
 from .rnnt import delay_offsets
 from .ops import Op, AUTOGRAD, op_namespace, max_threads, thread_pool
 from .utils import load_kernel, resource_budget, finite_real
@@ -89,7 +89,7 @@ def _tiles(s, padded):
             for t in range(Tb):
                 for u0 in range(0, U1b, s.rows): yield b, t, t + 1, u0, min(U1b, u0 + s.rows)
 
-_HALF_GEMMS = {'cuda'}   # devices where half-precision inputs keep the tiles' GEMMs in half precision (the tensor cores)
+_HALF_GEMMS = _HALF_GEMM_DEVICES   # devices where half-precision inputs keep the tiles' GEMMs in half precision (seqdist.core)
 
 def _tile_logits(s, h, buf):
     """z (n, V) = h @ W.T, one GEMM, in `buf` (the per-tile kernels add the bias as they read z). Half-precision inputs
