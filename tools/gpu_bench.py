@@ -9,17 +9,28 @@ the rows that lose. Written for a GPU machine without network or nbdev: torch, C
 It writes OUT.json (default nbs/bench/cuda.json) after every family, so a run cut short keeps what it measured; a
 family that raises gives a row saying so and the run goes on; families not reached before --seconds say 'not run'.
 `--device cpu --quick` runs the same script on small shapes on the CPU (a smoke test of the script, no figures)."""
-import argparse, datetime, json, os, sys, time, traceback
+import argparse, contextlib, datetime, json, os, sys, time, traceback
 from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from seqdist.bench import (_families, bench_ctc_gpu, GPU_CTC_SHAPES, compare_row, value_and_grad, load_seqdist003,
-                           _sync)
+                           _sync, ctc_inputs_for)
 from seqdist.timing import peak_gpu_mb
 
 
 def _now(): return datetime.datetime.now(datetime.timezone.utc)
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    "The environment variable `name` set to `value` (a variant's switch, read at each call) inside the block, then as before."
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try: yield
+    finally:
+        if old is None: os.environ.pop(name, None)
+        else: os.environ[name] = old
 
 
 def _liger():
@@ -39,12 +50,10 @@ def ctc_variant_rows(device, quick):
     shapes = [(200, 16, 20, 30, 40)] if quick else GPU_CTC_SHAPES
     q = dict(warmup=1, reps=3) if quick else dict(warmup=2, reps=7)
     rows = []
-    for variant in ('split', 'smem', 'split+smem'):
-        os.environ['SEQDIST_CTC_VARIANT'] = variant
-        try:
-            for r in bench_ctc_gpu(shapes, device, **q):
-                if 'cuDNN' not in r['anchor']: rows.append(dict(r, op=f"{r['op']} [SEQDIST_CTC_VARIANT={variant}]"))
-        finally: os.environ.pop('SEQDIST_CTC_VARIANT', None)
+    for variant in ('both', 'split', 'smem', 'split+smem'):
+        with _env('SEQDIST_CTC_VARIANT', variant):
+            rows += [dict(r, op=f"{r['op']} [SEQDIST_CTC_VARIANT={variant}]") for r in bench_ctc_gpu(shapes, device, **q)
+                     if 'cuDNN' not in r['anchor']]
     return rows
 
 
@@ -124,12 +133,10 @@ def joint_rows(device, quick):
             xs, *args = joint_inputs_for(B, T, U, V, H, device, dtype=dt)
             run = lambda f: (lambda: (lambda l, g: (l, g[0]))(*_fwd_bwd(f, xs, *args)))
             for share in ('default', '4', '8', '32'):
-                if share != 'default': os.environ['SEQDIST_JOINT_TILE_SHARE'] = share
-                try:
+                with _env('SEQDIST_JOINT_TILE_SHARE', share) if share != 'default' else contextlib.nullcontext():
                     op = 'joint_rnnt_loss fwd+bwd' + ('' if share == 'default' else f' [SEQDIST_JOINT_TILE_SHARE={share}]')
                     rows.append(compare_row(op, f"B={B} T={T} U={U} V={V} H={H} {str(dt).split('.')[1]}",
                                             'joiner + rnnt_loss', run(_composition), run(_fused), device, **q))
-                finally: os.environ.pop('SEQDIST_JOINT_TILE_SHARE', None)
             del xs
     return rows
 
@@ -160,11 +167,7 @@ def profiles(device, path, quick):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == 'cuda' else [])
     cases = []
     for T, N, C, L_min, L_max in (GPU_CTC_SHAPES[:1] if quick else GPU_CTC_SHAPES):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(T, N, C, generator=g).to(device).requires_grad_()
-        tg = torch.randint(1, C, (N, L_max), generator=g).to(device)
-        tl = torch.randint(L_min, L_max + 1, (N,), generator=g).to(device)
-        il = torch.full((N,), T, device=device)
+        x, tg, il, tl = ctc_inputs_for(T, N, C, L_min, L_max, device)
         cases.append((f"ctc_loss T={T} N={N} C={C} L={L_min}-{L_max}",
                       lambda x=x, tg=tg, il=il, tl=tl: torch.autograd.grad(ctc_loss(x.log_softmax(2), tg, il, tl), x)))
     xs, *args = joint_inputs_for(*((2, 20, 5, 32, 16) if quick else (4, 200, 50, 1024, 256)), device)
@@ -206,12 +209,7 @@ def host_profile(device, path, quick):
     once at the end: where the host's time goes (the GPU's kernels took under half the wall time there)."""
     import cProfile, pstats, io
     from seqdist.ctc import ctc_loss
-    T, N, C, L_min, L_max = (100, 8, 20, 10, 20) if quick else GPU_CTC_SHAPES[0]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(T, N, C, generator=g).to(device).requires_grad_()
-    tg = torch.randint(1, C, (N, L_max), generator=g).to(device)
-    tl = torch.randint(L_min, L_max + 1, (N,), generator=g).to(device)
-    il = torch.full((N,), T, device=device)
+    x, tg, il, tl = ctc_inputs_for(*((100, 8, 20, 10, 20) if quick else GPU_CTC_SHAPES[0]), device)
     step = lambda: torch.autograd.grad(ctc_loss(x.log_softmax(2), tg, il, tl), x)
     for _ in range(3): step()
     _sync(device)
