@@ -155,6 +155,24 @@ def test_the_hotword_automaton_credits_every_occurrence_and_drops_partial_matche
         direct = sum(w * len(p) for p, w in zip(phrases, weights) for i in range(len(seq)) if seq[i:i + len(p)] == p)
         assert earned == pytest.approx(direct, abs=1e-12)
 
+def test_the_dense_move_table_is_the_automaton_and_the_kernel_answers_alike_without_it():
+    for seed in range(30):
+        rng = random.Random(seed)
+        C = rng.randint(3, 12)
+        phrases = [rng.choices(range(1, C), k=rng.randint(1, 4)) for _ in range(rng.randint(1, 30))]
+        weights = [rng.uniform(-1, 2) for _ in phrases]
+        hot = Hotwords(phrases, weights, C)
+        table = hot.moves().reshape(-1, C)
+        assert [[int(table[s, k]) for k in range(C)] for s in range(len(hot.fail))] == \
+               [[hot.next(s, k) for k in range(C)] for s in range(len(hot.fail))]
+        assert hot.moves(budget=0).tolist() == hot.root            # (too big: the root's row, failure links past it)
+        walked = Hotwords(phrases, weights, C)
+        walked.moves = lambda: Hotwords.moves(walked, budget=0)
+        lp = torch.randn(3, 14, C, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).mul(2).log_softmax(-1)
+        kw = dict(beam_width=1 + seed % 6, nbest=1 + seed % 6 // 2, backend='cpu')
+        dense, sparse = ctc_beam_search(lp, hotwords=hot, **kw), ctc_beam_search(lp, hotwords=walked, **kw)
+        assert [[(h.tokens.tolist(), h.score) for h in u] for u in dense] == [[(h.tokens.tolist(), h.score) for h in u] for u in sparse]
+
 def test_hotword_phrases_are_spelled_as_the_tokens_spell_words():
     assert phrase_tokens(['ab c', 'ba'], ['-', '|', 'a', 'b', 'c', 'ab']) == [[5, 1, 4], [3, 2]]
     assert phrase_tokens(['ab c'], ['-', ' ', 'a', 'b', 'c']) == [[2, 3, 1, 4]]
