@@ -271,7 +271,7 @@ def test_a_ctc_crf_as_a_graph_equals_sparse_logZ(backend, T):
     from seqdist.graph import sparse_crf_graph
     gen = torch.Generator().manual_seed(2)
     idx = kmer_transitions(2, 4)
-    N, C, NZ = 3, *idx.shape
+    N, C, NZ = 5 if backend == 'cpu' else 3, *idx.shape        # (cpu: one bundle of four lanes and one sequence alone)
     Ms = torch.randn(T, N, C, NZ, generator=gen, dtype=torch.float64, requires_grad=True)
     v0, vT = torch.randn(C, generator=gen, dtype=torch.float64), torch.randn(C, generator=gen, dtype=torch.float64)
     want = sparse.logZ(Ms, idx, v0.expand(N, C), vT.expand(N, C))
@@ -310,6 +310,35 @@ def test_hub_states_past_the_tables():
         z.sum().backward()
         out.append((z.detach(), xs.grad, w.grad))
     for a, b in zip(*out): assert torch.allclose(a, b, rtol=0, atol=1e-10)
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_lanes_of_a_shared_graph_equal_the_reference(dtype, tol):
+    """Sequences sharing a graph and a length go four lanes at a time (hub states past the tables, epsilon arcs);
+    a bundle with a lane out of the scaled range (one emission 400 nats below its frame's best) and the sequences
+    left over go alone; frames past a sequence's length get gradient 0 in a buffer that held other values."""
+    gen = torch.Generator().manual_seed(3)
+    S, C = 12, 5
+    src = torch.cat([torch.zeros(20, dtype=torch.long), torch.randint(0, S, (30,), generator=gen)])
+    dst = torch.cat([torch.randint(0, S, (30,), generator=gen), torch.zeros(20, dtype=torch.long)])
+    lab = torch.randint(0, C, (50,), generator=gen)
+    lab[(src > dst) & (dst > 0)] = -1                     # (epsilon arcs, acyclic: towards lower states only)
+    g = Graph(src, dst, lab, torch.randn(50, generator=gen, dtype=torch.float64), finals=torch.arange(S), num_states=S)
+    assert len(g.topology.rest_in) and len(g.topology.rest_out) and len(g.topology.eps_arcs)
+    lengths = torch.tensor([15] * 5 + [9] * 4 + [3, 0])
+    x = torch.randn(15, 11, C, generator=gen, dtype=torch.float64)
+    x[4, 6, 2] = -400.0
+    bundles = G.lane_bundles(torch.zeros(11, dtype=torch.long).numpy(), lengths.numpy(), np.ones(1, np.bool_), np.array([S]))
+    assert sorted(bundles.tolist()) == [[0, 1, 2, 3], [5, 6, 7, 8]]
+    out = []
+    for backend, xd in (('cpu', dtype), ('reference', torch.float64)):
+        w = g.scores.clone().requires_grad_()
+        for _ in range(2):                                # (the second call's posterior buffer held the first's)
+            xs = x.to(xd).requires_grad_()
+            z = graph_logz(xs, lengths, Graph(g.src, g.dst, g.labels, w, g.start, g.finals, num_states=S), backend=backend)
+            gx, gw = torch.autograd.grad(z.sum(), (xs, w))
+        out.append((z.double(), gx.double(), gw))
+    for a, b in zip(*out): assert torch.allclose(a, b, rtol=0, atol=tol * max(1.0, float(b.detach().abs().max())))
+    assert (out[0][1][torch.arange(15)[:, None] >= lengths[None]] == 0).all()
 
 def test_topk_equals_enumeration_and_its_scores_mark_their_paths():
     gen = torch.Generator().manual_seed(11)
