@@ -679,7 +679,7 @@ def _recombine(c_node, c_pb, c_pnb, m, tok, lm_state, trie, hot, has_word, plen,
 def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, whole, recombine, code_off, codes, use_words, use_lm, use_lexicon,
                         trie_keys, trie_values, trie_shift, K, trie_word, trie_lexicon, trie_smear, smear_w, lm_keys, lm_values, lm_shift, V, log10p,
                         backoff, suffix, order, max_order, begin_state, unk, eos, lm_weight, word_score, unk_score, unk_prefix, use_hot,
-                        hot_keys, hot_values, hot_shift, hot_fail, hot_moves, hot_partial, hot_done, hot_bound,
+                        hot_keys, hot_values, hot_shift, hot_fail, hot_moves, hot_partial, hot_done, hot_bound, hot_gain,
                         out_tokens, out_len, out_score, out_n, lo, hi):
     """The prefix beam search of utterances [lo, hi): `_prefix_beam_search` over a tree of prefixes (node n: its
     parent, its last token, its words' state) that grows by at most `beam` nodes a frame. Each frame's best `beam`
@@ -761,9 +761,12 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                     k = top[r]
                     if bound + row[k] < (hs[0] if size == hcap else best - threshold): break
                     if k == blank or excluded[i * C + k]: continue
-                    if use_hot:                     # (its own hotword gain is one read: a token that cannot enter stops here)
-                        h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, hot_moves, C, hot[nd], k)
-                        if words + hot_done[h] + hot_partial[h] + row[k] < (hs[0] if size == hcap else best - threshold): continue
+                    if use_hot:                     # (its own hotword credit, one read where the table holds the
+                        h0 = hot[nd]                # state's row: a token that cannot enter stops here)
+                        if (h0 + 1) * C <= len(hot_gain): gain = hot_gain[h0 * C + k]
+                        else: h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, hot_moves, C, h0, k); gain = hot_done[h] + hot_partial[h]
+                        if words + gain + row[k] < (hs[0] if size == hcap else best - threshold): continue
+                        h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, hot_moves, C, h0, k)
                     if merge and kind[k] == 1 and (nd == 0 or kind[tok[nd]] == 1): continue   # (a stay, above)
                     tn = _spellable(trie_keys, trie_values, trie_shift, K, trie_lexicon, codes, code_off, trie[nd],
                                     has_word[nd], kind[k], k) if use_lexicon else -2      # (-2: not walked yet)
@@ -905,8 +908,10 @@ def _trie_smear(lm, lexicon=None):
 def _hot_tables(hot):
     "The kernel's arrays of a `Hotwords` automaton, made once per automaton (a `Hotwords` given again reuses them)."
     if not hasattr(hot, '_tables'):
+        moves, done, partial = hot.moves(), np.array(hot.done), np.array(hot.partial)
+        gain = (done + partial)[moves]                # (each move's credit: the rows `moves` holds)
         hot._tables = (*_table({s * hot.C + k: c for (s, k), c in hot.children.items()}), np.array(hot.fail, np.int64),
-                       hot.moves(), np.array(hot.partial), np.array(hot.done), np.array(hot.next_bound))
+                       moves, partial, done, np.array(hot.next_bound), gain)
     return hot._tables
 
 def _ctc_beam_search_cpu(log_probs, input_lengths, beam_width, blank, nbest, scorer, beam_threshold,
@@ -921,7 +926,7 @@ def _ctc_beam_search_cpu(log_probs, input_lengths, beam_width, blank, nbest, sco
     if lm is not None: lm_tables, ids = lm.tables, (lm.begin_state(), lm.unk, lm.word_id('</s>'))
     else:                                          # (arrays of the same types, unread: one compilation serves both)
         lm_tables, ids = (*_table({}), 1, np.zeros(1), np.zeros(1), np.zeros(1, np.int64), np.zeros(1, np.int64), 1), (0, 0, 0)
-    hot_tables = _hot_tables(hot) if hot is not None else (*_table({}), *np.zeros((2, 1), np.int64), *np.zeros((3, 1)))
+    hot_tables = _hot_tables(hot) if hot is not None else (*_table({}), *np.zeros((2, 1), np.int64), *np.zeros((4, 1)))
     out_tokens, out_len = np.zeros((N, nbest, T), np.int64), np.zeros((N, nbest), np.int64)
     out_score, out_n = np.full((N, nbest), -np.inf), np.zeros(N, np.int64)
     parallel_for(_beam_search_kernel, N, lp, input_lengths.cpu().long().numpy(), blank, beam_width, float(beam_threshold),
