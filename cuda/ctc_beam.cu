@@ -1,12 +1,13 @@
 // The CTC prefix beam search on a GPU (written by nbs/11e_ctc_beam_cuda.ipynb): `_beam_search_kernel`'s search of
 // token sequences, each token a word of its own (a token-level LM, `lm_tokens`: `word_score` a token and the LM's
-// log10 probability times `lm_weight`, scored when the next token comes and at the end, as the CPU kernel does; no
-// lexicon or hotwords), one block per utterance, no host read between frames. Frame by frame: the token ids are
+// log10 probability times `lm_weight`, scored when the next token comes and at the end, as the CPU kernel does) and
+// hotwords (`Hotwords`' automaton; no lexicon), one block per utterance, no host read between frames. Frame by frame: the token ids are
 // sorted by the frame's log-probability (a bitonic network over the block); each beam stays (a blank, or its last
 // label again) and takes in the extensions of its parent that are itself (a thread per beam); each beam proposes its
 // stay and its extensions by its M likeliest tokens (M = hcap + beam + 1, or C - 1: of those, at most beam - 1 are
 // its children, merged, and one its last label, so hcap of the others outrank any token after them: an extension's
-// word scores do not depend on its token); the candidates are sorted by score (the same network); one thread takes
+// word scores do not depend on its token; with hotwords, whose credit does, each beam has its own M best tokens by
+// log-probability plus credit, a thread per beam); the candidates are sorted by score (the same network); one thread takes
 // the best hcap (beam, or 2 beam to recombine: max semiring, one best) within `threshold` of the best, drops those
 // another with the same last token and LM state dominates (no better ending in a blank and in a label), keeps the
 // best beam of the rest and gives the extensions new nodes (their LM step). At the end one thread ranks the beams
@@ -30,11 +31,25 @@ struct NGramTables {          // `NGramLM.tables`: an open-addressed table of (c
     const double *log10p, *backoff; const long long *suffix, *order; long long max_order;
 };
 
-__device__ long long ngram_find(const NGramTables& lm, long long key) {      // `_find`: Fibonacci hash, linear probing
-    const long long mask = (1LL << (64 - lm.shift)) - 1;                      // (the table holds 2^(64 - shift) slots)
-    long long h = (long long)(((unsigned long long)key * 11400714819323198485ULL) >> lm.shift);
-    while (lm.keys[h] != key && lm.keys[h] != -1) h = (h + 1) & mask;
-    return lm.keys[h] == key ? lm.values[h] : -1;
+__device__ long long table_find(const long long* keys, const long long* values, int shift, long long key) {
+    const long long mask = (1LL << (64 - shift)) - 1;                         // `_find`: Fibonacci hash, linear probing
+    long long h = (long long)(((unsigned long long)key * 11400714819323198485ULL) >> shift);   // (2^(64 - shift) slots)
+    while (keys[h] != key && keys[h] != -1) h = (h + 1) & mask;
+    return keys[h] == key ? values[h] : -1;
+}
+__device__ long long ngram_find(const NGramTables& lm, long long key) { return table_find(lm.keys, lm.values, lm.shift, key); }
+
+struct HotTables {            // `Hotwords`' automaton (`_hot_tables`): children (s * C + k -> state), failure links, the
+    const long long *keys, *values; int shift; const long long *fail, *moves; long long n_moves;   // dense moves
+    const double *partial, *done;                      // (`Hotwords.moves`: every state's row, or the root's), credits
+};
+__device__ long long hot_next(const HotTables& hw, int C, long long s, int k) {    // `_hot_next`
+    if ((s + 1) * C <= hw.n_moves) return hw.moves[s * C + k];
+    for (; s != 0; s = hw.fail[s]) {
+        const long long c = table_find(hw.keys, hw.values, hw.shift, s * C + k);
+        if (c >= 0) return c;
+    }
+    return hw.moves[k];
 }
 
 // `lm_step`: log10 P(word | state) by back-off, and the state after the word
@@ -59,9 +74,10 @@ struct CtcBeamWork {          // one utterance's scratch
     int *top;                                           // the tokens by falling log-probability (PC)
     int *order;                                         // the candidates' order (P)
     double *c_score;                                    // (n_cand)
+    long long *hot, *n_hot; int* b_top; double* b_key;  // hotwords: each node's state, the survivors', each beam's tokens
 };
 
-__device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, int hcap, int PC, int n_cand, int P) {
+__device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, int hcap, int PC, int n_cand, int P, int M, int use_hot) {
     CtcBeamWork w;
     size_t at = 0;
     #define TAKE(ptr, type, count) (at = (at + 7) & ~(size_t)7, ptr = (type*)(base + at), at += sizeof(type) * (size_t)(count))
@@ -72,6 +88,8 @@ __device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, i
     TAKE(w.done_state, long long, cap); TAKE(w.parent, int, cap); TAKE(w.tok, int, cap); TAKE(w.b_node, int, beam);
     TAKE(w.child_of, int, beam); TAKE(w.n_node, int, hcap); TAKE(w.n_beam, int, hcap); TAKE(w.top, int, PC);
     TAKE(w.order, int, P); TAKE(w.has_word, signed char, cap);
+    const int H = use_hot ? 1 : 0;                      // (without hotwords, none of theirs)
+    TAKE(w.hot, long long, H * cap); TAKE(w.n_hot, long long, H * hcap); TAKE(w.b_top, int, H * beam * M); TAKE(w.b_key, double, H * beam * M);
     #undef TAKE
     return w;
 }
@@ -94,18 +112,25 @@ extern "C" __global__ void ctc_beam_search(
     double word_score, double unk_score, double lm_weight, long long unk, long long eos, long long begin_state,
     const long long* __restrict__ lm_keys, const long long* __restrict__ lm_values, int lm_shift, long long V,
     const double* __restrict__ log10p, const double* __restrict__ backoff, const long long* __restrict__ suffix,
-    const long long* __restrict__ ngram_order, long long max_order,
+    const long long* __restrict__ ngram_order, long long max_order, int use_hot, const long long* __restrict__ hot_keys,
+    const long long* __restrict__ hot_values, int hot_shift, const long long* __restrict__ hot_fail,
+    const long long* __restrict__ hot_moves, long long n_moves, const double* __restrict__ hot_partial,
+    const double* __restrict__ hot_done,
     long long* __restrict__ out_tokens, long long* __restrict__ out_len, double* __restrict__ out_score,
     long long* __restrict__ out_n, unsigned char* __restrict__ work, long long work_bytes, int T, int C, int nbest,
     int M, int PC, int P)
 {
     const int b = blockIdx.x, hcap = recombine ? 2 * beam : beam, cap = T * beam + 1, n_cand = beam + beam * M;
     const NGramTables lm{lm_keys, lm_values, lm_shift, V, log10p, backoff, suffix, ngram_order, max_order};
-    CtcBeamWork w = ctc_beam_layout(work + (long long)b * work_bytes, cap, beam, hcap, PC, n_cand, P);
+    const HotTables hw{hot_keys, hot_values, hot_shift, hot_fail, hot_moves, n_moves, hot_partial, hot_done};
+    CtcBeamWork w = ctc_beam_layout(work + (long long)b * work_bytes, cap, beam, hcap, PC, n_cand, P, M, use_hot);
+    // extension r of beam i: its token (with hotwords each beam's own list)
+    #define TOKEN_AT(i, r) (use_hot ? w.b_top[(long long)(i) * M + (r)] : w.top[r])
     __shared__ int nb_s, n_nodes_s;
     if (threadIdx.x == 0) {
         w.parent[0] = -1; w.tok[0] = -1; w.has_word[0] = 0; w.lm_state[0] = begin_state; w.done_state[0] = begin_state;
         w.wscore[0] = 0.0; w.done_score[0] = 0.0;
+        if (use_hot) w.hot[0] = 0;
         w.b_node[0] = 0; w.b_pb[0] = 0.0; w.b_pnb[0] = -INFINITY;
         nb_s = 1; n_nodes_s = 1;
     }
@@ -129,19 +154,36 @@ extern "C" __global__ void ctc_beam_search(
             const double base = w.tok[w.b_node[i]] == k ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max);
             w.s_pnb[j] = semiring_plus(w.s_pnb[j], base + row[k], use_max);
         }
+        for (int i = threadIdx.x; i < nb && use_hot; i += blockDim.x) {   // each beam's M best tokens, credit counted
+            int* top = w.b_top + (long long)i * M; double* key = w.b_key + (long long)i * M;
+            const long long s = w.hot[w.b_node[i]];
+            int n = 0;
+            for (int k = 0; k < C; k++) {                                  // (insertion: ties, the smaller token first)
+                if (k == blank) continue;
+                const long long h = hot_next(hw, C, s, k);
+                const double v = row[k] + (hw.done[h] + hw.partial[h]);
+                if (n == M && !(v > key[M - 1])) continue;
+                int j = n < M ? n : M - 1;
+                for (; j > 0 && key[j - 1] < v; j--) { top[j] = top[j - 1]; key[j] = key[j - 1]; }
+                top[j] = k; key[j] = v;
+                if (n < M) n++;
+            }
+        }
         __syncthreads();
         const int n_c = nb + nb * M;
         for (int c = threadIdx.x; c < n_c; c += blockDim.x) {         // the candidates: stays, then extensions
             double s;
             if (c < nb) {
                 s = semiring_plus(w.s_pb[c], w.s_pnb[c], use_max);
-                if (s > -INFINITY) s += w.wscore[w.b_node[c]];
+                const int nd = w.b_node[c];                  // (ranked with its partial hotword credit)
+                if (s > -INFINITY) s += use_hot ? w.wscore[nd] + hw.partial[w.hot[nd]] : w.wscore[nd];
             } else {
-                const int i = (c - nb) / M, k = w.top[(c - nb) % M], nd = w.b_node[i];
+                const int i = (c - nb) / M, k = TOKEN_AT(i, (c - nb) % M), nd = w.b_node[i];
                 bool merged = false;
                 for (int j = 0; j < nb; j++) merged |= w.child_of[j] == i && w.tok[w.b_node[j]] == k;
                 s = merged ? -INFINITY : (k == w.tok[nd] ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max)) + row[k];
                 if (s > -INFINITY) s += w.wscore[nd] + (use_words ? w.done_score[nd] : 0.0);   // (its pending word done)
+                if (s > -INFINITY && use_hot) { const long long h = hot_next(hw, C, w.hot[nd], k); s += hw.done[h] + hw.partial[h]; }
             }
             w.c_score[c] = s;
         }
@@ -154,11 +196,13 @@ extern "C" __global__ void ctc_beam_search(
                 const int c = w.order[r];
                 const double s = w.c_score[c];
                 if (s == -INFINITY || s < best - threshold) break;
-                const int i = c < nb ? c : (c - nb) / M, p = w.b_node[i], last = c < nb ? w.tok[p] : w.top[(c - nb) % M];
+                const int i = c < nb ? c : (c - nb) / M, p = w.b_node[i], last = c < nb ? w.tok[p] : TOKEN_AT(i, (c - nb) % M);
                 const bool done = c >= nb && use_words && w.has_word[p];       // (an extension: its pending word done)
-                const double ws = done ? w.wscore[p] + w.done_score[p] : w.wscore[p];
+                const long long hot = !use_hot ? 0 : c < nb ? w.hot[p] : hot_next(hw, C, w.hot[p], last);
+                double ws = done ? w.wscore[p] + w.done_score[p] : w.wscore[p];
+                if (use_hot && c >= nb) ws += hw.done[hot];
                 const long long state = done ? w.done_state[p] : w.lm_state[p];
-                const int k = c < nb ? -1 : w.top[(c - nb) % M];
+                const int k = c < nb ? -1 : last;
                 const double pb = c < nb ? w.s_pb[i] : -INFINITY,
                              pnb = c < nb ? w.s_pnb[i] : (k == w.tok[p] ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max)) + row[k];
                 // recombining: out if a kept one dominates it, and the kept ones it dominates go (the kept stay in
@@ -167,29 +211,33 @@ extern "C" __global__ void ctc_beam_search(
                 int m2 = 0;
                 const double ab = pb + ws, anb = pnb + ws;                 // (compared with their words' scores)
                 for (int q = 0; q < m; q++) {
-                    const int kept_last = w.n_node[q] >= 0 ? w.tok[w.n_node[q]] : w.top[-w.n_node[q] - 1];
+                    const int kept_last = w.n_node[q] >= 0 ? w.tok[w.n_node[q]] : TOKEN_AT(w.n_beam[q], -w.n_node[q] - 1);
                     const double qb = w.n_pb[q] + w.n_ws[q], qnb = w.n_pnb[q] + w.n_ws[q];
-                    const bool rival = recombine && kept_last == last && w.n_state[q] == state && !(ab == qb && anb == qnb);
+                    const bool rival = recombine && kept_last == last && w.n_state[q] == state &&
+                                       (!use_hot || w.n_hot[q] == hot) && !(ab == qb && anb == qnb);
                     out |= rival && ab <= qb && anb <= qnb;
                     if (rival && qb <= ab && qnb <= anb) continue;
                     w.n_node[m2] = w.n_node[q]; w.n_beam[m2] = w.n_beam[q]; w.n_pb[m2] = w.n_pb[q]; w.n_pnb[m2] = w.n_pnb[q];
                     w.n_ws[m2] = w.n_ws[q]; w.n_state[m2] = w.n_state[q];
+                    if (use_hot) w.n_hot[m2] = w.n_hot[q];
                     m2++;
                 }
                 m = m2;
                 if (out) continue;
                 w.n_node[m] = c < nb ? p : -((c - nb) % M) - 1;        // (an extension: its token's rank, for now)
                 w.n_beam[m] = i; w.n_pb[m] = pb; w.n_pnb[m] = pnb; w.n_ws[m] = ws; w.n_state[m] = state;
+                if (use_hot) w.n_hot[m] = hot;
                 m++;
             }
             if (m > beam) m = beam;
             for (int q = 0; q < m; q++) {                              // the extensions' nodes: their words' state
                 if (w.n_node[q] >= 0) continue;
-                const int nd = n_nodes++, p = w.b_node[w.n_beam[q]], k = w.top[-w.n_node[q] - 1];
+                const int nd = n_nodes++, p = w.b_node[w.n_beam[q]], k = TOKEN_AT(w.n_beam[q], -w.n_node[q] - 1);
                 const bool done = use_words && w.has_word[p];
                 w.parent[nd] = p; w.tok[nd] = k; w.n_node[q] = nd;
                 w.lm_state[nd] = done ? w.done_state[p] : w.lm_state[p];
                 w.wscore[nd] = done ? w.wscore[p] + w.done_score[p] : w.wscore[p];
+                if (use_hot) { w.hot[nd] = w.n_hot[q]; w.wscore[nd] += hw.done[w.n_hot[q]]; }   // (a phrase it completes)
                 w.has_word[nd] = use_words && tok_word[k] >= 0;
                 w.done_score[nd] = 0.0; w.done_state[nd] = w.lm_state[nd];
                 if (w.has_word[nd]) {
@@ -207,6 +255,7 @@ extern "C" __global__ void ctc_beam_search(
         }
         __syncthreads();
     }
+    #undef TOKEN_AT
     if (threadIdx.x != 0) return;
     const int nb = nb_s;                                               // the end: the pending word and </s>
     for (int i = 0; i < nb; i++) {

@@ -975,7 +975,7 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     best prefixes within `beam_threshold` of the best. Returns torchaudio's structure: per utterance, a list of the
     `nbest` best `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the
     hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (token sequences, each token a
-    word or none; emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
+    word or none, and hotwords; emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
     prefix and no threshold, nothing is pruned: the n best of all label sequences. With `merge_delimiters`, a hypothesis
     is its words (pyctcdecode's hypotheses): the token sequences that differ only in their delimiters (leading, trailing
     or repeated) are one, their probabilities summed, and it is given with one delimiter between words and none around
@@ -1893,8 +1893,8 @@ def _token_words(scorer):
     return scorer.spells and all(k != ORDINARY for k in scorer.kinds) and scorer.kinds.count(DELIMITER) == 1
 
 def _cuda_handles(scorer, merge_delimiters):
-    "Whether the CUDA kernel does this search: token sequences, each token a word or none (no lexicon, no hotwords)."
-    return ((not scorer.spells or _token_words(scorer)) and scorer.hot is None and scorer.lexicon is None and
+    "Whether the CUDA kernel does this search: token sequences, each token a word or none, hotwords (no lexicon)."
+    return ((not scorer.spells or _token_words(scorer)) and scorer.lexicon is None and
             not (merge_delimiters or scorer.whole_words or scorer.lookahead or scorer.unk_prefix_score))
 
 def _lm_device_tables(lm, device):
@@ -1908,14 +1908,26 @@ def _lm_device_tables(lm, device):
                          *(torch.as_tensor(a, device=device) for a in (log10p, backoff, suffix, order)), max_order)
     return cache[device]
 
+def _hot_device_tables(hot, device):
+    "`_hot_tables(hot)` as the kernel's arguments, on `device` (kept on the automaton, one copy a device), or placeholders."
+    if hot is None: return dict(zip(('hot_keys', 'hot_values', 'hot_fail', 'hot_moves'), torch.full((4, 2), -1, device=device))) | \
+                           dict(hot_shift=63, n_moves=0, hot_partial=torch.zeros(1, dtype=torch.float64, device=device),
+                                hot_done=torch.zeros(1, dtype=torch.float64, device=device))
+    cache = hot.__dict__.setdefault('_device_tables', {})
+    if device not in cache:
+        keys, values, shift, fail, moves, partial, done, _, _ = _hot_tables(hot)
+        cache[device] = dict(hot_keys=keys, hot_values=values, hot_fail=fail, hot_moves=moves, hot_partial=partial, hot_done=done)
+        cache[device] = {k: torch.as_tensor(v, device=device) for k, v in cache[device].items()} | dict(hot_shift=shift, n_moves=len(moves))
+    return cache[device]
+
 def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, scorer, beam_threshold,
                           merge_delimiters=False, semiring='log'):
     """`_ctc_beam_search_cpu`'s answer from the CUDA kernel `ctc_beam_search` (emulated on CPU tensors), for a search
-    of token sequences, each token a word of the LM or none (`_cuda_handles`). The scratch of each utterance in one
+    of token sequences, each token a word of the LM or none, with hotwords (`_cuda_handles`). The scratch of each utterance in one
     buffer; the hypotheses are read back once, after the last frame."""
     if not _cuda_handles(scorer, merge_delimiters):
-        raise NotImplementedError("backend='cuda' searches token sequences, each token a word (lm_tokens) or none: words "
-                                  "spelled by tokens, lexicons, hotwords, merge_delimiters, whole_words, lm_lookahead "
+        raise NotImplementedError("backend='cuda' searches token sequences, each token a word (lm_tokens) or none, with "
+                                  "hotwords: words spelled by tokens, lexicons, merge_delimiters, whole_words, lm_lookahead "
                                   "and unk_prefix_score are the 'cpu' backend's")
     N, T, C = log_probs.shape
     dev, lm = log_probs.device, scorer.lm
@@ -1930,7 +1942,9 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     M = min(C - 1, hcap + beam_width + 1)                 # each beam's likeliest tokens that can make the best hcap
     n_cand, cap = beam_width * (1 + M), T * beam_width + 1
     PC, P = (1 << max(0, n - 1).bit_length() for n in (C, n_cand))     # the sorts' widths: powers of 2
+    H = int(scorer.hot is not None)                      # (hotwords: each node's state, each beam's M tokens and keys)
     work_bytes = 8 * (4 * beam_width + 4 * hcap + n_cand + 4 * cap) + 4 * (2 * cap + 2 * beam_width + 2 * hcap + PC + P) + cap + 128
+    work_bytes += H * (8 * (cap + hcap) + 12 * beam_width * M + 32)
     work_bytes = -(-work_bytes // 256) * 256             # each utterance's scratch 256-byte aligned: its doubles are
                                                          # misaligned otherwise (a GPU fault the CPU never shows)
     out_tokens = torch.zeros(N, nbest, T, dtype=torch.long, device=dev)
@@ -1945,7 +1959,8 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
                            lm_weight=float(scorer.lm_weight * LN10), unk=lm.unk if lm else 0,
                            eos=lm.word_id('</s>') if lm else 0, begin_state=lm.begin_state() if lm else 0,
                            lm_keys=keys, lm_values=values, lm_shift=shift, V=V, log10p=log10p, backoff=backoff,
-                           suffix=suffix, ngram_order=order, max_order=max_order,
+                           suffix=suffix, ngram_order=order, max_order=max_order, use_hot=H,
+                           **_hot_device_tables(scorer.hot, dev),
                            out_tokens=out_tokens, out_len=out_len, out_score=out_score, out_n=out_n,
                            work=torch.empty(N * work_bytes, dtype=torch.uint8, device=dev), work_bytes=work_bytes,
                            T=T, C=C, nbest=nbest, M=M, PC=PC, P=P)

@@ -1,10 +1,10 @@
 """The CTC prefix beam search's CUDA kernel (`ctc_beam_search(backend='cuda')`), through the emulator on CPU tensors:
 the CPU kernel's hypotheses and scores, its refusals, and `cuda_ctc_decoder`'s face on it."""
-import math
+import math, random
 import pytest
 import torch
 from seqdist.decode import (ctc_beam_search, PrefixScorer, NGramLM, random_arpa, cuda_ctc_decoder, _ctc_beam_search_cpu,
-                            _ctc_beam_search_cuda)
+                            _ctc_beam_search_cuda, Hotwords)
 
 @pytest.mark.parametrize('semiring', ['log', 'max'])
 def test_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
@@ -33,6 +33,39 @@ def test_with_a_token_lm_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(se
             assert [s for _, s in cpu] == [s for _, s in cuda], seed
             assert all(abs(a - b) < 1e-12 for (a, _), (b, _) in zip(cpu, cuda))
 
+@pytest.mark.parametrize('semiring', ['log', 'max'])
+def test_with_hotwords_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
+    "Small and large automata, dense moves and the failure-link walk, with and without a token LM."
+    for seed in range(18):
+        g, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+        N, T, C = 3, 1 + seed % 9, (3, 5, 11, 24)[seed % 4]
+        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).mul(1 + seed % 3).log_softmax(-1)
+        blank = seed % C
+        phrases = [rng.choices([k for k in range(C) if k != blank], k=rng.randint(1, 3)) for _ in range(rng.randint(1, 12))]
+        hot = Hotwords(phrases, [rng.uniform(-0.5, 2) for _ in phrases], C)
+        if seed % 3 == 0: hot.moves = (lambda h: lambda: Hotwords.moves(h, budget=0))(hot)   # (the root's row only)
+        toks = [f't{i}' for i in range(C)]
+        lm = NGramLM(text=random_arpa(seed, [t for i, t in enumerate(toks) if i != blank], order=1 + seed % 3, n_per_order=10))
+        scorer = (PrefixScorer(C, blank, toks, lm, 0.8, 0.2, hotwords=hot, lm_tokens=True) if seed % 2 else
+                  PrefixScorer(C, blank, hotwords=hot))
+        beam = 1 + seed % 6
+        args = (lp, torch.randint(0, T + 1, (N,), generator=g), beam, blank, 1 + seed % min(3, beam), scorer,
+                (math.inf, 3.0)[seed % 3 == 1], False, semiring)
+        for cpu, cuda in zip(_ctc_beam_search_cpu(*args), _ctc_beam_search_cuda(*args)):
+            assert [s for _, s in cpu] == [s for _, s in cuda], seed
+            assert all(abs(a - b) < 1e-12 for (a, _), (b, _) in zip(cpu, cuda))
+
+def test_hotwords_that_lift_unlikely_tokens_are_found_as_the_cpu_kernel_finds_them():
+    "Heavy phrases over 32 tokens and narrow beams: the tokens that win are not the frame's likeliest (each beam's own list)."
+    for seed in range(6):
+        g, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+        lp = torch.randn(2, 16, 32, generator=g, dtype=torch.float64).mul(3).log_softmax(-1)
+        phrases = [rng.choices(range(1, 32), k=rng.randint(1, 3)) for _ in range(40)]
+        scorer = PrefixScorer(32, 0, hotwords=Hotwords(phrases, [rng.uniform(2, 6) for _ in phrases], 32))
+        for semiring in ('log', 'max'):
+            args = (lp, torch.tensor([16, 11]), 2 + seed % 3, 0, 1, scorer, math.inf, False, semiring)
+            assert _ctc_beam_search_cpu(*args) == _ctc_beam_search_cuda(*args)
+
 def test_the_public_call_runs_it_and_masked_tokens_are_never_chosen():
     lp = torch.randn(2, 12, 7, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
     lp[..., 3] = -math.inf                                   # a token no frame may emit
@@ -42,12 +75,10 @@ def test_the_public_call_runs_it_and_masked_tokens_are_never_chosen():
            [[(h.tokens.tolist(), h.score, h.timesteps.tolist()) for h in x] for x in want]
     assert all(3 not in h.tokens.tolist() for x in got for h in x)
 
-def test_words_and_hotwords_are_refused_by_the_cuda_backend():
+def test_words_and_lexicons_are_refused_by_the_cuda_backend():
     lp = torch.randn(1, 6, 4).log_softmax(-1)
     with pytest.raises(NotImplementedError, match="backend='cuda' searches token sequences"):
         ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], backend='cuda')
-    with pytest.raises(NotImplementedError, match='hotwords'):
-        ctc_beam_search(lp, beam_width=3, hotwords=[[1, 2]], backend='cuda')
     with pytest.raises(NotImplementedError, match='lexicons'):
         ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], lexicon=['a'], lm_tokens=True, backend='cuda')
     with pytest.raises(ValueError, match='backend'):
