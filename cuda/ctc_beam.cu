@@ -1,13 +1,16 @@
 // The CTC prefix beam search on a GPU (written by nbs/11e_ctc_beam_cuda.ipynb): `_beam_search_kernel`'s search of
-// token sequences, each token a word of its own (a token-level LM, `lm_tokens`: `word_score` a token and the LM's
-// log10 probability times `lm_weight`, scored when the next token comes and at the end, as the CPU kernel does) and
-// hotwords (`Hotwords`' automaton; no lexicon), one block per utterance, no host read between frames. Frame by frame: the token ids are
+// token sequences with the words they spell (`token_kinds`: a delimiter or a word start ends the word being spelled,
+// which is scored when the next token comes and at the end, as the CPU kernel does: `word_score` a word and the LM's
+// log10 probability times `lm_weight`, the word found by walking the LM's spelling trie; or each token a word, a
+// token-level LM) and hotwords (`Hotwords`' automaton; no lexicon), one block per utterance, no host read between
+// frames. Frame by frame: the token ids are
 // sorted by the frame's log-probability (a bitonic network over the block); each beam stays (a blank, or its last
 // label again) and takes in the extensions of its parent that are itself (a thread per beam); each beam proposes its
 // stay and its extensions by its M likeliest tokens (M = hcap + beam + 1, or C - 1: of those, at most beam - 1 are
 // its children, merged, and one its last label, so hcap of the others outrank any token after them: an extension's
-// word scores do not depend on its token; with hotwords, whose credit does, each beam has its own M best tokens by
-// log-probability plus credit, a thread per beam); the candidates are sorted by score (the same network); one thread takes
+// word scores do not depend on its token; with hotwords, whose credit does, or words spelled by tokens, whose word is
+// done by some tokens and not others, each beam has its own M best tokens by log-probability plus what the token
+// earns, a thread per beam); the candidates are sorted by score (the same network); one thread takes
 // the best hcap (beam, or 2 beam to recombine: max semiring, one best) within `threshold` of the best, drops those
 // another with the same last token and LM state dominates (no better ending in a blank and in a label), keeps the
 // best beam of the rest and gives the extensions new nodes (their LM step). At the end one thread ranks the beams
@@ -43,6 +46,11 @@ struct HotTables {            // `Hotwords`' automaton (`_hot_tables`): children
     const long long *keys, *values; int shift; const long long *fail, *moves; long long n_moves;   // dense moves
     const double *partial, *done;                      // (`Hotwords.moves`: every state's row, or the root's), credits
 };
+__device__ long long trie_walk(const long long* keys, const long long* values, int shift, long long K, long long node,
+                               const long long* codes, long long lo, long long hi) {   // `_walk`: the characters codes[lo:hi]
+    for (long long c = lo; c < hi && node >= 0; c++) node = table_find(keys, values, shift, node * K + codes[c]);
+    return node;
+}
 __device__ long long hot_next(const HotTables& hw, int C, long long s, int k) {    // `_hot_next`
     if ((s + 1) * C <= hw.n_moves) return hw.moves[s * C + k];
     for (; s != 0; s = hw.fail[s]) {
@@ -75,9 +83,11 @@ struct CtcBeamWork {          // one utterance's scratch
     int *order;                                         // the candidates' order (P)
     double *c_score;                                    // (n_cand)
     long long *hot, *n_hot; int* b_top; double* b_key;  // hotwords: each node's state, the survivors', each beam's tokens
+    long long *trie, *n_trie; int *plen, *n_plen; signed char* n_hw;   // words: the one being spelled (trie node, length)
 };
 
-__device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, int hcap, int PC, int n_cand, int P, int M, int use_hot) {
+__device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, int hcap, int PC, int n_cand, int P, int M, int use_hot,
+                                   int own_tokens, int use_words) {
     CtcBeamWork w;
     size_t at = 0;
     #define TAKE(ptr, type, count) (at = (at + 7) & ~(size_t)7, ptr = (type*)(base + at), at += sizeof(type) * (size_t)(count))
@@ -88,8 +98,10 @@ __device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, i
     TAKE(w.done_state, long long, cap); TAKE(w.parent, int, cap); TAKE(w.tok, int, cap); TAKE(w.b_node, int, beam);
     TAKE(w.child_of, int, beam); TAKE(w.n_node, int, hcap); TAKE(w.n_beam, int, hcap); TAKE(w.top, int, PC);
     TAKE(w.order, int, P); TAKE(w.has_word, signed char, cap);
-    const int H = use_hot ? 1 : 0;                      // (without hotwords, none of theirs)
-    TAKE(w.hot, long long, H * cap); TAKE(w.n_hot, long long, H * hcap); TAKE(w.b_top, int, H * beam * M); TAKE(w.b_key, double, H * beam * M);
+    const int H = use_hot ? 1 : 0, O = own_tokens ? 1 : 0, W = use_words ? 1 : 0;   // (what a search does not use: none)
+    TAKE(w.hot, long long, H * cap); TAKE(w.n_hot, long long, H * hcap); TAKE(w.b_top, int, O * beam * M); TAKE(w.b_key, double, O * beam * M);
+    TAKE(w.trie, long long, W * cap); TAKE(w.n_trie, long long, W * hcap); TAKE(w.plen, int, W * cap);
+    TAKE(w.n_plen, int, W * hcap); TAKE(w.n_hw, signed char, W * hcap);
     #undef TAKE
     return w;
 }
@@ -108,7 +120,10 @@ struct ByScore {              // the candidates by falling score, then by positi
 
 extern "C" __global__ void ctc_beam_search(
     const double* __restrict__ lp, const long long* __restrict__ il, int blank, int beam, double threshold,
-    int use_max, int recombine, int use_words, int use_lm, const long long* __restrict__ tok_word,
+    int use_max, int recombine, int use_words, int use_lm, const signed char* __restrict__ kind,
+    const long long* __restrict__ code_off, const long long* __restrict__ codes, const long long* __restrict__ trie_keys,
+    const long long* __restrict__ trie_values, int trie_shift, long long K, const long long* __restrict__ trie_word,
+    int own_tokens,
     double word_score, double unk_score, double lm_weight, long long unk, long long eos, long long begin_state,
     const long long* __restrict__ lm_keys, const long long* __restrict__ lm_values, int lm_shift, long long V,
     const double* __restrict__ log10p, const double* __restrict__ backoff, const long long* __restrict__ suffix,
@@ -123,14 +138,15 @@ extern "C" __global__ void ctc_beam_search(
     const int b = blockIdx.x, hcap = recombine ? 2 * beam : beam, cap = T * beam + 1, n_cand = beam + beam * M;
     const NGramTables lm{lm_keys, lm_values, lm_shift, V, log10p, backoff, suffix, ngram_order, max_order};
     const HotTables hw{hot_keys, hot_values, hot_shift, hot_fail, hot_moves, n_moves, hot_partial, hot_done};
-    CtcBeamWork w = ctc_beam_layout(work + (long long)b * work_bytes, cap, beam, hcap, PC, n_cand, P, M, use_hot);
-    // extension r of beam i: its token (with hotwords each beam's own list)
-    #define TOKEN_AT(i, r) (use_hot ? w.b_top[(long long)(i) * M + (r)] : w.top[r])
+    CtcBeamWork w = ctc_beam_layout(work + (long long)b * work_bytes, cap, beam, hcap, PC, n_cand, P, M, use_hot, own_tokens, use_words);
+    // extension r of beam i: its token (each beam's own list where a token's worth depends on the beam)
+    #define TOKEN_AT(i, r) (own_tokens ? w.b_top[(long long)(i) * M + (r)] : w.top[r])
     __shared__ int nb_s, n_nodes_s;
     if (threadIdx.x == 0) {
         w.parent[0] = -1; w.tok[0] = -1; w.has_word[0] = 0; w.lm_state[0] = begin_state; w.done_state[0] = begin_state;
         w.wscore[0] = 0.0; w.done_score[0] = 0.0;
         if (use_hot) w.hot[0] = 0;
+        if (use_words) { w.trie[0] = 0; w.plen[0] = 0; }
         w.b_node[0] = 0; w.b_pb[0] = 0.0; w.b_pnb[0] = -INFINITY;
         nb_s = 1; n_nodes_s = 1;
     }
@@ -154,14 +170,14 @@ extern "C" __global__ void ctc_beam_search(
             const double base = w.tok[w.b_node[i]] == k ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max);
             w.s_pnb[j] = semiring_plus(w.s_pnb[j], base + row[k], use_max);
         }
-        for (int i = threadIdx.x; i < nb && use_hot; i += blockDim.x) {   // each beam's M best tokens, credit counted
+        for (int i = threadIdx.x; i < nb && own_tokens; i += blockDim.x) {   // each beam's M best tokens, earnings counted
             int* top = w.b_top + (long long)i * M; double* key = w.b_key + (long long)i * M;
-            const long long s = w.hot[w.b_node[i]];
+            const int nd = w.b_node[i];
             int n = 0;
             for (int k = 0; k < C; k++) {                                  // (insertion: ties, the smaller token first)
                 if (k == blank) continue;
-                const long long h = hot_next(hw, C, s, k);
-                const double v = row[k] + (hw.done[h] + hw.partial[h]);
+                double v = row[k] + (use_words && kind[k] != 0 ? w.done_score[nd] : 0.0);
+                if (use_hot) { const long long h = hot_next(hw, C, w.hot[nd], k); v += hw.done[h] + hw.partial[h]; }
                 if (n == M && !(v > key[M - 1])) continue;
                 int j = n < M ? n : M - 1;
                 for (; j > 0 && key[j - 1] < v; j--) { top[j] = top[j - 1]; key[j] = key[j - 1]; }
@@ -182,7 +198,7 @@ extern "C" __global__ void ctc_beam_search(
                 bool merged = false;
                 for (int j = 0; j < nb; j++) merged |= w.child_of[j] == i && w.tok[w.b_node[j]] == k;
                 s = merged ? -INFINITY : (k == w.tok[nd] ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max)) + row[k];
-                if (s > -INFINITY) s += w.wscore[nd] + (use_words ? w.done_score[nd] : 0.0);   // (its pending word done)
+                if (s > -INFINITY) s += w.wscore[nd] + (use_words && kind[k] != 0 ? w.done_score[nd] : 0.0);   // (its word done)
                 if (s > -INFINITY && use_hot) { const long long h = hot_next(hw, C, w.hot[nd], k); s += hw.done[h] + hw.partial[h]; }
             }
             w.c_score[c] = s;
@@ -197,12 +213,21 @@ extern "C" __global__ void ctc_beam_search(
                 const double s = w.c_score[c];
                 if (s == -INFINITY || s < best - threshold) break;
                 const int i = c < nb ? c : (c - nb) / M, p = w.b_node[i], last = c < nb ? w.tok[p] : TOKEN_AT(i, (c - nb) % M);
-                const bool done = c >= nb && use_words && w.has_word[p];       // (an extension: its pending word done)
+                const bool done = c >= nb && use_words && kind[last] != 0 && w.has_word[p];   // (an extension: its word done)
                 const long long hot = !use_hot ? 0 : c < nb ? w.hot[p] : hot_next(hw, C, w.hot[p], last);
                 double ws = done ? w.wscore[p] + w.done_score[p] : w.wscore[p];
                 if (use_hot && c >= nb) ws += hw.done[hot];
                 const long long state = done ? w.done_state[p] : w.lm_state[p];
                 const int k = c < nb ? -1 : last;
+                long long tn = use_words ? w.trie[p] : 0;                  // the word it spells (an extension: on)
+                int hwd = use_words ? w.has_word[p] : 0, pl = use_words ? w.plen[p] : 0;
+                if (c >= nb && use_words) {
+                    if (kind[k] != 0) { tn = 0; hwd = 0; pl = 0; }
+                    if (kind[k] != 1 && code_off[k + 1] > code_off[k]) {
+                        tn = use_lm ? trie_walk(trie_keys, trie_values, trie_shift, K, tn, codes, code_off[k], code_off[k + 1]) : -1;
+                        hwd = 1; pl += (int)(code_off[k + 1] - code_off[k]);
+                    }
+                }
                 const double pb = c < nb ? w.s_pb[i] : -INFINITY,
                              pnb = c < nb ? w.s_pnb[i] : (k == w.tok[p] ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max)) + row[k];
                 // recombining: out if a kept one dominates it, and the kept ones it dominates go (the kept stay in
@@ -214,12 +239,14 @@ extern "C" __global__ void ctc_beam_search(
                     const int kept_last = w.n_node[q] >= 0 ? w.tok[w.n_node[q]] : TOKEN_AT(w.n_beam[q], -w.n_node[q] - 1);
                     const double qb = w.n_pb[q] + w.n_ws[q], qnb = w.n_pnb[q] + w.n_ws[q];
                     const bool rival = recombine && kept_last == last && w.n_state[q] == state &&
-                                       (!use_hot || w.n_hot[q] == hot) && !(ab == qb && anb == qnb);
+                                       (!use_hot || w.n_hot[q] == hot) && (!use_words || (w.n_trie[q] == tn &&
+                                       w.n_hw[q] == hwd && w.n_plen[q] == pl)) && !(ab == qb && anb == qnb);
                     out |= rival && ab <= qb && anb <= qnb;
                     if (rival && qb <= ab && qnb <= anb) continue;
                     w.n_node[m2] = w.n_node[q]; w.n_beam[m2] = w.n_beam[q]; w.n_pb[m2] = w.n_pb[q]; w.n_pnb[m2] = w.n_pnb[q];
                     w.n_ws[m2] = w.n_ws[q]; w.n_state[m2] = w.n_state[q];
                     if (use_hot) w.n_hot[m2] = w.n_hot[q];
+                    if (use_words) { w.n_trie[m2] = w.n_trie[q]; w.n_hw[m2] = w.n_hw[q]; w.n_plen[m2] = w.n_plen[q]; }
                     m2++;
                 }
                 m = m2;
@@ -227,25 +254,28 @@ extern "C" __global__ void ctc_beam_search(
                 w.n_node[m] = c < nb ? p : -((c - nb) % M) - 1;        // (an extension: its token's rank, for now)
                 w.n_beam[m] = i; w.n_pb[m] = pb; w.n_pnb[m] = pnb; w.n_ws[m] = ws; w.n_state[m] = state;
                 if (use_hot) w.n_hot[m] = hot;
+                if (use_words) { w.n_trie[m] = tn; w.n_hw[m] = hwd; w.n_plen[m] = pl; }
                 m++;
             }
             if (m > beam) m = beam;
             for (int q = 0; q < m; q++) {                              // the extensions' nodes: their words' state
                 if (w.n_node[q] >= 0) continue;
                 const int nd = n_nodes++, p = w.b_node[w.n_beam[q]], k = TOKEN_AT(w.n_beam[q], -w.n_node[q] - 1);
-                const bool done = use_words && w.has_word[p];
+                const bool done = use_words && kind[k] != 0 && w.has_word[p];
                 w.parent[nd] = p; w.tok[nd] = k; w.n_node[q] = nd;
                 w.lm_state[nd] = done ? w.done_state[p] : w.lm_state[p];
                 w.wscore[nd] = done ? w.wscore[p] + w.done_score[p] : w.wscore[p];
                 if (use_hot) { w.hot[nd] = w.n_hot[q]; w.wscore[nd] += hw.done[w.n_hot[q]]; }   // (a phrase it completes)
-                w.has_word[nd] = use_words && tok_word[k] >= 0;
+                w.has_word[nd] = use_words && w.n_hw[q];
+                if (use_words) { w.trie[nd] = w.n_trie[q]; w.plen[nd] = w.n_plen[q]; }
                 w.done_score[nd] = 0.0; w.done_state[nd] = w.lm_state[nd];
                 if (w.has_word[nd]) {
                     w.done_score[nd] = word_score;
-                    if (use_lm) {
-                        long long next;
-                        if (tok_word[k] == unk) w.done_score[nd] += unk_score;        // (the CPU kernel's order)
-                        w.done_score[nd] += lm_weight * ngram_step(lm, w.lm_state[nd], tok_word[k], &next);
+                    if (use_lm) {                                      // (the word spelled, else <unk>)
+                        long long next, word = w.trie[nd] >= 0 ? trie_word[w.trie[nd]] : -1;
+                        if (word < 0) word = unk;
+                        if (word == unk) w.done_score[nd] += unk_score;              // (the CPU kernel's order)
+                        w.done_score[nd] += lm_weight * ngram_step(lm, w.lm_state[nd], word, &next);
                         w.done_state[nd] = next;
                     }
                 }

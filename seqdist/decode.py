@@ -974,8 +974,8 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     1; a phrase a string or token ids; or a `Hotwords` built once for many calls). Each frame keeps the `beam_width`
     best prefixes within `beam_threshold` of the best. Returns torchaudio's structure: per utterance, a list of the
     `nbest` best `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the
-    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (token sequences, each token a
-    word or none, and hotwords; emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
+    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (token sequences, the words they
+    spell with an LM, and hotwords; emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
     prefix and no threshold, nothing is pruned: the n best of all label sequences. With `merge_delimiters`, a hypothesis
     is its words (pyctcdecode's hypotheses): the token sequences that differ only in their delimiters (leading, trailing
     or repeated) are one, their probabilities summed, and it is given with one delimiter between words and none around
@@ -1893,9 +1893,9 @@ def _token_words(scorer):
     return scorer.spells and all(k != ORDINARY for k in scorer.kinds) and scorer.kinds.count(DELIMITER) == 1
 
 def _cuda_handles(scorer, merge_delimiters):
-    "Whether the CUDA kernel does this search: token sequences, each token a word or none, hotwords (no lexicon)."
-    return ((not scorer.spells or _token_words(scorer)) and scorer.lexicon is None and
-            not (merge_delimiters or scorer.whole_words or scorer.lookahead or scorer.unk_prefix_score))
+    """Whether the CUDA kernel does this search: token sequences, the words they spell with an LM and word score,
+    hotwords (no lexicon, delimiters merged, whole words, lookahead or partial-word score)."""
+    return scorer.lexicon is None and not (merge_delimiters or scorer.whole_words or scorer.lookahead or scorer.unk_prefix_score)
 
 def _lm_device_tables(lm, device):
     "`lm.tables` as tensors on `device` (kept on the model, one copy a device), or placeholders without an LM."
@@ -1907,6 +1907,20 @@ def _lm_device_tables(lm, device):
         cache[device] = (*(torch.as_tensor(a, device=device) for a in (keys, values)), shift, V,
                          *(torch.as_tensor(a, device=device) for a in (log10p, backoff, suffix, order)), max_order)
     return cache[device]
+
+def _word_device_tables(scorer, device):
+    """The tokens' kinds and characters (code points, `code_off`), and the spelling trie of the scorer's LM (kept on the
+    model, one copy a device), as the kernel's arguments."""
+    code_off = np.cumsum([0] + [len(c) for c in scorer.chars]).astype(np.int64)
+    codes = np.array([ord(ch) for c in scorer.chars for ch in c] or [0], np.int64)
+    lm = scorer.lm
+    cache = lm.__dict__.setdefault('_device_trie', {}) if lm is not None else {}
+    if device not in cache:
+        keys, values, shift, K, word_at, _ = _spelling_trie(lm, None)
+        cache[device] = dict(trie_keys=torch.as_tensor(keys, device=device), trie_values=torch.as_tensor(values, device=device),
+                             trie_shift=shift, K=K, trie_word=torch.as_tensor(word_at, device=device))
+    return dict(kind=torch.tensor(scorer.kinds, dtype=torch.int8, device=device), code_off=torch.as_tensor(code_off, device=device),
+                codes=torch.as_tensor(codes, device=device), **cache[device])
 
 def _hot_device_tables(hot, device):
     "`_hot_tables(hot)` as the kernel's arguments, on `device` (kept on the automaton, one copy a device), or placeholders."
@@ -1923,28 +1937,23 @@ def _hot_device_tables(hot, device):
 def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, scorer, beam_threshold,
                           merge_delimiters=False, semiring='log'):
     """`_ctc_beam_search_cpu`'s answer from the CUDA kernel `ctc_beam_search` (emulated on CPU tensors), for a search
-    of token sequences, each token a word of the LM or none, with hotwords (`_cuda_handles`). The scratch of each utterance in one
+    of token sequences, the words they spell, with hotwords (`_cuda_handles`). The scratch of each utterance in one
     buffer; the hypotheses are read back once, after the last frame."""
     if not _cuda_handles(scorer, merge_delimiters):
-        raise NotImplementedError("backend='cuda' searches token sequences, each token a word (lm_tokens) or none, with "
-                                  "hotwords: words spelled by tokens, lexicons, merge_delimiters, whole_words, lm_lookahead "
-                                  "and unk_prefix_score are the 'cpu' backend's")
+        raise NotImplementedError("backend='cuda' searches token sequences, the words they spell and hotwords: lexicons, "
+                                  "merge_delimiters, whole_words, lm_lookahead and unk_prefix_score are the 'cpu' backend's")
     N, T, C = log_probs.shape
     dev, lm = log_probs.device, scorer.lm
-    trie = _spelling_trie(lm, None)
-    def word_of(chars):                                   # (the CPU kernel's: the LM word its characters spell, or <unk>)
-        if not chars or lm is None: return 0 if chars else -1
-        node = _walk(*trie[:4], 0, np.array([ord(ch) for ch in chars], np.int64), 0, len(chars))
-        return int(trie[4][node]) if node >= 0 and trie[4][node] >= 0 else lm.unk
-    tok_word = torch.tensor([word_of(ch) if scorer.spells and i != blank else -1 for i, ch in enumerate(scorer.chars)], device=dev)
     recombine = semiring == 'max' and nbest == 1
     hcap = 2 * beam_width if recombine else beam_width
     M = min(C - 1, hcap + beam_width + 1)                 # each beam's likeliest tokens that can make the best hcap
     n_cand, cap = beam_width * (1 + M), T * beam_width + 1
     PC, P = (1 << max(0, n - 1).bit_length() for n in (C, n_cand))     # the sorts' widths: powers of 2
-    H = int(scorer.hot is not None)                      # (hotwords: each node's state, each beam's M tokens and keys)
+    # hotwords: each node's state; words: the one each node spells; either but a token LM: each beam's own M tokens
+    H, W = int(scorer.hot is not None), int(bool(scorer.spells))
+    O = int(H or W and not _token_words(scorer))
     work_bytes = 8 * (4 * beam_width + 4 * hcap + n_cand + 4 * cap) + 4 * (2 * cap + 2 * beam_width + 2 * hcap + PC + P) + cap + 128
-    work_bytes += H * (8 * (cap + hcap) + 12 * beam_width * M + 32)
+    work_bytes += H * 8 * (cap + hcap) + O * 12 * beam_width * M + W * (12 * cap + 13 * hcap) + 64
     work_bytes = -(-work_bytes // 256) * 256             # each utterance's scratch 256-byte aligned: its doubles are
                                                          # misaligned otherwise (a GPU fault the CPU never shows)
     out_tokens = torch.zeros(N, nbest, T, dtype=torch.long, device=dev)
@@ -1954,7 +1963,7 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     if N: _ctc_beam_kernel((N,), (min(_CTC_BEAM_THREADS, max(PC, P)),), lp=log_probs.detach().double().contiguous(),
                            il=input_lengths.to(dev).long().contiguous(), blank=blank, beam=beam_width,
                            threshold=float(beam_threshold), use_max=int(semiring == 'max'), recombine=int(recombine),
-                           use_words=int(bool(scorer.spells)), use_lm=int(lm is not None), tok_word=tok_word,
+                           use_words=W, use_lm=int(lm is not None), own_tokens=O, **_word_device_tables(scorer, dev),
                            word_score=float(scorer.word_score), unk_score=float(scorer.unk_score),
                            lm_weight=float(scorer.lm_weight * LN10), unk=lm.unk if lm else 0,
                            eos=lm.word_id('</s>') if lm else 0, begin_state=lm.begin_state() if lm else 0,

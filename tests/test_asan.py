@@ -71,12 +71,13 @@ def test_the_sanitizer_reports_a_misaligned_load(tmp_path):
 
 @needs_asan
 def test_the_cuda_beam_search_scratch_is_aligned():
-    """ctc_beam_search's CUDA kernel (emulated) over three utterances, without and with hotwords: each one's scratch
+    """ctc_beam_search's CUDA kernel (emulated) over three utterances, alone, with hotwords and with words: each one's scratch
     starts 256-byte aligned (it was work_bytes apart, not a multiple of 8: a misaligned-address fault on the H200, for
     the second utterance on), and the last one's stays inside the buffer."""
     rc, err = run_under_asan(
         "import torch\nfrom seqdist.decode import ctc_beam_search\n"
         "lp = torch.randn(3, 9, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).log_softmax(-1)\n"
         "print(ctc_beam_search(lp, torch.tensor([9, 5, 3]), beam_width=3, nbest=2, backend='cuda'))\n"
-        "print(ctc_beam_search(lp, torch.tensor([9, 5, 3]), beam_width=3, nbest=2, backend='cuda', hotwords=[[1, 2], [3]]))\n")
+        "print(ctc_beam_search(lp, torch.tensor([9, 5, 3]), beam_width=3, nbest=2, backend='cuda', hotwords=[[1, 2], [3]]))\n"
+        "print(ctc_beam_search(lp, torch.tensor([9, 5, 3]), beam_width=3, nbest=2, backend='cuda', tokens=list('-ab|cde')))\n")
     assert rc == 0 and 'runtime error' not in err, err[-3000:]

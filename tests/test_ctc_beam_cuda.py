@@ -66,6 +66,33 @@ def test_hotwords_that_lift_unlikely_tokens_are_found_as_the_cpu_kernel_finds_th
             args = (lp, torch.tensor([16, 11]), 2 + seed % 3, 0, 1, scorer, math.inf, False, semiring)
             assert _ctc_beam_search_cpu(*args) == _ctc_beam_search_cuda(*args)
 
+@pytest.mark.parametrize('semiring', ['log', 'max'])
+def test_with_words_spelled_by_tokens_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
+    "Characters, delimiters and word starts ('▁'), a word LM of orders 1 to 3 (or none), word and unknown-word scores, hotwords."
+    tokens5, words5 = ['-', 'a', 'b', '|', '▁c'], ['a', 'b', 'ab', 'ba', 'c', 'ca', 'cab', 'bab']
+    for seed in range(24):
+        g = torch.Generator().manual_seed(seed)
+        N, T, C = 3, 2 + seed % 10, (5, 24)[seed % 2]
+        toks = tokens5 if C == 5 else ['-', '|'] + [('▁' if i % 5 == 0 else '') + a + b for i, (a, b) in
+                                                    enumerate((a, b) for a in 'abcd' for b in ('', 'a', 'b', 'ab', 'ba', 'ca'))][:C - 2]
+        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).mul(1 + seed % 3).log_softmax(-1)
+        lm = NGramLM(text=random_arpa(seed, words5, order=1 + seed % 3, n_per_order=15)) if seed % 4 else None
+        hot = Hotwords([[1, 2], [2, 3, 1], [3]], [0.5, 1.0, -0.2], C) if seed % 3 == 0 else None
+        scorer = PrefixScorer(C, 0, toks, lm, 0.7, (seed % 5 - 2) * 0.3, hotwords=hot, unk_score=(0.0, -1.5)[seed % 2])
+        args = (lp, torch.randint(0, T + 1, (N,), generator=g), 1 + seed % 6, 0, 1 + seed % 2, scorer,
+                (math.inf, 2.0)[seed % 2], False, semiring)
+        assert _ctc_beam_search_cpu(*args) == _ctc_beam_search_cuda(*args), seed
+
+def test_a_word_score_that_lifts_unlikely_delimiters_is_found_as_the_cpu_kernel_finds_it():
+    "A large word score over 40 tokens and narrow beams: the delimiters that win are not the frame's likeliest (each beam's own list)."
+    toks = ['-', '|'] + [chr(97 + i % 26) + ('' if i < 26 else 'x') for i in range(38)]
+    for seed in range(6):
+        lp = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).mul(3).log_softmax(-1)
+        lm = NGramLM(text=random_arpa(seed, ['a', 'b', 'ab', 'cd'], order=2, n_per_order=8)) if seed % 2 else None
+        for semiring in ('log', 'max'):
+            args = (lp, torch.tensor([16, 12]), 2 + seed % 2, 0, 1, PrefixScorer(40, 0, toks, lm, 0.5, 6.0), math.inf, False, semiring)
+            assert _ctc_beam_search_cpu(*args) == _ctc_beam_search_cuda(*args), seed
+
 def test_the_public_call_runs_it_and_masked_tokens_are_never_chosen():
     lp = torch.randn(2, 12, 7, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
     lp[..., 3] = -math.inf                                   # a token no frame may emit
@@ -75,10 +102,11 @@ def test_the_public_call_runs_it_and_masked_tokens_are_never_chosen():
            [[(h.tokens.tolist(), h.score, h.timesteps.tolist()) for h in x] for x in want]
     assert all(3 not in h.tokens.tolist() for x in got for h in x)
 
-def test_words_and_lexicons_are_refused_by_the_cuda_backend():
+def test_lexicons_and_the_cpu_backends_word_options_are_refused_by_the_cuda_backend():
     lp = torch.randn(1, 6, 4).log_softmax(-1)
-    with pytest.raises(NotImplementedError, match="backend='cuda' searches token sequences"):
-        ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], backend='cuda')
+    for kw in (dict(merge_delimiters=True), dict(whole_words=True), dict(unk_prefix_score=-1.0, lm=NGramLM(text=random_arpa(0, ['a', 'b'])))):
+        with pytest.raises(NotImplementedError, match="backend='cuda' searches token sequences"):
+            ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], backend='cuda', **kw)
     with pytest.raises(NotImplementedError, match='lexicons'):
         ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], lexicon=['a'], lm_tokens=True, backend='cuda')
     with pytest.raises(ValueError, match='backend'):
