@@ -1179,9 +1179,12 @@ class GraphLattice(AlignmentPosterior):
     def topk(self, k):
         """The k best paths of each sequence, best first: paths (k, N, P) (-1 after their arcs; all -1 where fewer than k
         exist) and their scores (k, N) (not normalised; differentiable w.r.t. log_probs and the arc and final scores;
-        -inf where no path). The reference's KMax(k) recursion with back-pointers (`kbest_paths_reference`), on every
-        backend so far."""
+        -inf where no path). The KMax(k) recursion with back-pointers: the numba kernel `_graph_kbest_cpu`, or with
+        backend='reference' `kbest_paths_reference` (the same paths: the same sums in the same order, ties kept alike)."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1: raise ValueError(f"k must be a positive int, got {k!r}")
+        if self.backend != 'reference':
+            paths, found = _kbest_paths_cpu(self._state(self.log_probs.detach().double()), self.packed, int(k))
+            return paths, self._path_scores(paths, found)
         T, N, C = self.log_probs.shape
         P = path_length_batch(self.graphs, T)
         paths = torch.full((k, N, P), -1, dtype=torch.int64)
@@ -1192,6 +1195,28 @@ class GraphLattice(AlignmentPosterior):
                 paths[j, n, :len(arcs)] = torch.tensor(arcs, dtype=torch.int64)
                 scores[j][n] = path_score(g, self.log_probs[:L, n], arcs, final).to(self.log_probs.dtype)
         return paths, torch.stack([torch.stack(row) for row in scores])
+
+    def _path_scores(self, paths, found):
+        """The scores (k, N) of paths (k, N, P) (arcs of each sequence's graph, -1 after them), differentiable w.r.t.
+        log_probs and the arc and final scores: their arcs' scores, the labels the emitting ones read at their frames,
+        their final state's score; -inf in the rows j >= found[n] (no path). (The indices are numpy's and the reads 1-D
+        `index_select`s: a multi-dimensional index wakes torch's threads, milliseconds on a busy machine.)"""
+        pk, u = self.packed, unpack_layout(self.packed.layout)
+        T, N, C = self.log_probs.shape
+        sg, E = pk.seq_graph.numpy(), len(u.src)
+        p = np.pad(paths.numpy(), ((0, 0), (0, 0), (0, 1)), constant_values=-1)          # (a column to read where P = 0)
+        a = np.where(p >= 0, p + u.g_arc[sg][:, None], E)                                 # packed arcs; E: a pad, score 0
+        lab = np.append(u.lab, EPSILON)[a]
+        emit = lab >= 0
+        at = np.where(emit, ((emit.cumsum(-1) - 1) * N + np.arange(N)[:, None]) * C + lab, T * N * C)   # flat (t, n, label)
+        n_arcs = (p >= 0).sum(-1)
+        last = np.take_along_axis(a, np.maximum(n_arcs - 1, 0)[..., None], -1)[..., 0]
+        end = np.where(n_arcs > 0, np.append(u.dst, 0)[last], u.g_start[sg])              # the final state
+        zero = torch.zeros(1, dtype=torch.float64)
+        x, w = torch.cat([self.log_probs.double().reshape(-1), zero]), torch.cat([pk.arc_scores.double(), zero])
+        take = lambda v, i: v.index_select(0, torch.from_numpy(i.ravel())).view(i.shape)
+        score = (take(w, a) + take(x, at)).sum(-1) + take(pk.final_scores.double(), end)
+        return torch.where(torch.from_numpy(np.arange(len(p))[:, None] < found.numpy()), score, -math.inf).to(self.log_probs.dtype)
 
     def log_prob(self, value):
         """The log-probability of paths `value` (..., N, P) (arcs, -1 after them): their scores (arcs, the labels they read
@@ -1334,6 +1359,136 @@ def kbest_paths_reference(emissions, graph, k):
             if a is not None: arcs.append(a)
         out.append((arcs[::-1], final))
     return out
+
+# %% ../nbs/12a_graph_questions.ipynb #gq-kbest-cpu
+@numba.njit(inline='always')
+def _kbest_epsilons(w, src, dst, eps_arcs, e0, e1, s0, k, sc, cnt, arc, rank, tsc, tarc, trank):
+    """The epsilon arcs a = u -> v of a level in their order (sources first: u's list is final when read): v's k best
+    become the merge of its own and u's plus w[a], ties to v's own (the reference's stable sort of v's list then u's)."""
+    for e in range(e0, e1):
+        a = eps_arcs[e]
+        u, v = src[a] - s0, dst[a] - s0
+        i, j, c, cv, cu = 0, 0, 0, cnt[v], cnt[u]
+        while c < k and (i < cv or j < cu):
+            if j >= cu or (i < cv and sc[v, i] >= sc[u, j] + w[a]):
+                tsc[c], tarc[c], trank[c] = sc[v, i], arc[v, i], rank[v, i]; i += 1
+            else:
+                tsc[c], tarc[c], trank[c] = sc[u, j] + w[a], a, j; j += 1
+            c += 1
+        for i in range(c): sc[v, i], arc[v, i], rank[v, i] = tsc[i], tarc[i], trank[i]
+        cnt[v] = c
+
+@numba.njit(inline='always')
+def _kbest_level(lp, t, n, w, src, dst, lab, in_ptr, in_arcs, eps_arcs, e0, e1, s0, s1, start, k, psc, pcnt, sc, cnt, arc, rank,
+                 pos, end, head, tsc, tarc, trank):
+    """Level t's k best of each state, sorted, with back-pointers (arc, rank in its source's list; arc -1 at the start):
+    level 0 the start alone; level t > 0 from level t - 1's (psc, pcnt) by the emitting arcs into each state v, a merge
+    of the sorted lists psc[src a] + w[a] + lp[t - 1, n, label a] ties to the earlier arc (the reference's stable sort
+    of them in that order); then the epsilon arcs."""
+    if t == 0:
+        cnt[:] = 0
+        cnt[start], sc[start, 0], arc[start, 0], rank[start, 0] = 1, 0.0, -1, -1
+    else:
+        for v in range(s1 - s0):
+            lo, hi = in_ptr[s0 + v], in_ptr[s0 + v + 1]
+            for j in range(hi - lo):                           # each arc's list: its head's score, and its end
+                a = in_arcs[lo + j]
+                pos[j], end[j] = 0, pcnt[src[a] - s0]
+                head[j] = psc[src[a] - s0, 0] + w[a] + lp[t - 1, n, lab[a]] if end[j] > 0 else -np.inf
+            c = 0
+            while c < k:                                       # the next best head among the arcs' lists
+                best, top = -1, -np.inf
+                for j in range(hi - lo):
+                    if pos[j] < end[j] and (best < 0 or head[j] > top): best, top = j, head[j]
+                if best < 0: break
+                a = in_arcs[lo + best]
+                sc[v, c], arc[v, c], rank[v, c] = top, a, pos[best]
+                pos[best] += 1; c += 1
+                if pos[best] < end[best]: head[best] = psc[src[a] - s0, pos[best]] + w[a] + lp[t - 1, n, lab[a]]
+            cnt[v] = c
+    _kbest_epsilons(w, src, dst, eps_arcs, e0, e1, s0, k, sc, cnt, arc, rank, tsc, tarc, trank)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _graph_kbest_cpu(lp, lengths, w, fin, seq_graph, L, f_ptr, f_state, k, K, paths, found, lo, hi):
+    """The k best paths of the sequences lo <= n < hi, best first, into paths[:, n] (arcs first to last, -1 after them)
+    and their number into found[n]: the KMax(k) recursion with back-pointers as `kbest_paths_reference`, its lists
+    kept every K frames and the back-pointers of a segment of K frames at a time (recomputed from its checkpoint), the
+    ends merged over the finals in their order (f_state[f_ptr[g]:f_ptr[g + 1]]), then all k walked back together a
+    segment at a time."""
+    src, dst, lab, in_ptr, in_arcs, eps_ptr, eps_arcs, g_state, g_start, g_arc, max_deg = L
+    P = paths.shape[2]
+    for n in range(lo, hi):
+        gi = seq_graph[n]
+        s0, s1, e0, e1 = g_state[gi], g_state[gi + 1], eps_ptr[gi], eps_ptr[gi + 1]
+        Sg, T, start = s1 - s0, lengths[n], g_start[gi] - s0
+        nseg = max(1, (T + K - 1) // K)
+        ck_sc, ck_cnt = np.empty((nseg, Sg, k)), np.empty((nseg, Sg), np.int64)
+        sc, cnt = np.empty((2, Sg, k)), np.empty((2, Sg), np.int64)          # levels t - 1 and t, by t's parity
+        bp_arc, bp_rank = np.empty((K + 1, Sg, k), np.int32), np.empty((K + 1, Sg, k), np.int32)
+        pos, end, head = np.empty(max(max_deg, 1), np.int64), np.empty(max(max_deg, 1), np.int64), np.empty(max(max_deg, 1))
+        tsc = np.empty(k)
+        tarc, trank = np.empty(k, np.int32), np.empty(k, np.int32)
+        paths[:, n, :] = -1
+        found[n] = 0
+        for t in range(T + 1):                                 # the forward: segment s's first level kept in ck[s]
+            slot = t - (t - 1) // K * K if t > 0 else 0
+            _kbest_level(lp, t, n, w, src, dst, lab, in_ptr, in_arcs, eps_arcs, e0, e1, s0, s1, start, k, sc[(t - 1) & 1],
+                         cnt[(t - 1) & 1], sc[t & 1], cnt[t & 1], bp_arc[slot], bp_rank[slot], pos, end, head, tsc, tarc, trank)
+            if t % K == 0 and t < T: ck_sc[t // K], ck_cnt[t // K] = sc[t & 1], cnt[t & 1]
+        # the ends: the k best of the final states' lists plus their final scores, ties to the earlier final
+        f0, nf = f_ptr[gi], f_ptr[gi + 1] - f_ptr[gi]
+        last, lc = sc[T & 1], cnt[T & 1]
+        v_of, r_of = np.empty(k, np.int64), np.empty(k, np.int64)
+        fpos = np.zeros(max(nf, 1), np.int64)
+        m = 0
+        while m < k:
+            best, top = -1, -np.inf
+            for i in range(nf):
+                v = f_state[f0 + i] - s0
+                if fpos[i] < lc[v]:
+                    x = last[v, fpos[i]] + fin[s0 + v]
+                    if best < 0 or x > top: best, top = i, x
+            if best < 0: break
+            v_of[m], r_of[m] = f_state[f0 + best] - s0, fpos[best]
+            fpos[best] += 1; m += 1
+        found[n] = m
+        t_of, count = np.full(k, T, np.int64), np.zeros(k, np.int64)
+        arcs = np.empty((k, P), np.int64)
+        for s in range(nseg - 1, -1, -1):                      # the walks, a segment at a time, latest first
+            t0 = s * K
+            if s < nseg - 1:
+                if s > 0: sc[t0 & 1], cnt[t0 & 1] = ck_sc[s], ck_cnt[s]
+                for t in range(t0 if s == 0 else t0 + 1, t0 + K + 1):
+                    _kbest_level(lp, t, n, w, src, dst, lab, in_ptr, in_arcs, eps_arcs, e0, e1, s0, s1, start, k, sc[(t - 1) & 1],
+                                 cnt[(t - 1) & 1], sc[t & 1], cnt[t & 1], bp_arc[t - t0], bp_rank[t - t0], pos, end, head, tsc, tarc, trank)
+            for d in range(m):
+                t, v, r = t_of[d], v_of[d], r_of[d]
+                while t > t0 or s == 0:                        # (level t0 is the previous segment's last, but level 0)
+                    a = bp_arc[t - t0, v, r]
+                    if a < 0: break                            # the start
+                    r = bp_rank[t - t0, v, r]
+                    arcs[d, count[d]] = a; count[d] += 1
+                    v = src[a] - s0
+                    if lab[a] >= 0: t -= 1
+                t_of[d], v_of[d], r_of[d] = t, v, r
+        for d in range(m):
+            for i in range(count[d]): paths[d, n, i] = arcs[d, count[d] - 1 - i] - g_arc[gi]
+
+def _kbest_paths_cpu(st, packed, k, K=None):
+    """`_graph_kbest_cpu` on a prepared state (float64 emissions): the k best paths (k, N, P) of each sequence, best
+    first (-1 after their arcs, all -1 past the number found), and that number (N,). Back-pointers (int32 arc and rank)
+    for all frames where (T + 1) S k 8 bytes fit SEGMENT_BYTES, else for sqrt(T) frames at a time and the lists kept
+    every sqrt(T) frames (K: the frames of a segment, to force)."""
+    T, N, C = st.lp.shape
+    u = st.u
+    P = T + (T + 1) * u.eps_depth
+    paths, found = torch.empty(k, N, max(P, 1), dtype=torch.int64), torch.zeros(N, dtype=torch.int64)
+    finals = [g.finals.numpy() + u.g_state[i] for i, g in enumerate(packed.graphs)]   # (each graph's, in its order)
+    f_ptr, f_state = np.cumsum([0] + [len(f) for f in finals]), np.concatenate(finals)
+    K = K or segment_frames(T, int(np.diff(u.g_state).max(initial=1)) * k)
+    parallel_for(_graph_kbest_cpu, N, st.lp.numpy(), st.lengths.numpy(), st.w.numpy(), st.fin.numpy(), st.seq_graph.numpy(), st.L,
+                 f_ptr, f_state, k, K, paths.numpy(), found.numpy(), work=k * T * int(np.diff(u.g_arc)[st.seq_graph.numpy()].sum()))
+    return paths[..., :P], found
 
 # %% ../nbs/12b_graph_cuda.ipynb #gc-glue
 from .kernel import load_kernel

@@ -340,13 +340,14 @@ def test_lanes_of_a_shared_graph_equal_the_reference(dtype, tol):
     for a, b in zip(*out): assert torch.allclose(a, b, rtol=0, atol=tol * max(1.0, float(b.detach().abs().max())))
     assert (out[0][1][torch.arange(15)[:, None] >= lengths[None]] == 0).all()
 
-def test_topk_equals_enumeration_and_its_scores_mark_their_paths():
+@pytest.mark.parametrize("backend", ['cpu', 'reference'])
+def test_topk_equals_enumeration_and_its_scores_mark_their_paths(backend):
     gen = torch.Generator().manual_seed(11)
     for _ in range(12):
         g = small(gen, max_states=5)
         T = int(torch.randint(1, 5, (1,), generator=gen))
         lp = torch.randn(T, 2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-        best, scores = GraphLattice(lp, torch.tensor([T, T - 1]), g).topk(4)
+        best, scores = GraphLattice(lp, torch.tensor([T, T - 1]), g, backend=backend).topk(4)
         for b in range(2):
             paths, s = brute(g, lp.detach()[:T - b, b])
             want = s.sort(descending=True).values[:4]
@@ -357,3 +358,69 @@ def test_topk_equals_enumeration_and_its_scores_mark_their_paths():
                 arcs = best[0, b][best[0, b] >= 0]
                 emitting = g.labels[arcs][g.labels[arcs] >= 0]
                 assert torch.equal(grad[:, b].nonzero()[:, 1], emitting) and grad.sum() == len(emitting)
+
+def _topk_case(gen, trial, N=3):
+    "A ragged batch for topk: shared or per-sequence random graphs, with or without epsilon arcs, ties (rounded emissions)."
+    shared = trial % 2 == 0
+    gs = [small(gen, eps=0.4 if trial % 3 else 0.0, max_states=7, max_arcs=14) for _ in range(1 if shared else N)]
+    T = int(torch.randint(0, 7, (1,), generator=gen))
+    lengths = torch.randint(0, T + 1, (N,), generator=gen)
+    lp = torch.randn(T, N, 3, generator=gen, dtype=torch.float64)
+    return (lp.round() if trial % 4 == 0 else lp), lengths, gs[0] if shared else gs
+
+@pytest.mark.parametrize("seed", range(2))
+def test_topk_kernel_equals_the_reference_path_for_path(seed):
+    """The CPU kernel's k best (`_graph_kbest_cpu`) are the reference's, path for path and in the same order (ties
+    included: rounded emissions), also kept in segments of 1-3 frames; k past the number of paths, none at all; the
+    scores within rounding."""
+    gen, counts = torch.Generator().manual_seed(seed), [0, 0, 0, 0]
+    for trial in range(60):
+        lp, lengths, graphs = _topk_case(gen, trial)
+        k = int(torch.randint(1, 9, (1,), generator=gen))
+        want, want_scores = GraphLattice(lp, lengths, graphs, backend='reference').topk(k)
+        lattice = GraphLattice(lp, lengths, graphs)
+        got, scores = lattice.topk(k)
+        assert torch.equal(got, want)
+        assert torch.equal(scores == -math.inf, want_scores == -math.inf)
+        assert torch.allclose(scores.nan_to_num(0.0, 0.0, 0.0), want_scores.nan_to_num(0.0, 0.0, 0.0), rtol=0, atol=1e-12)
+        found = (want_scores > -math.inf).sum(0)
+        for K in (1, 2, 3):
+            paths, n_found = G._kbest_paths_cpu(lattice._state(lp), lattice.packed, k, K)
+            assert torch.equal(paths, want) and torch.equal(n_found, found)
+        counts[0] += int((found == 0).sum()); counts[1] += int(((found > 0) & (found < k)).sum()); counts[2] += int((found == k).sum())
+        counts[3] += any(g.topology.n_eps for g in (graphs if isinstance(graphs, list) else [graphs]))
+    assert min(counts) > 5, counts                        # (none, fewer than k, k, epsilon arcs: each case occurs)
+
+def test_topk_kernel_scores_are_differentiable_as_the_reference():
+    "The gradients of the kernel's path scores w.r.t. the emissions, arc and final scores: the reference's."
+    gen, checked = torch.Generator().manual_seed(3), 0
+    for trial in range(20):
+        lp, lengths, graphs = _topk_case(gen, trial + 1)
+        gs = graphs if isinstance(graphs, list) else [graphs]
+        out = []
+        for backend in ('cpu', 'reference'):
+            x = lp.clone().requires_grad_()
+            ws = [g.scores.clone().requires_grad_() for g in gs]
+            fs = [g.final_scores.clone().requires_grad_() for g in gs]
+            mine = [Graph(g.src, g.dst, g.labels, w, g.start, g.finals, f, num_states=g.num_states) for g, w, f in zip(gs, ws, fs)]
+            paths, scores = GraphLattice(x, lengths, mine if isinstance(graphs, list) else mine[0], backend=backend).topk(3)
+            total = (scores.nan_to_num(0.0, 0.0, 0.0) * torch.rand(scores.shape, generator=torch.Generator().manual_seed(trial), dtype=torch.float64)).sum()
+            out.append(torch.autograd.grad(total, [x, *ws, *fs], allow_unused=True) if total.requires_grad else [None] * (1 + 2 * len(gs)))
+        for a, b in zip(*out):
+            a, b = (torch.zeros((), dtype=torch.float64) if t is None else t for t in (a, b))
+            assert torch.allclose(a, b, rtol=0, atol=1e-12)
+            checked += bool(b.abs().sum() > 0)
+    assert checked > 20
+
+def test_topk_kernel_on_float32_emissions_and_long_sequences():
+    """float32 emissions: the paths of their float64 values, as the reference reads them, on CTC graphs of 300 frames;
+    an infeasible sequence (4 labels with a repeat in 4 frames) has none."""
+    gen = torch.Generator().manual_seed(4)
+    lp = torch.randn(300, 3, 6, generator=gen).log_softmax(-1)
+    graphs = ctc_graph(torch.tensor([[1, 2, 2, 3], [4, 5, 0, 0], [1, 2, 2, 3]]), torch.tensor([4, 2, 4]))
+    lengths = torch.tensor([300, 250, 4])
+    got, scores = GraphLattice(lp, lengths, graphs).topk(5)
+    want, want_scores = GraphLattice(lp, lengths, graphs, backend='reference').topk(5)
+    assert torch.equal(got, want) and scores.dtype == torch.float32
+    assert (scores[:, 2] == -math.inf).all() and (got[:, 2] == -1).all() and (scores[:, :2] > -math.inf).all()
+    assert torch.allclose(scores[:, :2], want_scores[:, :2], rtol=1e-6, atol=0)
