@@ -2,8 +2,9 @@
 // token sequences with the words they spell (`token_kinds`: a delimiter or a word start ends the word being spelled,
 // which is scored when the next token comes and at the end, as the CPU kernel does: `word_score` a word and the LM's
 // log10 probability times `lm_weight`, the word found by walking the LM's spelling trie; or each token a word, a
-// token-level LM) and hotwords (`Hotwords`' automaton; no lexicon), one block per utterance, no host read between
-// frames. Frame by frame: the token ids are
+// token-level LM; a lexicon whose words alone may be spelled, whole words, the LM lookahead and the partial-word
+// score, as the CPU kernel has them) and hotwords (`Hotwords`' automaton), one block per utterance, no host read
+// between frames. Frame by frame: the token ids are
 // sorted by the frame's log-probability (a bitonic network over the block); each beam stays (a blank, or its last
 // label again) and takes in the extensions of its parent that are itself (a thread per beam); each beam proposes its
 // stay and its extensions by its M likeliest tokens (M = hcap + beam + 1, or C - 1: of those, at most beam - 1 are
@@ -51,6 +52,40 @@ __device__ long long trie_walk(const long long* keys, const long long* values, i
     for (long long c = lo; c < hi && node >= 0; c++) node = table_find(keys, values, shift, node * K + codes[c]);
     return node;
 }
+struct WordTables {           // the words tokens spell: kinds, characters (`code_off`), the spelling trie
+    const signed char* kind; const long long *code_off, *codes;          // (`_spelling_trie`: its LM words and
+    const long long *keys, *values; int shift; long long K;             // lexicon flags) and lookahead (`_trie_smear`)
+    const long long* word; const signed char* lexicon; const double* smear;
+    double smear_w, unk_prefix; int use_lexicon, use_smear, use_unk_prefix, walk;
+};
+// token k after a node whose word being spelled is at trie `node` (`has_word`, `plen` characters): false where the
+// lexicon forbids it (`_spellable`), else the trie node its word reaches (-2: not walked) and what the ranking adds
+// for it, the partial-word score and the lookahead (0 where none: the CPU kernel's candidates, term for term)
+__device__ bool spell_token(const WordTables& wt, long long node, int has_word, int plen, int k, long long* tn,
+                            double* unk_term, double* smear_term) {
+    const int kind = wt.kind[k];
+    const long long lo = wt.code_off[k], hi = wt.code_off[k + 1];
+    *tn = -2; *unk_term = 0.0; *smear_term = 0.0;
+    if (wt.use_lexicon) {
+        long long n = node;
+        if (kind != 0) {                                 // (a delimiter or a word start completes a lexicon word)
+            if (has_word && (n < 0 || wt.lexicon[n] < 2)) return false;
+            n = 0;
+        }
+        if (kind != 1 && hi > lo) {                      // (its characters begin a lexicon word)
+            n = trie_walk(wt.keys, wt.values, wt.shift, wt.K, n, wt.codes, lo, hi);
+            if (n < 0 || wt.lexicon[n] < 1) return false;
+        }
+        *tn = n;
+    }
+    if ((wt.use_unk_prefix || wt.use_smear) && kind != 1 && hi > lo) {
+        const bool cont = kind == 0 && has_word;
+        if (*tn == -2) *tn = trie_walk(wt.keys, wt.values, wt.shift, wt.K, cont ? node : 0, wt.codes, lo, hi);
+        if (wt.use_unk_prefix && *tn < 0) *unk_term = wt.unk_prefix * fmax(1.0, ((cont ? plen : 0) + (hi - lo)) / 6.0);
+        if (wt.use_smear && *tn >= 0) *smear_term = fmin(0.0, wt.smear_w * wt.smear[*tn]);
+    }
+    return true;
+}
 __device__ long long hot_next(const HotTables& hw, int C, long long s, int k) {    // `_hot_next`
     if ((s + 1) * C <= hw.n_moves) return hw.moves[s * C + k];
     for (; s != 0; s = hw.fail[s]) {
@@ -84,6 +119,7 @@ struct CtcBeamWork {          // one utterance's scratch
     double *c_score;                                    // (n_cand)
     long long *hot, *n_hot; int* b_top; double* b_key;  // hotwords: each node's state, the survivors', each beam's tokens
     long long *trie, *n_trie; int *plen, *n_plen; signed char* n_hw;   // words: the one being spelled (trie node, length)
+    double* run;                                        // each node's rank beyond its acoustic score (the CPU kernel's)
 };
 
 __device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, int hcap, int PC, int n_cand, int P, int M, int use_hot,
@@ -101,7 +137,7 @@ __device__ CtcBeamWork ctc_beam_layout(unsigned char* base, int cap, int beam, i
     const int H = use_hot ? 1 : 0, O = own_tokens ? 1 : 0, W = use_words ? 1 : 0;   // (what a search does not use: none)
     TAKE(w.hot, long long, H * cap); TAKE(w.n_hot, long long, H * hcap); TAKE(w.b_top, int, O * beam * M); TAKE(w.b_key, double, O * beam * M);
     TAKE(w.trie, long long, W * cap); TAKE(w.n_trie, long long, W * hcap); TAKE(w.plen, int, W * cap);
-    TAKE(w.n_plen, int, W * hcap); TAKE(w.n_hw, signed char, W * hcap);
+    TAKE(w.n_plen, int, W * hcap); TAKE(w.n_hw, signed char, W * hcap); TAKE(w.run, double, cap);
     #undef TAKE
     return w;
 }
@@ -123,7 +159,8 @@ extern "C" __global__ void ctc_beam_search(
     int use_max, int recombine, int use_words, int use_lm, const signed char* __restrict__ kind,
     const long long* __restrict__ code_off, const long long* __restrict__ codes, const long long* __restrict__ trie_keys,
     const long long* __restrict__ trie_values, int trie_shift, long long K, const long long* __restrict__ trie_word,
-    int own_tokens,
+    const signed char* __restrict__ trie_lexicon, const double* __restrict__ trie_smear, double smear_w, double unk_prefix,
+    int use_lexicon, int whole, int own_tokens,
     double word_score, double unk_score, double lm_weight, long long unk, long long eos, long long begin_state,
     const long long* __restrict__ lm_keys, const long long* __restrict__ lm_values, int lm_shift, long long V,
     const double* __restrict__ log10p, const double* __restrict__ backoff, const long long* __restrict__ suffix,
@@ -138,13 +175,15 @@ extern "C" __global__ void ctc_beam_search(
     const int b = blockIdx.x, hcap = recombine ? 2 * beam : beam, cap = T * beam + 1, n_cand = beam + beam * M;
     const NGramTables lm{lm_keys, lm_values, lm_shift, V, log10p, backoff, suffix, ngram_order, max_order};
     const HotTables hw{hot_keys, hot_values, hot_shift, hot_fail, hot_moves, n_moves, hot_partial, hot_done};
+    const WordTables wt{kind, code_off, codes, trie_keys, trie_values, trie_shift, K, trie_word, trie_lexicon, trie_smear,
+                        smear_w, unk_prefix, use_lexicon, smear_w != 0.0, use_lm && unk_prefix != 0.0, use_lm || use_lexicon};
     CtcBeamWork w = ctc_beam_layout(work + (long long)b * work_bytes, cap, beam, hcap, PC, n_cand, P, M, use_hot, own_tokens, use_words);
     // extension r of beam i: its token (each beam's own list where a token's worth depends on the beam)
     #define TOKEN_AT(i, r) (own_tokens ? w.b_top[(long long)(i) * M + (r)] : w.top[r])
     __shared__ int nb_s, n_nodes_s;
     if (threadIdx.x == 0) {
         w.parent[0] = -1; w.tok[0] = -1; w.has_word[0] = 0; w.lm_state[0] = begin_state; w.done_state[0] = begin_state;
-        w.wscore[0] = 0.0; w.done_score[0] = 0.0;
+        w.wscore[0] = 0.0; w.done_score[0] = 0.0; w.run[0] = 0.0;
         if (use_hot) w.hot[0] = 0;
         if (use_words) { w.trie[0] = 0; w.plen[0] = 0; }
         w.b_node[0] = 0; w.b_pb[0] = 0.0; w.b_pnb[0] = -INFINITY;
@@ -176,8 +215,10 @@ extern "C" __global__ void ctc_beam_search(
             int n = 0;
             for (int k = 0; k < C; k++) {                                  // (insertion: ties, the smaller token first)
                 if (k == blank) continue;
+                long long tn; double ut, st;
                 double v = row[k] + (use_words && kind[k] != 0 ? w.done_score[nd] : 0.0);
                 if (use_hot) { const long long h = hot_next(hw, C, w.hot[nd], k); v += hw.done[h] + hw.partial[h]; }
+                if (use_words) v = spell_token(wt, w.trie[nd], w.has_word[nd], w.plen[nd], k, &tn, &ut, &st) ? v + ut + st : -INFINITY;
                 if (n == M && !(v > key[M - 1])) continue;
                 int j = n < M ? n : M - 1;
                 for (; j > 0 && key[j - 1] < v; j--) { top[j] = top[j - 1]; key[j] = key[j - 1]; }
@@ -191,15 +232,17 @@ extern "C" __global__ void ctc_beam_search(
             double s;
             if (c < nb) {
                 s = semiring_plus(w.s_pb[c], w.s_pnb[c], use_max);
-                const int nd = w.b_node[c];                  // (ranked with its partial hotword credit)
-                if (s > -INFINITY) s += use_hot ? w.wscore[nd] + hw.partial[w.hot[nd]] : w.wscore[nd];
+                if (s > -INFINITY) s += w.run[w.b_node[c]];  // (ranked with its partial hotword credit and so on)
             } else {
                 const int i = (c - nb) / M, k = TOKEN_AT(i, (c - nb) % M), nd = w.b_node[i];
                 bool merged = false;
                 for (int j = 0; j < nb; j++) merged |= w.child_of[j] == i && w.tok[w.b_node[j]] == k;
+                long long tn; double ut = 0.0, st = 0.0;     // (refused by the lexicon: none)
+                merged |= use_words && !spell_token(wt, w.trie[nd], w.has_word[nd], w.plen[nd], k, &tn, &ut, &st);
                 s = merged ? -INFINITY : (k == w.tok[nd] ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max)) + row[k];
                 if (s > -INFINITY) s += w.wscore[nd] + (use_words && kind[k] != 0 ? w.done_score[nd] : 0.0);   // (its word done)
                 if (s > -INFINITY && use_hot) { const long long h = hot_next(hw, C, w.hot[nd], k); s += hw.done[h] + hw.partial[h]; }
+                if (s > -INFINITY) { s += ut; s += st; }
             }
             w.c_score[c] = s;
         }
@@ -224,7 +267,7 @@ extern "C" __global__ void ctc_beam_search(
                 if (c >= nb && use_words) {
                     if (kind[k] != 0) { tn = 0; hwd = 0; pl = 0; }
                     if (kind[k] != 1 && code_off[k + 1] > code_off[k]) {
-                        tn = use_lm ? trie_walk(trie_keys, trie_values, trie_shift, K, tn, codes, code_off[k], code_off[k + 1]) : -1;
+                        tn = wt.walk ? trie_walk(trie_keys, trie_values, trie_shift, K, tn, codes, code_off[k], code_off[k + 1]) : -1;
                         hwd = 1; pl += (int)(code_off[k + 1] - code_off[k]);
                     }
                 }
@@ -268,10 +311,14 @@ extern "C" __global__ void ctc_beam_search(
                 if (use_hot) { w.hot[nd] = w.n_hot[q]; w.wscore[nd] += hw.done[w.n_hot[q]]; }   // (a phrase it completes)
                 w.has_word[nd] = use_words && w.n_hw[q];
                 if (use_words) { w.trie[nd] = w.n_trie[q]; w.plen[nd] = w.n_plen[q]; }
+                const long long tn = use_words ? w.trie[nd] : 0;
+                w.run[nd] = w.wscore[nd] + (use_hot ? hw.partial[w.hot[nd]] : 0.0);      // (the CPU kernel's terms)
+                if (wt.use_unk_prefix && w.has_word[nd] && tn < 0) w.run[nd] += unk_prefix * fmax(1.0, w.plen[nd] / 6.0);
+                if (wt.use_smear && w.has_word[nd] && tn >= 0) w.run[nd] += fmin(0.0, smear_w * trie_smear[tn]);
                 w.done_score[nd] = 0.0; w.done_state[nd] = w.lm_state[nd];
                 if (w.has_word[nd]) {
                     w.done_score[nd] = word_score;
-                    if (use_lm) {                                      // (the word spelled, else <unk>)
+                    if (use_lm && !(use_lexicon && (tn < 0 || trie_lexicon[tn] < 2))) {   // (the word spelled, else <unk>)
                         long long next, word = w.trie[nd] >= 0 ? trie_word[w.trie[nd]] : -1;
                         if (word < 0) word = unk;
                         if (word == unk) w.done_score[nd] += unk_score;              // (the CPU kernel's order)
@@ -288,14 +335,18 @@ extern "C" __global__ void ctc_beam_search(
     #undef TOKEN_AT
     if (threadIdx.x != 0) return;
     const int nb = nb_s;                                               // the end: the pending word and </s>
-    for (int i = 0; i < nb; i++) {
-        const int nd = w.b_node[i];
+    int n_whole = 0;                                                   // (a hypothesis whose last word is none,
+    for (int i = 0; i < nb; i++) {                                     // or not done with `whole`, is out unless
+        const int nd = w.b_node[i];                                    // all are: then each without that word)
         double s = semiring_plus(w.b_pb[i], w.b_pnb[i], use_max) + w.wscore[nd];
         long long state = w.lm_state[nd], next;
-        if (w.has_word[nd]) { s += w.done_score[nd]; state = w.done_state[nd]; }
+        w.child_of[i] = w.has_word[nd] && (whole || use_lexicon && (w.trie[nd] < 0 || trie_lexicon[w.trie[nd]] < 2));
+        if (w.has_word[nd] && !w.child_of[i]) { s += w.done_score[nd]; state = w.done_state[nd]; }
         if (use_lm) s += lm_weight * ngram_step(lm, state, eos, &next);
         w.s_pb[i] = s;
+        n_whole += !w.child_of[i] && s > -INFINITY;
     }
+    for (int i = 0; i < nb && n_whole; i++) if (w.child_of[i]) w.s_pb[i] = -INFINITY;
     long long n_out = 0;
     for (int r = 0; r < nbest && r < nb; r++) {                        // the n best, walked back
         int k = -1;

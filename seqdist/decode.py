@@ -751,9 +751,10 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                 nd = b_node[i]
                 tot = _plus(b_pb[i], b_pnb[i], use_max)
                 # what an extension can earn: its word done (where one may end here), or at most the lookahead of the
-                # word being spelled (a longer beginning begins fewer words: its lookahead is no higher); its hotwords
+                # word being spelled (a longer beginning begins fewer words: its lookahead is no higher; only with a
+                # lexicon, which keeps a word on the trie: off it no lookahead is taken); its hotwords
                 ends = not (has_word[nd] and use_lexicon and (trie[nd] < 0 or trie_lexicon[trie[nd]] < 2))
-                spells_on = min(0.0, smear_w * trie_smear[trie[nd]]) if use_smear and trie[nd] >= 0 else 0.0
+                spells_on = min(0.0, smear_w * trie_smear[trie[nd]]) if use_smear and use_lexicon and trie[nd] >= 0 else 0.0
                 words = tot + wscore[nd] + (max(spells_on, done_score[nd] if ends else -np.inf) if use_words else 0.0)
                 bound = words + (hot_bound[hot[nd]] if use_hot else 0.0)
                 for r in range(C):
@@ -974,8 +975,8 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     1; a phrase a string or token ids; or a `Hotwords` built once for many calls). Each frame keeps the `beam_width`
     best prefixes within `beam_threshold` of the best. Returns torchaudio's structure: per utterance, a list of the
     `nbest` best `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the
-    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (token sequences, the words they
-    spell with an LM, and hotwords; emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
+    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (all but `merge_delimiters`;
+    emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
     prefix and no threshold, nothing is pruned: the n best of all label sequences. With `merge_delimiters`, a hypothesis
     is its words (pyctcdecode's hypotheses): the token sequences that differ only in their delimiters (leading, trailing
     or repeated) are one, their probabilities summed, and it is given with one delimiter between words and none around
@@ -1893,9 +1894,8 @@ def _token_words(scorer):
     return scorer.spells and all(k != ORDINARY for k in scorer.kinds) and scorer.kinds.count(DELIMITER) == 1
 
 def _cuda_handles(scorer, merge_delimiters):
-    """Whether the CUDA kernel does this search: token sequences, the words they spell with an LM and word score,
-    hotwords (no lexicon, delimiters merged, whole words, lookahead or partial-word score)."""
-    return scorer.lexicon is None and not (merge_delimiters or scorer.whole_words or scorer.lookahead or scorer.unk_prefix_score)
+    "Whether the CUDA kernel does this search: all of the CPU kernel's but merged delimiters."
+    return not merge_delimiters
 
 def _lm_device_tables(lm, device):
     "`lm.tables` as tensors on `device` (kept on the model, one copy a device), or placeholders without an LM."
@@ -1908,19 +1908,27 @@ def _lm_device_tables(lm, device):
                          *(torch.as_tensor(a, device=device) for a in (log10p, backoff, suffix, order)), max_order)
     return cache[device]
 
+_DEVICE_TRIES = {}                                       # (trie, lookahead, device) -> their tensors
+
 def _word_device_tables(scorer, device):
-    """The tokens' kinds and characters (code points, `code_off`), and the spelling trie of the scorer's LM (kept on the
-    model, one copy a device), as the kernel's arguments."""
+    """The tokens' kinds and characters (code points, `code_off`), and the spelling trie of the scorer's LM and lexicon
+    with its lookahead (the last few kept on the device), as the kernel's arguments."""
     code_off = np.cumsum([0] + [len(c) for c in scorer.chars]).astype(np.int64)
     codes = np.array([ord(ch) for c in scorer.chars for ch in c] or [0], np.int64)
-    lm = scorer.lm
-    cache = lm.__dict__.setdefault('_device_trie', {}) if lm is not None else {}
-    if device not in cache:
-        keys, values, shift, K, word_at, _ = _spelling_trie(lm, None)
-        cache[device] = dict(trie_keys=torch.as_tensor(keys, device=device), trie_values=torch.as_tensor(values, device=device),
-                             trie_shift=shift, K=K, trie_word=torch.as_tensor(word_at, device=device))
+    trie = _spelling_trie(scorer.lm, scorer.lexicon)
+    smear = _trie_smear(scorer.lm, scorer.lexicon) if scorer.lookahead else np.zeros(1)
+    key = (id(trie), id(smear), device)
+    if key not in _DEVICE_TRIES:
+        while len(_DEVICE_TRIES) >= 8: _DEVICE_TRIES.pop(next(iter(_DEVICE_TRIES)))
+        keys, values, shift, K, word_at, flags = trie
+        _DEVICE_TRIES[key] = (trie, smear, dict(                  # (the arrays held: their ids stay theirs)
+            trie_keys=torch.as_tensor(keys, device=device), trie_values=torch.as_tensor(values, device=device), trie_shift=shift,
+            K=K, trie_word=torch.as_tensor(word_at, device=device), trie_lexicon=torch.as_tensor(flags, device=device),
+            trie_smear=torch.as_tensor(smear, device=device)))
     return dict(kind=torch.tensor(scorer.kinds, dtype=torch.int8, device=device), code_off=torch.as_tensor(code_off, device=device),
-                codes=torch.as_tensor(codes, device=device), **cache[device])
+                codes=torch.as_tensor(codes, device=device), **_DEVICE_TRIES[key][2],
+                smear_w=float(scorer.lm_weight * LN10) if scorer.lookahead else 0.0, unk_prefix=float(scorer.unk_prefix_score),
+                use_lexicon=int(scorer.lexicon is not None), whole=int(bool(scorer.whole_words)))
 
 def _hot_device_tables(hot, device):
     "`_hot_tables(hot)` as the kernel's arguments, on `device` (kept on the automaton, one copy a device), or placeholders."
@@ -1940,8 +1948,7 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     of token sequences, the words they spell, with hotwords (`_cuda_handles`). The scratch of each utterance in one
     buffer; the hypotheses are read back once, after the last frame."""
     if not _cuda_handles(scorer, merge_delimiters):
-        raise NotImplementedError("backend='cuda' searches token sequences, the words they spell and hotwords: lexicons, "
-                                  "merge_delimiters, whole_words, lm_lookahead and unk_prefix_score are the 'cpu' backend's")
+        raise NotImplementedError("backend='cuda' does not merge delimiters (merge_delimiters): the 'cpu' backend does")
     N, T, C = log_probs.shape
     dev, lm = log_probs.device, scorer.lm
     recombine = semiring == 'max' and nbest == 1
@@ -1951,9 +1958,9 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     PC, P = (1 << max(0, n - 1).bit_length() for n in (C, n_cand))     # the sorts' widths: powers of 2
     # hotwords: each node's state; words: the one each node spells; either but a token LM: each beam's own M tokens
     H, W = int(scorer.hot is not None), int(bool(scorer.spells))
-    O = int(H or W and not _token_words(scorer))
+    O = int(H or W and (not _token_words(scorer) or scorer.lexicon is not None or scorer.lookahead or scorer.unk_prefix_score))
     work_bytes = 8 * (4 * beam_width + 4 * hcap + n_cand + 4 * cap) + 4 * (2 * cap + 2 * beam_width + 2 * hcap + PC + P) + cap + 128
-    work_bytes += H * 8 * (cap + hcap) + O * 12 * beam_width * M + W * (12 * cap + 13 * hcap) + 64
+    work_bytes += H * 8 * (cap + hcap) + O * 12 * beam_width * M + W * (12 * cap + 13 * hcap) + 8 * cap + 64
     work_bytes = -(-work_bytes // 256) * 256             # each utterance's scratch 256-byte aligned: its doubles are
                                                          # misaligned otherwise (a GPU fault the CPU never shows)
     out_tokens = torch.zeros(N, nbest, T, dtype=torch.long, device=dev)

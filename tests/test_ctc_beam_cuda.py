@@ -93,6 +93,23 @@ def test_a_word_score_that_lifts_unlikely_delimiters_is_found_as_the_cpu_kernel_
             args = (lp, torch.tensor([16, 12]), 2 + seed % 2, 0, 1, PrefixScorer(40, 0, toks, lm, 0.5, 6.0), math.inf, False, semiring)
             assert _ctc_beam_search_cpu(*args) == _ctc_beam_search_cuda(*args), seed
 
+@pytest.mark.parametrize('semiring', ['log', 'max'])
+def test_with_every_word_option_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
+    "LM or none, hotwords, a lexicon, the partial-word score, whole words and the lookahead, in turn."
+    tokens5, words5 = ['-', 'a', 'b', '|', '▁c'], ['a', 'b', 'ab', 'ba', 'c', 'ca', 'cab', 'bab']
+    for seed in range(60):
+        g = torch.Generator().manual_seed(seed)
+        N, T, C = 3, 4 + seed % 11, (5, 24)[seed % 2]
+        toks = tokens5 if C == 5 else ['-', '|'] + [f'{a}{b}' for a in 'abcd' for b in ('', 'a', 'b', 'ab', 'ba', 'ca')][:C - 2]
+        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).mul(1 + seed % 3).log_softmax(-1)
+        scorer = PrefixScorer(C, 0, toks, NGramLM(text=random_arpa(seed, words5, order=2)) if seed % 5 else None, 0.7, -0.2,
+                              Hotwords([[1, 2], [2, 3, 1], [3]], [0.5, 1.0, -0.2], C) if seed % 3 else None,
+                              ['a', 'ab', 'aab', 'b', 'ba', 'c', 'cab', 'ca'] if seed % 4 == 1 else None, unk_score=-1.0,
+                              unk_prefix_score=(0.0, -2.0)[seed % 7 < 3], whole_words=seed % 2 == 0, lookahead=seed % 3 == 0)
+        args = (lp, torch.randint(0, T + 1, (N,), generator=g), 1 + seed % 6, 0, 1 + (semiring == 'log') * (seed % 2), scorer,
+                (math.inf, 2.0)[seed % 2], False, semiring)
+        assert _ctc_beam_search_cpu(*args) == _ctc_beam_search_cuda(*args), seed
+
 def test_the_public_call_runs_it_and_masked_tokens_are_never_chosen():
     lp = torch.randn(2, 12, 7, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
     lp[..., 3] = -math.inf                                   # a token no frame may emit
@@ -102,13 +119,10 @@ def test_the_public_call_runs_it_and_masked_tokens_are_never_chosen():
            [[(h.tokens.tolist(), h.score, h.timesteps.tolist()) for h in x] for x in want]
     assert all(3 not in h.tokens.tolist() for x in got for h in x)
 
-def test_lexicons_and_the_cpu_backends_word_options_are_refused_by_the_cuda_backend():
+def test_merged_delimiters_and_unknown_backends_are_refused():
     lp = torch.randn(1, 6, 4).log_softmax(-1)
-    for kw in (dict(merge_delimiters=True), dict(whole_words=True), dict(unk_prefix_score=-1.0, lm=NGramLM(text=random_arpa(0, ['a', 'b'])))):
-        with pytest.raises(NotImplementedError, match="backend='cuda' searches token sequences"):
-            ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], backend='cuda', **kw)
-    with pytest.raises(NotImplementedError, match='lexicons'):
-        ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], lexicon=['a'], lm_tokens=True, backend='cuda')
+    with pytest.raises(NotImplementedError, match="backend='cuda' does not merge delimiters"):
+        ctc_beam_search(lp, beam_width=3, tokens=['-', 'a', 'b', '|'], merge_delimiters=True, backend='cuda')
     with pytest.raises(ValueError, match='backend'):
         ctc_beam_search(lp, beam_width=3, backend='gpu')
 

@@ -730,7 +730,7 @@ def test_gpu_linear_token_stats_over_a_group_of_one(record):
     record('linear_token_stats')
 
 def test_gpu_ctc_beam_search_equals_the_cpu_kernel(record):
-    "ctc_beam_search on CUDA tensors (the CUDA kernel, backend 'auto'), both semirings, a token LM, hotwords, words with a word LM, and cuda_ctc_decoder's face: the CPU kernel's hypotheses."
+    "ctc_beam_search on CUDA tensors (the CUDA kernel, backend 'auto'), both semirings, a token LM, hotwords, words with a word LM (and a lexicon), and cuda_ctc_decoder's face: the CPU kernel's hypotheses."
     from seqdist.decode import ctc_beam_search, cuda_ctc_decoder
     g = _gen(3)
     lp = torch.randn(4, 120, 40, generator=g, dtype=torch.float64).mul(3).log_softmax(-1)
@@ -755,9 +755,10 @@ def test_gpu_ctc_beam_search_equals_the_cpu_kernel(record):
     chars = ['-', '|'] + [chr(97 + i % 26) + ('' if i < 26 else 'x') for i in range(38)]   # words spelled, a word LM
     kw = dict(beam_width=6, tokens=chars, lm=NGramLM(text=random_arpa(1, ['a', 'ab', 'cd', 'bx'], order=2, n_per_order=8)),
               lm_weight=0.5, word_score=2.0)
-    want = ctc_beam_search(lp, il, backend='cpu', **kw)
-    got = ctc_beam_search(lp.cuda(), il.cuda(), **kw)
-    assert [[(h.tokens.tolist(), h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
+    for extra in ({}, dict(lexicon=['a', 'ab', 'cd', 'bx', 'dd'], whole_words=True, lm_lookahead=True, semiring='max')):
+        want = ctc_beam_search(lp, il, backend='cpu', **kw, **extra)
+        got = ctc_beam_search(lp.cuda(), il.cuda(), **kw, **extra)
+        assert [[(h.tokens.tolist(), h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
     face = cuda_ctc_decoder([str(i) for i in range(40)], blank_skip_threshold=1.0)(lp.float().cuda(), il.int().cuda())
     assert [h[0].tokens for h in face] == [x[0].tokens.tolist() for x in ctc_beam_search(lp.float(), il, beam_width=10, backend='cpu')]
     record('ctc_beam_search')
