@@ -525,6 +525,27 @@ _W_RANGE = 300.0   # an emission or weight more than this below its frame's (gra
 _TINY = math.exp(-_W_RANGE)
 _AGREE = 1e-11     # the forward's and the backward's log Z must agree this closely (relative) for the scaled result to stand
 
+@numba.njit(cache=_CACHE, fastmath={'contract'})
+def _scaled_level(t, prev, row, p, Sg, s0, start, i0, iD, in_src, in_W, in_slot, r0, r1, rem_in, rem_in_W, e0, e1, eps_src, eps_dst,
+                  W_eps):
+    "Frame t's forward scores `row` from the previous frame's (`prev`, emissions `p`), divided by their largest, c: returned."
+    if t > 0:
+        row[:] = 0.0
+        for d in range(iD):
+            o = i0 + d * Sg
+            for v in range(Sg): row[v] += prev[in_src[o + v]] * (in_W[o + v] * p[in_slot[o + v]])
+        for r in range(r0, r1): row[rem_in[r, 0]] += prev[rem_in[r, 1]] * (rem_in_W[r] * p[rem_in[r, 2]])
+    else:
+        row[:] = 0.0
+        row[start] = 1.0
+    for k in range(e0, e1): row[eps_dst[k] - s0] += row[eps_src[k] - s0] * W_eps[k]
+    c = 0.0
+    for v in range(Sg): c = max(c, row[v])
+    if c >= 1e-280 and c <= 1e280:
+        inv = 1.0 / c
+        for v in range(Sg): row[v] *= inv
+    return c
+
 @numba.njit(nogil=True, cache=_CACHE, fastmath={'contract'})
 def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, in_ptr, in_D, in_src, in_W, in_slot, rem_in_ptr,
                       rem_in, rem_in_W, out_ptr, out_D, out_dst, out_W, out_slot, out_lab, out_arc, rem_out_ptr, rem_out, rem_out_W,
@@ -536,10 +557,11 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
     epsilon arcs' as they are; `F` the finals'), multiply-adds in both recursions, each level divided by its largest
     value. The emitting arcs come in the order each pass reads them (`graph_ell`): a table of D arcs into (out of)
     each state, padded with arcs of weight 0, so that the loops over the states vectorise, and the arcs past D in a
-    list (`rem_in`, `rem_out`: rows of [state, the arc's other state, slot, label, arc] and their weights). ok[n] is
-    set when that is exact: no emission below _TINY of its frame's best, the sequence's forward scores kept within
-    `budget` bytes, and log Z from the backward pass agreeing with the forward's (an underflow in one pass loses mass
-    that the other keeps); where it is not, the caller clears the sequence's rows and redoes it in log space."""
+    list (`rem_in`, `rem_out`: rows of [state, the arc's other state, slot, label, arc] and their weights). The forward
+    scores of every frame are kept where they fit in `budget` bytes, else those of every K ~ sqrt(T) frames, and the
+    backward pass recomputes each segment's from its first. ok[n] is set when that is exact: no emission below _TINY
+    of its frame's best, and log Z from the backward pass agreeing with the forward's (an underflow in one pass loses
+    mass that the other keeps); where it is not, the caller clears the sequence's rows and redoes it in log space."""
     for i in range(lo, hi):
         n = seqs[i]
         ok[n] = False
@@ -547,7 +569,8 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
         s0, s1, e0, e1, a0 = g_state[gi], g_state[gi + 1], eps_ptr[gi], eps_ptr[gi + 1], g_arc[gi]
         Sg, T, u0, U = s1 - s0, lengths[n], glab_ptr[gi], glab_ptr[gi + 1] - glab_ptr[gi]
         if write: grad_lp[T:, n] = 0.0
-        if not graph_ok[gi] or (T + 1) * Sg * 8 > budget: continue
+        if not graph_ok[gi]: continue
+        K = 1 if (T + 1) * Sg * 8 <= budget else int(math.sqrt(T)) + 1   # (frames a kept row stands for)
         P, shift = np.empty((max(T, 1), max(U, 1))), np.empty(max(T, 1))
         fine, dead = True, False
         for t in range(T):                                   # the emissions of the graph's labels, relative to the best
@@ -566,31 +589,22 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
         if dead: _no_path(logz, ok, grad_lp, n, T, write); continue
         if not fine: continue
         i0, iD, o0, oD = in_ptr[gi], in_D[gi], out_ptr[gi], out_D[gi]
-        alpha, A = np.empty((T + 1, Sg)), np.empty(T + 1)
-        alpha[0, :] = 0.0
-        alpha[0, g_start[gi] - s0] = 1.0
-        for t in range(T + 1):
-            row = alpha[t]
-            if t > 0:
-                prev, p = alpha[t - 1], P[t - 1]
-                row[:] = 0.0
-                for d in range(iD):
-                    o = i0 + d * Sg
-                    for v in range(Sg): row[v] += prev[in_src[o + v]] * (in_W[o + v] * p[in_slot[o + v]])
-                for r in range(rem_in_ptr[gi], rem_in_ptr[gi + 1]):
-                    row[rem_in[r, 0]] += prev[rem_in[r, 1]] * (rem_in_W[r] * p[rem_in[r, 2]])
-            for k in range(e0, e1): row[eps_dst[k] - s0] += row[eps_src[k] - s0] * W_eps[k]
-            c = 0.0
-            for v in range(Sg): c = max(c, row[v])
+        r0, r1, start = rem_in_ptr[gi], rem_in_ptr[gi + 1], g_start[gi] - s0
+        kept, ring, A = np.empty((T // K + 1, Sg)), np.empty((2, Sg)), np.empty(T + 1)
+        for t in range(T + 1):                               # (a kept row, or one of two in turn)
+            row = kept[t // K] if t % K == 0 else ring[t & 1]
+            prev = (kept[(t - 1) // K] if (t - 1) % K == 0 else ring[(t - 1) & 1]) if t > 0 else row
+            c = _scaled_level(t, prev, row, P[t - 1] if t > 0 else P[0], Sg, s0, start, i0, iD, in_src, in_W, in_slot, r0, r1,
+                              rem_in, rem_in_W, e0, e1, eps_src, eps_dst, W_eps)
             if c == 0.0: dead = True; break
             if c < 1e-280 or c > 1e280: fine = False; break
-            inv = 1.0 / c
-            for v in range(Sg): row[v] *= inv
             A[t] = (A[t - 1] + shift[t - 1] + w_shift[gi] if t > 0 else 0.0) + np.log(c)
         if dead: _no_path(logz, ok, grad_lp, n, T, write); continue
         if not fine: continue
+        last = kept[T // K] if T % K == 0 else ring[T & 1]
+        seg, loaded = np.empty((K + 1 if K > 1 else 1, Sg)), -1    # (a segment's rows, recomputed from its kept one)
         zf = 0.0
-        for v in range(Sg): zf += alpha[T, v] * F[s0 + v]
+        for v in range(Sg): zf += last[v] * F[s0 + v]
         if zf == 0.0: _no_path(logz, ok, grad_lp, n, T, write); continue
         Z = np.log(zf) + A[T] + f_shift[gi]
         logz[n] = Z
@@ -600,10 +614,17 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
         acc4 = np.zeros((4, max(U, 1)))
         for v in range(Sg):
             beta[v] = F[s0 + v]
-            if write: grad_fin[n, v] = alpha[T, v] * F[s0 + v] * np.exp(A[T] + f_shift[gi] - Z)
+            if write: grad_fin[n, v] = last[v] * F[s0 + v] * np.exp(A[T] + f_shift[gi] - Z)
         B = f_shift[gi]
         for t in range(T, -1, -1):
-            at = alpha[t]
+            j = max(t - 1, 0) // K                            # (frames t - 1 and t: segment j)
+            if K > 1 and j != loaded:
+                seg[0] = kept[j]
+                for r in range(1, min(K, T - j * K) + 1):
+                    _scaled_level(j * K + r, seg[r - 1], seg[r], P[j * K + r - 1], Sg, s0, start, i0, iD, in_src, in_W, in_slot,
+                                  r0, r1, rem_in, rem_in_W, e0, e1, eps_src, eps_dst, W_eps)
+                loaded = j
+            at = kept[t] if K == 1 else seg[t - j * K]
             k_eps = np.exp(A[t] + B - Z) if write else 0.0
             for k in range(e1 - 1, e0 - 1, -1):              # the epsilon arcs of level t, latest first
                 x = W_eps[k] * beta[eps_dst[k] - s0]
@@ -616,7 +637,7 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
             for v in range(Sg): beta[v] *= inv
             B += np.log(c)
             if t == 0: break
-            prev, p = alpha[t - 1], P[t - 1]                   # frame t: the arcs leaving level t - 1
+            prev, p = kept[t - 1] if K == 1 else seg[t - 1 - j * K], P[t - 1]   # frame t: the arcs leaving level t - 1
             nxt[:] = 0.0
             if write:
                 k_emit = np.exp(A[t - 1] + shift[t - 1] + w_shift[gi] + B - Z)

@@ -61,15 +61,17 @@ def test_a_graph_with_no_arcs_and_the_empty_input():
     assert graph_logz(torch.zeros(3, 1, 2), torch.tensor([0]), g)[0] == 0       # input length 0: the empty path
     assert graph_logz(torch.zeros(3, 1, 2), torch.tensor([1]), g)[0] == -math.inf
 
-@pytest.mark.parametrize('segment', [G.SEGMENT_BYTES, 64])
-def test_ragged_batches_kernel_equals_reference(monkeypatch, segment):
-    "Several graphs shared by some sequences, uneven lengths, whole and segmented backward passes (sqrt(T) checkpoints)."
+@pytest.mark.parametrize('segment,wide', [(G.SEGMENT_BYTES, False), (64, False), (64, True)])
+def test_ragged_batches_kernel_equals_reference(monkeypatch, segment, wide):
+    """Several graphs shared by some sequences, uneven lengths, whole and segmented backward passes (sqrt(T) checkpoints):
+    in scaled space, and (`wide`: an emission 500 nats below its frame's best) in log space."""
     monkeypatch.setattr(G, 'SEGMENT_BYTES', segment)
     gen = torch.Generator().manual_seed(7)
     for _ in range(8):
         graphs = [random_graph(int(torch.randint(2, 8, (1,), generator=gen)), 14, 4, 0.4, gen) for _ in range(3)]
         ws = [[g.scores.clone().requires_grad_() for g in graphs] for _ in range(2)]
         x = torch.randn(11, 6, 4, generator=gen, dtype=torch.float64)
+        if wide: x[3, :, 1] -= 500.0
         lengths = torch.randint(0, 12, (6,), generator=gen)
         out = []
         for backend, w in zip(('cpu', 'reference'), ws):
@@ -82,6 +84,27 @@ def test_ragged_batches_kernel_equals_reference(monkeypatch, segment):
         assert torch.equal(torch.isfinite(zk), torch.isfinite(zr))
         assert torch.allclose(zk[torch.isfinite(zk)], zr[torch.isfinite(zr)], rtol=0, atol=1e-10)
         assert torch.allclose(gk, gr, rtol=0, atol=1e-10) and all(torch.allclose(a, b, rtol=0, atol=1e-10) for a, b in zip(wk, wr))
+
+def test_past_its_budget_the_scaled_kernel_keeps_every_sqrt_t_th_row_and_answers_alike(monkeypatch):
+    "A budget of a few bytes: the scaled kernel keeps rows every ~sqrt(T) frames and recomputes segments; log space is not needed."
+    gen = torch.Generator().manual_seed(3)
+    graphs = [random_graph(6, 16, 5, 0.3, gen) for _ in range(3)]
+    lp = torch.randn(40, 6, 5, generator=gen, dtype=torch.float64).log_softmax(-1)
+    lengths = torch.tensor([40, 33, 17, 1, 0, 25])
+    def run():
+        x = lp.clone().requires_grad_()
+        z = graph_logz(x, lengths, [graphs[n % 3] for n in range(6)], backend='cpu')
+        torch.where(torch.isfinite(z), z, 0).sum().backward()
+        return z.detach(), x.grad
+    whole = run()
+    monkeypatch.setattr(G, 'SEGMENT_BYTES', 64)
+    def log_space(*args, **kw): raise AssertionError("redone in log space")
+    monkeypatch.setattr(G, '_graph_logz_cpu', log_space)
+    segmented = run()
+    assert torch.isfinite(whole[0]).sum() >= 3
+    assert torch.equal(torch.isfinite(whole[0]), torch.isfinite(segmented[0]))
+    assert torch.allclose(whole[0], segmented[0], rtol=1e-12, atol=0, equal_nan=True)
+    assert torch.allclose(whole[1], segmented[1], rtol=0, atol=1e-12)
 
 @pytest.mark.parametrize('dtype,tol', [(torch.float32, 1e-5), (torch.float64, 1e-10)])
 def test_ctc_as_a_graph_equals_ctc_loss(dtype, tol):
