@@ -187,7 +187,7 @@ def test_checkpointed_forward_scores_give_the_kept_ones_bits(monkeypatch, semiri
 def test_the_budget_keeps_every_sqrt_t_th_frame_and_allocates_that_much(monkeypatch):
     """Within CUDA_FORWARD_BYTES every frame is kept, past it (N, T // K + 1, S) checkpoints and (N, K - 1, S) of scratch
     with K = isqrt(T) + 1 (the issue's shared 20,000 states, N = 32, T = 500, float32: 44 rows instead of 501); the
-    forward alone keeps two rows. The launches' buffers are those, and the results the CPU kernel's."""
+    forward alone keeps two rows. The launches' buffers are those, one launch a step, and the results the CPU kernel's."""
     assert G.cuda_segment_frames(500, 32, 2_000, 4) == 1                   # 128 MB: every frame
     assert G.cuda_segment_frames(500, 32, 20_000, 4) == 23                 # 1.28 GB: 21 + 1 checkpoints, 22 rows scratch
     shapes = []
@@ -201,7 +201,8 @@ def test_the_budget_keeps_every_sqrt_t_th_frame_and_allocates_that_much(monkeypa
     for budget, K in ((G.CUDA_FORWARD_BYTES, 1), (5 * 12 * S * 8, 1), (5 * 12 * S * 8 - 1, 4), (0, 4)):
         monkeypatch.setattr(G, 'CUDA_FORWARD_BYTES', budget)
         shapes.clear()
-        z, grads = _grads(lp, lengths, gs, which, 'Log', 'cuda')
+        with count_launches() as launches: z, grads = _grads(lp, lengths, gs, which, 'Log', 'cuda')
+        assert dict(launches) == {'graph_logz': 1}                           # (the segments: a loop in the kernel)
         assert shapes == [((5, 11 // K + 1, S), (5, K - 1, S))], (budget, shapes)
         z_cpu, grads_cpu = _grads(lp, lengths, gs, which, 'Log', 'cpu')
         for a, b in zip([z, *grads], [z_cpu, *grads_cpu]): torch.testing.assert_close(a, b, **TOL[torch.float64])
