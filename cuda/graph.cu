@@ -15,6 +15,17 @@ typedef long long i64;
 // A score at or below this is no path: -inf (the accumulators start at ZERO, -1e38, so that no sum sees -inf - -inf).
 #define NO_PATH ((FLOAT)-1e30)
 
+// Where alpha[t] (a sequence's S_max forward scores after t frames) is kept. For the backward, every K-th frame's in
+// the checkpoints ck (T / K + 1 rows; K = 1: every frame), the frames between two checkpoints in the scratch seg (K - 1
+// rows), which the backward pass refills a segment at a time, latest first. The last frame, where it is no checkpoint,
+// stays in seg until the backward has read it: its segment, the first refilled, ends before it. Without the backward,
+// two rows in turn.
+__device__ __forceinline__ FLOAT* alpha_row(FLOAT* ck, FLOAT* seg, int t, int K, int S_max, int for_backward) {
+    if (!for_backward) return ck + (i64)(t & 1) * S_max;
+    if (t % K == 0) return ck + (i64)(t / K) * S_max;
+    return seg + (i64)(t % K - 1) * S_max;
+}
+
 // alpha[dst] (+)= alpha[src] (x) w along a graph's epsilon arcs, a level at a time (their sources, shallower, are final):
 // a thread a state of the level, summing the arcs into it in the order of eps_arcs; a barrier after each level.
 __device__ void epsilon_forward(FLOAT* a, i64 l0, i64 l1, const i64* __restrict__ fw_lvl, const i64* __restrict__ fw_state,
@@ -29,20 +40,46 @@ __device__ void epsilon_forward(FLOAT* a, i64 l0, i64 l1, const i64* __restrict_
         }
         __syncthreads();
     }
+#undef ROW
+#undef FORWARD_FRAME
+#undef RECOMPUTE
+#undef SEGMENT_ENDS_AT
+}
+
+// cur = alpha[t + 1] from prev = alpha[t] and the frame's emissions Lt: the emitting arcs into each state (a thread a
+// state, the arcs in in_arcs' order), a barrier, then the epsilon arcs by levels. The forward pass and the backward's
+// recomputed segments both take this, so a recomputed row has the bits of the forward's.
+__device__ void forward_frame(const FLOAT* prev, FLOAT* cur, const FLOAT* __restrict__ Lt, int S, i64 s0,
+                              const i64* __restrict__ in_ptr, const i64* __restrict__ in_arcs, const i64* __restrict__ src,
+                              const i64* __restrict__ lab, const FLOAT* __restrict__ w, i64 l0, i64 l1,
+                              const i64* __restrict__ fw_lvl, const i64* __restrict__ fw_state, const i64* __restrict__ fw_ptr,
+                              const i64* __restrict__ fw_arcs) {
+    for (int v = threadIdx.x; v < S; v += blockDim.x) {
+        FLOAT acc = ZERO;
+        for (i64 j = in_ptr[s0 + v]; j < in_ptr[s0 + v + 1]; j++) {
+            const i64 e = in_arcs[j];
+            acc = SUM(acc, MUL(MUL(prev[src[e] - s0], w[e]), Lt[lab[e]]));
+        }
+        cur[v] = acc;
+    }
+    __syncthreads();
+    epsilon_forward(cur, l0, l1, fw_lvl, fw_state, fw_ptr, fw_arcs, src, w, s0);
 }
 
 // One block per sequence n, threads over the states of its graph (strided when there are more states than threads).
-// 1. forward: alpha[t] (its graph's S_g scores after t frames and their epsilon arcs) for t = 0 .. T_n into
-//    alpha (N, T + 1, S_max), log Z into logz[n] (-inf where no path fits).
-// 2. with for_backward, Log: beta a level at a time (two rows of beta_buf (N, 2, S_max)), latest frame first, and the
-//    posteriors exp(alpha[t - 1][src a] + w_a + lp[t - 1, n, lab a] + beta[t][dst a] - log Z): each emitting arc's
-//    added by the thread of its source state into post_arcs (N, E_max), each label's summed over the arcs that read it
-//    (bylab, in a fixed order: no atomics) into post_lp (T, N, C), the epsilon arcs' by the thread of their source (a
-//    level at a time), the final states' into post_finals (N, S_max). Max: one thread walks the best path back (the
-//    first epsilon arc, else the first emitting arc, whose score makes the state's: the same sums in the same order as
-//    the forward's, so the comparison is exact) and adds 1 on each of its arcs, labels and its final state.
+// 1. forward: alpha[t] (its graph's S_g scores after t frames and their epsilon arcs) for t = 0 .. T_n, kept as
+//    `alpha_row` says in alpha (N, T / K + 1, S_max) and seg (N, K - 1, S_max) (without the backward:
+//    alpha (N, 2, S_max)), log Z into logz[n] (-inf where no path fits).
+// 2. with for_backward, latest frame first, a segment of K frames at a time (K > 1: its rows recomputed into seg
+//    from its first checkpoint by the whole block, then walked back). Log: beta a level at a time (two rows of beta_buf
+//    (N, 2, S_max)) and the posteriors exp(alpha[t - 1][src a] + w_a + lp[t - 1, n, lab a] + beta[t][dst a] - log Z):
+//    each emitting arc's added by the thread of its source state into post_arcs (N, E_max), each label's summed over
+//    the arcs that read it (bylab, in a fixed order: no atomics) into post_lp (T, N, C), the epsilon arcs' by the thread
+//    of their source (a level at a time), the final states' into post_finals (N, S_max). Max: one thread walks the best
+//    path back (the first epsilon arc, else the first emitting arc, whose score makes the state's: the same sums in the
+//    same order as the forward's, so the comparison is exact) and adds 1 on each of its arcs, labels and its final state.
 // The epsilon arcs into a state are summed in eps_arcs' order, and those out of it in the reverse, whatever the levels:
-// the CPU kernel's order, so the result does not depend on the block's size.
+// the CPU kernel's order, so the result does not depend on the block's size (nor on K: a row is the same sums).
 extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
     const FLOAT* __restrict__ lp, const long long* __restrict__ lengths, const long long* __restrict__ seq_graph,
     const FLOAT* __restrict__ w, const FLOAT* __restrict__ fin, const long long* __restrict__ src,
@@ -54,38 +91,35 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
     const long long* __restrict__ lvl_off, const long long* __restrict__ fw_lvl, const long long* __restrict__ fw_state,
     const long long* __restrict__ fw_ptr, const long long* __restrict__ fw_arcs, const long long* __restrict__ bw_lvl,
     const long long* __restrict__ bw_state, const long long* __restrict__ bw_ptr, const long long* __restrict__ bw_arcs,
-    FLOAT* __restrict__ alpha, FLOAT* __restrict__ beta_buf, FLOAT* __restrict__ logz, FLOAT* __restrict__ post_lp,
-    double* __restrict__ post_arcs, double* __restrict__ post_finals, int T, int N, int C, int S_max, int E_max,
-    int for_backward, int use_max)
+    FLOAT* __restrict__ alpha, FLOAT* __restrict__ seg, FLOAT* __restrict__ beta_buf, FLOAT* __restrict__ logz,
+    FLOAT* __restrict__ post_lp, double* __restrict__ post_arcs, double* __restrict__ post_finals, int T, int N, int C,
+    int S_max, int E_max, int K, int for_backward, int use_max)
 {
     const int n = blockIdx.x;
     const i64 g = seq_graph[n], s0 = g_state[g], e0 = eps_ptr[g], e1 = eps_ptr[g + 1];
     const int S = (int)(g_state[g + 1] - s0);                    // the graph's states (local numbers 0 .. S - 1)
     const i64 a0 = g_arc[g], l0 = lvl_off[g], l1 = lvl_off[g + 1];
     const int Tn = (int)lengths[n];
-    FLOAT* A = alpha + (i64)n * (T + 1) * S_max;                  // A + t * S_max: alpha[t]
+    const int R = for_backward ? T / K + 1 : 2;                  // kept rows a sequence
+    FLOAT* ck = alpha + (i64)n * R * S_max;
+    FLOAT* sg = seg + (i64)n * (K - 1) * S_max;
     const FLOAT* L = lp + (i64)n * C;                             // L + t * N * C: frame t's emissions
     const i64 frame = (i64)N * C;
+#define ROW(t) alpha_row(ck, sg, (t), K, S_max, for_backward)
+#define FORWARD_FRAME(t) forward_frame(ROW(t), ROW((t) + 1), L + (i64)(t) * frame, S, s0, in_ptr, in_arcs, src, lab, w, \
+                                       l0, l1, fw_lvl, fw_state, fw_ptr, fw_arcs)
+// segment k's rows between its checkpoints (frames kK + 1 .. min(kK + K, T_n) - 1) into seg, from checkpoint k
+#define RECOMPUTE(k) for (int s = (k) * K; s < min((k) * K + K, Tn) - 1; s++) FORWARD_FRAME(s)
+// the first frame of a segment walked back (the whole block alike): its rows are refilled before the frame's step
+#define SEGMENT_ENDS_AT(t) ((t) > 0 && K > 1 && ((t) == Tn || (t) % K == 0))
 
     // 1. the forward pass
-    for (int v = threadIdx.x; v < S; v += blockDim.x) A[v] = s0 + v == g_start[g] ? (FLOAT)ONE : (FLOAT)ZERO;
+    FLOAT* A0 = ROW(0);
+    for (int v = threadIdx.x; v < S; v += blockDim.x) A0[v] = s0 + v == g_start[g] ? (FLOAT)ONE : (FLOAT)ZERO;
     __syncthreads();
-    epsilon_forward(A, l0, l1, fw_lvl, fw_state, fw_ptr, fw_arcs, src, w, s0);
-    for (int t = 0; t < Tn; t++) {
-        const FLOAT* prev = A + (i64)t * S_max;
-        FLOAT* cur = A + (i64)(t + 1) * S_max;
-        for (int v = threadIdx.x; v < S; v += blockDim.x) {
-            FLOAT acc = ZERO;
-            for (i64 j = in_ptr[s0 + v]; j < in_ptr[s0 + v + 1]; j++) {
-                const i64 e = in_arcs[j];
-                acc = SUM(acc, MUL(MUL(prev[src[e] - s0], w[e]), L[t * frame + lab[e]]));
-            }
-            cur[v] = acc;
-        }
-        __syncthreads();
-        epsilon_forward(cur, l0, l1, fw_lvl, fw_state, fw_ptr, fw_arcs, src, w, s0);
-    }
-    const FLOAT* AT = A + (i64)Tn * S_max;
+    epsilon_forward(A0, l0, l1, fw_lvl, fw_state, fw_ptr, fw_arcs, src, w, s0);
+    for (int t = 0; t < Tn; t++) FORWARD_FRAME(t);
+    const FLOAT* AT = ROW(Tn);
     __shared__ FLOAT Z;                                           // log Z, as every thread reads it
     if (threadIdx.x == 0) {
         FLOAT z = ZERO;
@@ -96,14 +130,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
     __syncthreads();
     if (!for_backward || Z <= NO_PATH) return;                    // (the whole block alike: no barrier is left behind)
 
-    // 2. the posteriors: Max, the best path
+    // 2. the posteriors: Max, the best path (thread 0 walks; the others stay only to recompute segments)
     if (use_max) {
-        if (threadIdx.x != 0) return;
+        const bool walker = threadIdx.x == 0;
+        if (K == 1 && !walker) return;                            // (every frame kept: K == 1 for the whole block)
         i64 v = 0;
-        for (int u = 1; u < S; u++) if (MUL(AT[u], fin[s0 + u]) > MUL(AT[v], fin[s0 + v])) v = u;
-        post_finals[(i64)n * S_max + v] = 1.0;
+        if (walker) {
+            for (int u = 1; u < S; u++) if (MUL(AT[u], fin[s0 + u]) > MUL(AT[v], fin[s0 + v])) v = u;
+            post_finals[(i64)n * S_max + v] = 1.0;
+        }
         for (int t = Tn; t >= 0; t--) {
-            const FLOAT* at = A + (i64)t * S_max;
+            if (SEGMENT_ENDS_AT(t)) {
+                __syncthreads();                                  // (the walk has left the segment after this one)
+                RECOMPUTE((t - 1) / K);
+            }
+            if (!walker) continue;
+            const FLOAT* at = ROW(t);
             for (bool moved = true; moved;) {                        // epsilon arcs into v at this frame
                 moved = false;
                 for (i64 k = e0; k < e1; k++) {
@@ -115,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
                 }
             }
             if (t == 0) break;
-            const FLOAT* before = A + (i64)(t - 1) * S_max;
+            const FLOAT* before = ROW(t - 1);
             for (i64 j = in_ptr[s0 + v]; j < in_ptr[s0 + v + 1]; j++) {
                 const i64 e = in_arcs[j];
                 if (MUL(MUL(before[src[e] - s0], w[e]), L[(t - 1) * frame + lab[e]]) == at[v]) {
@@ -140,7 +182,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
     }
     __syncthreads();
     for (int t = Tn; t >= 0; t--) {
-        const FLOAT* at = A + (i64)t * S_max;
+        if (SEGMENT_ENDS_AT(t)) RECOMPUTE((t - 1) / K);              // (the frame before ended on a barrier)
+        const FLOAT* at = ROW(t);
         for (i64 k = l0; k < l1; k++) {                              // the epsilon arcs of level t, by their sources'
             for (i64 i = bw_lvl[k] + threadIdx.x; i < bw_lvl[k + 1]; i += blockDim.x) {     // depth, deepest first
                 const i64 u = bw_state[i] - s0;
@@ -156,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
             __syncthreads();
         }
         if (t == 0) break;
-        const FLOAT* before = A + (i64)(t - 1) * S_max;
+        const FLOAT* before = ROW(t - 1);
         const FLOAT* Lt = L + (i64)(t - 1) * frame;
         FLOAT* nb = beta + S_max;
         for (int u = threadIdx.x; u < S; u += blockDim.x) {          // the arcs leaving level t - 1, by source
@@ -182,4 +225,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
         for (int v = threadIdx.x; v < S; v += blockDim.x) beta[v] = nb[v];
         __syncthreads();
     }
+#undef ROW
+#undef FORWARD_FRAME
+#undef RECOMPUTE
+#undef SEGMENT_ENDS_AT
 }

@@ -820,3 +820,51 @@ def test_gpu_gru_auto_is_cudnn_bit_for_bit(dtype, record):
     # (bfloat16: ours computes in float32, cuDNN in bfloat16; the weights' gradients, sums over 150 steps, differ by
     # up to 0.053 on the H200)
     record('gru', ('cudnn',), err)
+
+def _denominator_graph(S, C, extra=3, seed=0):
+    """A stand-in for a shared LF-MMI denominator graph of S states: each state a self-loop, an arc to the next state
+    and `extra` random arcs, random labels and scores, every state final (so any length has a path)."""
+    from seqdist.graph import Graph
+    g = _gen(seed)
+    v = torch.arange(S)
+    src = torch.cat([v, v, v.repeat(extra)])
+    dst = torch.cat([v, (v + 1) % S, torch.randint(0, S, (extra * S,), generator=g)])
+    labels = torch.randint(0, C, (len(src),), generator=g)
+    return Graph(src, dst, labels, torch.randn(len(src), generator=g, dtype=torch.float64), start=0, finals=v,
+                 final_scores=torch.zeros(S, dtype=torch.float64))
+
+@pytest.mark.parametrize('semiring', ['Log', 'Max'])
+def test_gpu_graph_logz_checkpointed_is_the_every_frame_kernel_and_fits_1gb(semiring, monkeypatch, record):
+    """Past CUDA_FORWARD_BYTES the CUDA kernel keeps the forward scores every isqrt(T) + 1 frames and recomputes a segment
+    at a time: with the budget at 0, the same bits as every frame kept (random graphs with epsilon arcs, a ragged batch,
+    float32); and a graph of 20,000 states shared by N = 32 sequences of T = 500 frames, float32 (every frame kept:
+    1.28 GB of forward scores), takes a forward and backward within 1 GB beyond its inputs."""
+    import seqdist.graph as G
+    from seqdist.graph import graph_logz, random_graph
+    gs = [random_graph(12, 40, 6, generator=_gen(20 + i)) for i in range(3)]
+    T, N = 40, 6
+    lp = torch.randn(T, N, 6, generator=_gen(6), dtype=torch.float64).mul(2).log_softmax(-1).float().cuda()
+    il = torch.randint(0, T + 1, (N,), generator=_gen(7)); il[1] = 0
+    def run(x, lengths, graphs):
+        x = x.detach().requires_grad_()
+        z = graph_logz(x, lengths, graphs, semiring=semiring)
+        return z.detach(), torch.autograd.grad(torch.where(torch.isfinite(z), z, 0).sum(), x)[0]
+    every = run(lp, il.cuda(), [gs[n % 3] for n in range(N)])
+    monkeypatch.setattr(G, 'CUDA_FORWARD_BYTES', 0)
+    segmented = run(lp, il.cuda(), [gs[n % 3] for n in range(N)])
+    assert all(torch.equal(a, b) for a, b in zip(every, segmented))
+    monkeypatch.undo()
+    T, N, C, S = 500, 32, 32, 20_000
+    assert G.cuda_segment_frames(T, N, S, 4) == 23
+    den = _denominator_graph(S, C)
+    x = torch.randn(T, N, C, generator=_gen(8)).log_softmax(-1).cuda()
+    lengths = torch.full((N,), T).cuda()
+    run(x, lengths, den)                                             # warm: compiled, the graph's tables cached
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    z, grad = run(x, lengths, den)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    assert torch.isfinite(z).all() and torch.isfinite(grad).all()
+    assert extra <= 1e9, f"{extra / 1e6:.0f} MB beyond the inputs"
+    record('graph', ('graph_logz',), None)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import seqdist.graph as G
 from seqdist.graph import Graph, graph_logz, graph_loss, random_graph, ctc_graph
 from seqdist.ops import launch_limits
 from seqdist.kernel import count_launches
@@ -150,3 +151,61 @@ def test_epsilon_arcs_by_levels_a_deep_chain():
     for a, b, c in zip(ws['cuda', None], ws['cuda', 1], ws['cpu', None]):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, **TOL[torch.float64])
+
+def _ragged(seed, dtype, shared, N=5, T=11, C=4):
+    """Random graphs with epsilon arcs, one shared by the batch or one a sequence, and lengths 0, T, one past a
+    multiple of 2, 3 and 5 (a last segment of one frame) and one random."""
+    g = torch.Generator().manual_seed(seed)
+    gs = [random_graph(int(torch.randint(2, 9, (), generator=g)), int(torch.randint(4, 20, (), generator=g)), C, 0.4, g)
+          for _ in range(1 if shared else N)]
+    lp = torch.randn(T, N, C, generator=g, dtype=torch.float64).mul(2).log_softmax(-1).to(dtype)
+    lengths = torch.tensor([0, T, 7, 6, int(torch.randint(1, T + 1, (), generator=g))])
+    return lp, lengths, gs, [0] * N if shared else list(range(N))
+
+@pytest.mark.parametrize('semiring', ['Log', 'Max'])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_checkpointed_forward_scores_give_the_kept_ones_bits(monkeypatch, semiring, dtype):
+    """Past CUDA_FORWARD_BYTES the kernel keeps every K-th frame's forward scores and recomputes a segment at a time
+    in the backward (posteriors, the best-path walk): the same bits as keeping every frame (the rows are the same sums
+    in the same order), and so the CPU kernel's values (Max in float64: its bits), for segments of 2, 3, 5 frames, one segment
+    (11) and one longer than the input (16), shared and per-sequence graphs, 32 threads and 3 (strided, and the
+    threads that do not walk the best path help recompute)."""
+    for seed, shared in ((0, True), (0, False), (3, True), (2, False)):
+        lp, lengths, gs, which = _ragged(seed, dtype, shared)
+        kept, grads_kept = _grads(lp, lengths, gs, which, semiring, 'cuda')
+        z_cpu, grads_cpu = _grads(lp, lengths, gs, which, semiring, 'cpu')
+        assert torch.isfinite(kept).sum() >= 3            # (feasible sequences to differentiate)
+        for K, threads in ((2, None), (3, 3), (5, None), (11, 3), (16, None)):
+            monkeypatch.setattr(G, 'cuda_segment_frames', lambda *_: K)
+            with launch_limits(max_threads=threads):
+                z, grads = _grads(lp, lengths, gs, which, semiring, 'cuda')
+            assert all(torch.equal(a, b) for a, b in zip([z, *grads], [kept, *grads_kept])), (seed, K, threads)
+            for a, b in zip([z, *grads], [z_cpu, *grads_cpu]):
+                if semiring == 'Max' and dtype == torch.float64: assert torch.equal(a, b)
+                else: torch.testing.assert_close(a, b, **TOL[dtype])        # (the CPU kernel sums in float64)
+
+def test_the_budget_keeps_every_sqrt_t_th_frame_and_allocates_that_much(monkeypatch):
+    """Within CUDA_FORWARD_BYTES every frame is kept, past it (N, T // K + 1, S) checkpoints and (N, K - 1, S) of scratch
+    with K = isqrt(T) + 1 (the issue's shared 20,000 states, N = 32, T = 500, float32: 44 rows instead of 501); the
+    forward alone keeps two rows. The launches' buffers are those, one launch a step, and the results the CPU kernel's."""
+    assert G.cuda_segment_frames(500, 32, 2_000, 4) == 1                   # 128 MB: every frame
+    assert G.cuda_segment_frames(500, 32, 20_000, 4) == 23                 # 1.28 GB: 21 + 1 checkpoints, 22 rows scratch
+    shapes = []
+    kernel = G._graph_kernels[(torch.float64, 'Log')]
+    def recording(grid, block, *, alpha, seg, **named):
+        shapes.append((tuple(alpha.shape), tuple(seg.shape)))
+        return kernel(grid, block, alpha=alpha, seg=seg, **named)
+    monkeypatch.setitem(G._graph_kernels, (torch.float64, 'Log'), recording)
+    lp, lengths, gs, which = _ragged(4, torch.float64, shared=True)          # T = 11, N = 5
+    S = gs[0].num_states
+    for budget, K in ((G.CUDA_FORWARD_BYTES, 1), (5 * 12 * S * 8, 1), (5 * 12 * S * 8 - 1, 4), (0, 4)):
+        monkeypatch.setattr(G, 'CUDA_FORWARD_BYTES', budget)
+        shapes.clear()
+        with count_launches() as launches: z, grads = _grads(lp, lengths, gs, which, 'Log', 'cuda')
+        assert dict(launches) == {'graph_logz': 1}                           # (the segments: a loop in the kernel)
+        assert shapes == [((5, 11 // K + 1, S), (5, K - 1, S))], (budget, shapes)
+        z_cpu, grads_cpu = _grads(lp, lengths, gs, which, 'Log', 'cpu')
+        for a, b in zip([z, *grads], [z_cpu, *grads_cpu]): torch.testing.assert_close(a, b, **TOL[torch.float64])
+        shapes.clear()
+        graph_logz(lp, lengths, [gs[i] for i in which], backend='cuda')
+        assert shapes == [((5, 2, S), (5, 0, S))]
