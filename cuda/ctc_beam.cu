@@ -337,7 +337,8 @@ extern "C" __global__ void ctc_beam_search(
     const int nb = nb_s;                                               // the end: the pending word and </s>
     int n_whole = 0;                                                   // (a hypothesis whose last word is none,
     for (int i = 0; i < nb; i++) {                                     // or not done with `whole`, is out unless
-        const int nd = w.b_node[i];                                    // all are: then each without that word)
+        const int nd = w.b_node[i];                                    // all are: then each without that word;
+                                                                       // child_of, free now, flags the cut ones)
         double s = semiring_plus(w.b_pb[i], w.b_pnb[i], use_max) + w.wscore[nd];
         long long state = w.lm_state[nd], next;
         w.child_of[i] = w.has_word[nd] && (whole || use_lexicon && (w.trie[nd] < 0 || trie_lexicon[w.trie[nd]] < 2));
