@@ -3,8 +3,8 @@
 // which is scored when the next token comes and at the end, as the CPU kernel does: `word_score` a word and the LM's
 // log10 probability times `lm_weight`, the word found by walking the LM's spelling trie; or each token a word, a
 // token-level LM; a lexicon whose words alone may be spelled, whole words, the LM lookahead and the partial-word
-// score, as the CPU kernel has them) and hotwords (`Hotwords`' automaton), one block per utterance, no host read
-// between frames. Frame by frame: the token ids are
+// score, and merged delimiters, as the CPU kernel has them) and hotwords (`Hotwords`' automaton), one block per
+// utterance, no host read between frames. Frame by frame: the token ids are
 // sorted by the frame's log-probability (a bitonic network over the block); each beam stays (a blank, or its last
 // label again) and takes in the extensions of its parent that are itself (a thread per beam); each beam proposes its
 // stay and its extensions by its M likeliest tokens (M = hcap + beam + 1, or C - 1: of those, at most beam - 1 are
@@ -160,7 +160,7 @@ extern "C" __global__ void ctc_beam_search(
     const long long* __restrict__ code_off, const long long* __restrict__ codes, const long long* __restrict__ trie_keys,
     const long long* __restrict__ trie_values, int trie_shift, long long K, const long long* __restrict__ trie_word,
     const signed char* __restrict__ trie_lexicon, const double* __restrict__ trie_smear, double smear_w, double unk_prefix,
-    int use_lexicon, int whole, int own_tokens,
+    int use_lexicon, int whole, int merge, int own_tokens,
     double word_score, double unk_score, double lm_weight, long long unk, long long eos, long long begin_state,
     const long long* __restrict__ lm_keys, const long long* __restrict__ lm_values, int lm_shift, long long V,
     const double* __restrict__ log10p, const double* __restrict__ backoff, const long long* __restrict__ suffix,
@@ -178,8 +178,10 @@ extern "C" __global__ void ctc_beam_search(
     const WordTables wt{kind, code_off, codes, trie_keys, trie_values, trie_shift, K, trie_word, trie_lexicon, trie_smear,
                         smear_w, unk_prefix, use_lexicon, smear_w != 0.0, use_lm && unk_prefix != 0.0, use_lm || use_lexicon};
     CtcBeamWork w = ctc_beam_layout(work + (long long)b * work_bytes, cap, beam, hcap, PC, n_cand, P, M, use_hot, own_tokens, use_words);
-    // extension r of beam i: its token (each beam's own list where a token's worth depends on the beam)
+    // extension r of beam i: its token (each beam's own list where a token's worth depends on the beam); merging, a
+    // delimiter at a gap (the start, or after a delimiter) is a stay, not an extension
     #define TOKEN_AT(i, r) (own_tokens ? w.b_top[(long long)(i) * M + (r)] : w.top[r])
+    #define AT_GAP(nd) (merge && ((nd) == 0 || kind[w.tok[nd]] == 1))
     __shared__ int nb_s, n_nodes_s;
     if (threadIdx.x == 0) {
         w.parent[0] = -1; w.tok[0] = -1; w.has_word[0] = 0; w.lm_state[0] = begin_state; w.done_state[0] = begin_state;
@@ -198,6 +200,11 @@ extern "C" __global__ void ctc_beam_search(
             const int nd = w.b_node[i];
             w.s_pb[i] = semiring_plus(w.b_pb[i], w.b_pnb[i], use_max) + row[blank];
             w.s_pnb[i] = nd != 0 ? w.b_pnb[i] + row[w.tok[nd]] : -INFINITY;
+            if (AT_GAP(nd)) {                                          // (merging: by any delimiter)
+                double gap = -INFINITY;
+                for (int k = 0; k < C; k++) if (k != blank && kind[k] == 1) gap = semiring_plus(gap, row[k], use_max);
+                w.s_pnb[i] = semiring_plus(w.b_pb[i], w.b_pnb[i], use_max) + gap;
+            }
             w.child_of[i] = -1;
             for (int p = 0; p < nb && nd != 0; p++) if (w.b_node[p] == w.parent[nd]) w.child_of[i] = p;
         }
@@ -219,6 +226,7 @@ extern "C" __global__ void ctc_beam_search(
                 double v = row[k] + (use_words && kind[k] != 0 ? w.done_score[nd] : 0.0);
                 if (use_hot) { const long long h = hot_next(hw, C, w.hot[nd], k); v += hw.done[h] + hw.partial[h]; }
                 if (use_words) v = spell_token(wt, w.trie[nd], w.has_word[nd], w.plen[nd], k, &tn, &ut, &st) ? v + ut + st : -INFINITY;
+                if (AT_GAP(nd) && kind[k] == 1) v = -INFINITY;
                 if (n == M && !(v > key[M - 1])) continue;
                 int j = n < M ? n : M - 1;
                 for (; j > 0 && key[j - 1] < v; j--) { top[j] = top[j - 1]; key[j] = key[j - 1]; }
@@ -239,6 +247,7 @@ extern "C" __global__ void ctc_beam_search(
                 for (int j = 0; j < nb; j++) merged |= w.child_of[j] == i && w.tok[w.b_node[j]] == k;
                 long long tn; double ut = 0.0, st = 0.0;     // (refused by the lexicon: none)
                 merged |= use_words && !spell_token(wt, w.trie[nd], w.has_word[nd], w.plen[nd], k, &tn, &ut, &st);
+                merged |= AT_GAP(nd) && kind[k] == 1;
                 s = merged ? -INFINITY : (k == w.tok[nd] ? w.b_pb[i] : semiring_plus(w.b_pb[i], w.b_pnb[i], use_max)) + row[k];
                 if (s > -INFINITY) s += w.wscore[nd] + (use_words && kind[k] != 0 ? w.done_score[nd] : 0.0);   // (its word done)
                 if (s > -INFINITY && use_hot) { const long long h = hot_next(hw, C, w.hot[nd], k); s += hw.done[h] + hw.partial[h]; }
@@ -333,6 +342,7 @@ extern "C" __global__ void ctc_beam_search(
         __syncthreads();
     }
     #undef TOKEN_AT
+    #undef AT_GAP
     if (threadIdx.x != 0) return;
     const int nb = nb_s;                                               // the end: the pending word and </s>
     int n_whole = 0;                                                   // (a hypothesis whose last word is none,
@@ -348,6 +358,12 @@ extern "C" __global__ void ctc_beam_search(
         n_whole += !w.child_of[i] && s > -INFINITY;
     }
     for (int i = 0; i < nb && n_whole; i++) if (w.child_of[i]) w.s_pb[i] = -INFINITY;
+    for (int i = 0; i < nb && merge; i++) {                            // merging: one ending in a delimiter is its
+        const int nd = w.b_node[i];                                    // parent's, if that is a beam
+        if (nd == 0 || kind[w.tok[nd]] != 1) continue;
+        for (int j = 0; j < nb; j++)
+            if (w.b_node[j] == w.parent[nd]) { w.s_pb[j] = semiring_plus(w.s_pb[j], w.s_pb[i], use_max); w.s_pb[i] = -INFINITY; }
+    }
     long long n_out = 0;
     for (int r = 0; r < nbest && r < nb; r++) {                        // the n best, walked back
         int k = -1;
@@ -355,11 +371,12 @@ extern "C" __global__ void ctc_beam_search(
         if (k < 0) break;
         const long long o = (long long)b * nbest + r;
         out_score[o] = w.s_pb[k]; w.s_pb[k] = -INFINITY;
-        int L = 0;
-        for (int nd = w.b_node[k]; nd != 0; nd = w.parent[nd]) L++;
+        int L = 0, top = w.b_node[k];
+        if (merge && top != 0 && kind[w.tok[top]] == 1) top = w.parent[top];   // (its words)
+        for (int nd = top; nd != 0; nd = w.parent[nd]) L++;
         out_len[o] = L;
         int j = L - 1;
-        for (int nd = w.b_node[k]; nd != 0; nd = w.parent[nd]) out_tokens[o * T + j--] = w.tok[nd];
+        for (int nd = top; nd != 0; nd = w.parent[nd]) out_tokens[o * T + j--] = w.tok[nd];
         n_out++;
     }
     out_n[b] = n_out;

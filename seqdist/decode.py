@@ -975,8 +975,8 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     1; a phrase a string or token ids; or a `Hotwords` built once for many calls). Each frame keeps the `beam_width`
     best prefixes within `beam_threshold` of the best. Returns torchaudio's structure: per utterance, a list of the
     `nbest` best `CTCHypothesis` (tokens, words, score, timesteps: each token's first frame on the best alignment of the
-    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (all but `merge_delimiters`;
-    emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
+    hypothesis, by `forced_align`). `backend`: 'cpu' (numba), 'reference' (Python) or 'cuda' (the same search as a CUDA
+    kernel; emulated on CPU tensors), 'auto' the last for a CUDA tensor's where it can. With a beam that keeps every
     prefix and no threshold, nothing is pruned: the n best of all label sequences. With `merge_delimiters`, a hypothesis
     is its words (pyctcdecode's hypotheses): the token sequences that differ only in their delimiters (leading, trailing
     or repeated) are one, their probabilities summed, and it is given with one delimiter between words and none around
@@ -1894,8 +1894,8 @@ def _token_words(scorer):
     return scorer.spells and all(k != ORDINARY for k in scorer.kinds) and scorer.kinds.count(DELIMITER) == 1
 
 def _cuda_handles(scorer, merge_delimiters):
-    "Whether the CUDA kernel does this search: all of the CPU kernel's but merged delimiters."
-    return not merge_delimiters
+    "Whether the CUDA kernel does this search: every search the CPU kernel does."
+    return True
 
 def _lm_device_tables(lm, device):
     "`lm.tables` as tensors on `device` (kept on the model, one copy a device), or placeholders without an LM."
@@ -1947,8 +1947,6 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     """`_ctc_beam_search_cpu`'s answer from the CUDA kernel `ctc_beam_search` (emulated on CPU tensors), for a search
     of token sequences, the words they spell, with hotwords (`_cuda_handles`). The scratch of each utterance in one
     buffer; the hypotheses are read back once, after the last frame."""
-    if not _cuda_handles(scorer, merge_delimiters):
-        raise NotImplementedError("backend='cuda' does not merge delimiters (merge_delimiters): the 'cpu' backend does")
     N, T, C = log_probs.shape
     dev, lm = log_probs.device, scorer.lm
     recombine = semiring == 'max' and nbest == 1
@@ -1958,7 +1956,8 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     PC, P = (1 << max(0, n - 1).bit_length() for n in (C, n_cand))     # the sorts' widths: powers of 2
     # hotwords: each node's state; words: the one each node spells; either but a token LM: each beam's own M tokens
     H, W = int(scorer.hot is not None), int(bool(scorer.spells))
-    O = int(H or W and (not _token_words(scorer) or scorer.lexicon is not None or scorer.lookahead or scorer.unk_prefix_score))
+    O = int(H or W and (not _token_words(scorer) or scorer.lexicon is not None or scorer.lookahead or scorer.unk_prefix_score
+                        or merge_delimiters))
     work_bytes = 8 * (4 * beam_width + 4 * hcap + n_cand + 4 * cap) + 4 * (2 * cap + 2 * beam_width + 2 * hcap + PC + P) + cap + 128
     work_bytes += H * 8 * (cap + hcap) + O * 12 * beam_width * M + W * (12 * cap + 13 * hcap) + 8 * cap + 64
     work_bytes = -(-work_bytes // 256) * 256             # each utterance's scratch 256-byte aligned: its doubles are
@@ -1970,7 +1969,8 @@ def _ctc_beam_search_cuda(log_probs, input_lengths, beam_width, blank, nbest, sc
     if N: _ctc_beam_kernel((N,), (min(_CTC_BEAM_THREADS, max(PC, P)),), lp=log_probs.detach().double().contiguous(),
                            il=input_lengths.to(dev).long().contiguous(), blank=blank, beam=beam_width,
                            threshold=float(beam_threshold), use_max=int(semiring == 'max'), recombine=int(recombine),
-                           use_words=W, use_lm=int(lm is not None), own_tokens=O, **_word_device_tables(scorer, dev),
+                           use_words=W, use_lm=int(lm is not None), own_tokens=O, merge=int(bool(merge_delimiters)),
+                           **_word_device_tables(scorer, dev),
                            word_score=float(scorer.word_score), unk_score=float(scorer.unk_score),
                            lm_weight=float(scorer.lm_weight * LN10), unk=lm.unk if lm else 0,
                            eos=lm.word_id('</s>') if lm else 0, begin_state=lm.begin_state() if lm else 0,

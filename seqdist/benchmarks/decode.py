@@ -23,7 +23,7 @@ def spoken_emissions(N=4, T=500, seed=0, n_words=5000):
     x, texts = torch.randn(N, T, 32, generator=torch.Generator().manual_seed(seed)).mul(2), []
     for b in range(N):
         t, words = 0, []
-        while t < T - 20:
+        while t < T - 24:            # (a word of up to 7 letters and a space: 24 frames)
             words.append(rng.choice(lexicon))
             for ch in words[-1] + ' ': x[b, t:t + 2, chars.index(ch)] += 6; x[b, t + 2, 0] += 6; t += 3
         texts.append(' '.join(words))
