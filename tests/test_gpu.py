@@ -755,7 +755,8 @@ def test_gpu_ctc_beam_search_equals_the_cpu_kernel(record):
     chars = ['-', '|'] + [chr(97 + i % 26) + ('' if i < 26 else 'x') for i in range(38)]   # words spelled, a word LM
     kw = dict(beam_width=6, tokens=chars, lm=NGramLM(text=random_arpa(1, ['a', 'ab', 'cd', 'bx'], order=2, n_per_order=8)),
               lm_weight=0.5, word_score=2.0)
-    for extra in ({}, dict(lexicon=['a', 'ab', 'cd', 'bx', 'dd'], whole_words=True, lm_lookahead=True, semiring='max')):
+    for extra in ({}, dict(lexicon=['a', 'ab', 'cd', 'bx', 'dd'], whole_words=True, lm_lookahead=True, semiring='max'),
+                  dict(merge_delimiters=True, unk_prefix_score=-1.0, nbest=3)):
         want = ctc_beam_search(lp, il, backend='cpu', **kw, **extra)
         got = ctc_beam_search(lp.cuda(), il.cuda(), **kw, **extra)
         assert [[(h.tokens.tolist(), h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
