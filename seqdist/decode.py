@@ -1612,6 +1612,20 @@ def _rows(x, rows):
     if isinstance(x, dict): return {k: _rows(v, rows) for k, v in x.items()}
     return type(x)(_rows(v, rows) for v in x)
 
+def _put(x, rows, new, n=None):
+    "x with its rows `rows` replaced by new's (the same structure); x None: zeros elsewhere, n rows (dead rows' logits)."
+    if isinstance(new, torch.Tensor): return (new.new_zeros((n, *new.shape[1:])) if x is None else x).index_copy(0, rows, new)
+    if isinstance(new, dict): return {k: _put(x[k], rows, v) for k, v in new.items()}
+    return type(new)(_put(a, rows, v) for a, v in zip(x, new))
+
+def _write(x, rows, new):
+    "Write new's rows into x's rows `rows`, in place (the same structure)."
+    if isinstance(x, torch.Tensor): x.index_copy_(0, rows, new)
+    elif isinstance(x, dict):
+        for k in x: _write(x[k], rows, new[k])
+    else:
+        for a, v in zip(x, new): _write(a, rows, v)
+
 def _cat(a, b):
     "a's rows, then b's (the same structure)."
     if isinstance(a, torch.Tensor): return torch.cat([a, b])
@@ -1629,7 +1643,8 @@ class _Steps:
     """The joiner's logits (..., V [+ D]) as the log-probabilities of a step's choices by the frames they move, 0 to
     M - 1: `sym` (..., V), the labels' (-inf at the blanks); `label` (..., M), a label's moves (a TDT's durations, else
     0 alone), and `other` (..., M), the blank's and big blanks' moves, each summed over the choices that move alike;
-    `label_max` and `other_max` their maxima (for the likeliest path)."""
+    `label_max` and `other_max` their maxima (for the likeliest path). At the cap, a label that would stay moves on by
+    a frame."""
     def __init__(self, D, moves, blank, V, device):
         self.D, self.V, self.blank, self.M = D, V, blank, max(int(moves.max()), 1) + 1
         def at(cols):                                  # 0 at (i, cols[i]), -inf elsewhere
@@ -1640,18 +1655,25 @@ class _Steps:
         else:
             self.blanks = blank - torch.arange(len(moves) - 1, device=device)      # the blank, big blank 0, 1, ...
             self.w_blank, self.label, self.mask[self.blanks] = at(moves[:-1]), at(moves[-1:])[0], -math.inf
+            self.label_cap = at(moves[-1:] + 1)[0]
             self.distinct = len(set(moves[:-1].tolist())) == len(moves) - 1        # (each move one blank's)
 
-    def __call__(self, logits):
+    def __call__(self, logits, cap=False):
         lp = logits[..., :self.V].double().log_softmax(-1)
         sym = lp + self.mask
         if self.D:
             lpd = logits[..., self.V:].double().log_softmax(-1)[..., None]
             lab, blk = lpd + self.w_label, lp[..., self.blank, None, None] + lpd + self.w_blank
-            return sym, lab.logsumexp(-2), lab.amax(-2), blk.logsumexp(-2), blk.amax(-2)
-        label = self.label.expand(*lp.shape[:-1], self.M)
+            label, label_max = lab.logsumexp(-2), lab.amax(-2)
+            if cap:
+                label = torch.cat([label[..., :1].clone().fill_(-math.inf), label[..., :2].logsumexp(-1, keepdim=True), label[..., 2:]], -1)
+                label_max = torch.cat([label[..., :1], label_max[..., :2].amax(-1, keepdim=True), label_max[..., 2:]], -1)
+            return sym, label, label_max, blk.logsumexp(-2), blk.amax(-2)
+        label = (self.label_cap if cap else self.label).expand(*lp.shape[:-1], self.M)
         x = lp[..., self.blanks, None] + self.w_blank
-        if self.distinct: return sym, label, label, x.amax(-2), x.amax(-2)
+        if self.distinct:
+            x = x.amax(-2)                             # (one blank a move: its log-probability)
+            return sym, label, label, x, x
         return sym, label, label, x.logsumexp(-2), x.amax(-2)
 
 _H, _PH, _LAST, _NODE, _PEND, _LS, _HS, _SRC, _PNODE = range(9)   # a hypothesis's integers (its floats: ln P, best, bonus)
@@ -1670,10 +1692,13 @@ def _merge_end(Ef, Ei, Af, Ai, over, K):
     i = (f[..., 0] + f[..., 2]).topk(K, -1)[1]
     return f.gather(1, i[..., None].expand(-1, -1, 3)), torch.cat([ei, Ai], 1).gather(1, i[..., None].expand(-1, -1, 9))
 
-def _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens):
+def _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens, backend):
     "The lengths (B,) on encoder_out's device, after the checks that need no model call."
     if not isinstance(encoder_out, torch.Tensor) or encoder_out.dim() != 3:
         raise ValueError(f"encoder_out must be (B, T, H), got shape {tuple(getattr(encoder_out, 'shape', ()))}")
+    if backend not in ('auto', 'cpu', 'torch'): raise ValueError(f"backend must be 'auto', 'cpu' or 'torch', got {backend!r}")
+    if backend == 'cpu' and encoder_out.device.type != 'cpu':
+        raise ValueError(f"backend='cpu' needs CPU tensors, got encoder_out on {encoder_out.device}: use 'torch' or 'auto'")
     B, T = encoder_out.shape[:2]
     lengths = torch.full((B,), T, device=encoder_out.device) if encoder_lengths is None else torch.as_tensor(encoder_lengths, device=encoder_out.device)
     if lengths.shape != (B,) or lengths.is_floating_point() or bool(((lengths < 0) | (lengths > T)).any()):
@@ -1695,7 +1720,7 @@ def _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symb
 # %% ../nbs/11d_transducer_beam.ipynb #tb-search
 def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, blank, beam_width=4, nbest=1,
                            max_symbols_per_frame=10, durations=None, big_blank_durations=None, lm=None, lm_weight=0.0,
-                           tokens=None, hotwords=None):
+                           tokens=None, hotwords=None, backend='auto'):
     """Beam search of a transducer over its encoder output (B, T, H), every utterance and hypothesis at once: frame by
     frame, up to `max_symbols_per_frame` rounds in which the hypotheses at the frame take every step (one `join` call
     for all, one `predict` call for the labels they last emitted). The model, the RNN-T / TDT (`durations`) /
@@ -1708,10 +1733,13 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
     has it) and lose the partial phrases' credit. Returns, per utterance, a list of the `nbest` best
     `TransducerBeamHypothesis` (labels, frames of the likeliest path, score and its parts), best first. With a beam
     that keeps every hypothesis, the n best of all label sequences (`transducer_nbest_brute_force`); always,
-    `transducer_beam_reference`'s answer."""
-    lengths = _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens)
+    `transducer_beam_reference`'s answer. `backend`: where a round's bookkeeping runs, 'cpu' (compiled loops, for
+    CPU tensors) or 'torch' (tensor operations on the inputs' device, no host read a frame); 'auto' picks 'cpu' for
+    CPU tensors. The model runs where its inputs are either way."""
+    lengths = _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens, backend)
     found = _search(encoder_out, lengths, predict, join, blank, beam_width, max_symbols_per_frame, durations,
-                    big_blank_durations, lm, lm_weight, tokens, hotwords)
+                    big_blank_durations, lm, lm_weight, tokens, hotwords, 
+                    host=backend == 'cpu' or (backend == 'auto' and encoder_out.device.type == 'cpu'))
     B = encoder_out.shape[0]
     if found is None: return [[TransducerBeamHypothesis(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32), 0.0, 0.0, 0.0, 0.0)]
                               for _ in range(B)]
@@ -1735,9 +1763,10 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
 
 @torch.inference_mode()
 def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame, durations, big_blank_durations, lm, lm_weight,
-            tokens, hotwords):
+            tokens, hotwords, host):
     """`transducer_beam_search`'s search: the ended sets (B, K) (floats, integers), the tree of labels (a Qi per round)
-    and each round's frame, the label scorer and the number of slots S; None where there are no frames."""
+    and each round's frame, the label scorer and the number of slots S; None where there are no frames. `host`: a
+    round's bookkeeping by `_round_host` (CPU tensors), else by `_RoundTensors` (any device)."""
     (B, T), dev, ninf = encoder_out.shape[:2], encoder_out.device, -math.inf
     D, moves = _transducer_moves(durations, big_blank_durations, blank, dev)
     try: pred, state = predict(torch.full((B,), blank, dtype=torch.long, device=dev), None)
@@ -1759,9 +1788,11 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
     Ef, Ei = Qf[:, 0].clone().fill_(ninf), Qi[:, 0].clone()
     pred, state = _rows(pred, batch.repeat_interleave(M * K)), _rows(state, batch.repeat_interleave(M * K))
     a_rows = ((batch * M * K)[:, None] + ar).view(-1)              # the rows of the hypotheses at frame t
-    pool = B * M * K + batch[:, None] * K                          # (B, 1): rows after them hold the expanded ones'
-    x_src, y_src = torch.arange(B * M * K, device=dev).view(B, M, K), (pool + ar)[:, None].expand(B, M, K)
-    k_of, j_of = torch.arange(K * V, device=dev) % V, torch.arange(K * V, device=dev) // V
+    at = _RoundTensors(B, M, K, V, D, sc, lm_weight, dev)
+    if host:                                                       # the tables of the host's round, once
+        none = np.zeros((0, 0, 0))
+        hot = (sc.hot_next.numpy(), sc.hot_done.numpy(), sc.hot_partial.numpy()) if sc.hot is not None else \
+              (np.zeros((0, 0), np.int64), np.zeros(0), np.zeros(0))
     records = []                                                   # (Qi, frame) of each round: the labels' tree
     for t in range(int(lengths.max()) + M - 1):
         over = t >= lengths                                        # the frame-t sets of ended utterances: merged
@@ -1771,93 +1802,47 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
         frames = encoder_out[:, min(t, T - 1)].repeat_interleave(K, 0)
         for r in range(max_symbols_per_frame):
             af, ai = Qf[:, 0], Qi[:, 0]                            # (B, K, 3), (B, K, 9): the hypotheses at frame t
-            live = af[..., 0] > ninf
+            live = Qf.numpy()[:, 0, :, 0] > ninf if host else af[..., 0] > ninf
             if not bool(live.any()): break
             # 1. the predictor takes the labels it has not seen, the joiner every hypothesis: one call each
             pa = _rows(pred, a_rows)
             sa = pa if state is pred else _rows(state, a_rows)
-            pend = live & (ai[..., _PEND] >= 0)
-            if bool(pend.any()):
-                new_p, new_s = predict(torch.where(pend, ai[..., _PEND], blank).view(-1), sa)
-                same_s = new_s is new_p and sa is pa
-                pa = _select(pend.view(-1), new_p, pa)
-                sa = pa if same_s else _select(pend.view(-1), new_s, sa)
-            sym, label, label_max, other, other_max = steps(join(frames, pa).view(B, K, -1))
-            cap = r + 1 == max_symbols_per_frame
-            if cap:                                                # a label that would stay moves on by a frame
-                label = torch.cat([label[..., :1].clone().fill_(ninf), label[..., :2].logsumexp(-1, keepdim=True), label[..., 2:]], -1)
-                label_max = torch.cat([label[..., :1], label_max[..., :2].amax(-1, keepdim=True), label_max[..., 2:]], -1)
-            a_h = ai[..., _H]
-            # 2. what each label adds to the score (LM, phrases done) and to the ranking only (phrases under way)
-            bonus = af[..., 2, None].expand(B, K, V)
-            ls_next, hs_next, partial = ai[..., _LS, None].expand(B, K, V), ai[..., _HS, None].expand(B, K, V), 0.0
-            if lm is not None:
-                lm_gain, ls_next = sc.lm_scores(ai[..., _LS])
-                bonus = bonus + lm_weight * lm_gain
-            if sc.hot is not None:
-                hs_next = sc.hot_next[ai[..., _HS]]
-                bonus, partial = bonus + sc.hot_done[hs_next], sc.hot_partial[hs_next].view(B, 1, K * V)
-            bonus = bonus.reshape(B, 1, K * V)
-            # 3. the blanks (B, M - 1, K) join the sets ahead, merged where those hold their labels: U = both
-            Xf, Xi = Qf[:, 1:], Qi[:, 1:]
-            y_ac, y_best = af[:, None, :, 0] + other[..., 1:].transpose(1, 2), af[:, None, :, 1] + other_max[..., 1:].transpose(1, 2)
-            same = (Xi[..., _H, None] == a_h[:, None, None, :]) & (Xf[..., 0] > ninf)[..., None] & live[:, None, None, :]   # (B, M - 1, K, K)
-            x_ac = torch.logaddexp(Xf[..., 0], torch.where(same, y_ac[:, :, None], ninf).amax(-1))
-            b_best, j = torch.where(same, y_best[:, :, None], ninf).max(-1)
-            xi = Xi.clone()
-            xi[..., _NODE] = torch.where(b_best > Xf[..., 1], ai[..., _NODE].gather(1, j.view(B, -1)).view(B, M - 1, K), Xi[..., _NODE])
-            xi[..., _SRC] = x_src[:, 1:]
-            yi = ai[:, None].expand(B, M - 1, K, 9).clone()
-            yi[..., _PEND], yi[..., _SRC] = -1, y_src[:, 1:]
-            Uf = torch.cat([torch.stack([x_ac, torch.maximum(Xf[..., 1], b_best), Xf[..., 2]], -1),
-                            torch.stack([y_ac.masked_fill(same.any(2), ninf), y_best, af[:, None, :, 2].expand(B, M - 1, K)], -1)], 2)
-            Ui = torch.cat([xi, yi], 2)                            # (B, M - 1, 2K, 3), (B, M - 1, 2K, 9)
-            # 4. the extensions (B, n, K V), to the sets e0 .. e1 - 1 that labels reach (frame t alone for an RNN-T
-            # before the cap); an entry of U with the labels of one (in the sets o0 .. e1 - 1) gives it its probability
-            e0, e1 = int(cap), (M if D else 1 + int(cap))
-            n, o0 = e1 - e0, max(e0, 1)
-            E = torch.stack([(af[..., 0, None] + sym).view(B, 1, K * V), (af[..., 1, None] + sym).view(B, 1, K * V)], -1)
-            if D or cap: E = E + torch.stack([label[..., e0:e1], label_max[..., e0:e1]], -1).transpose(1, 2).repeat_interleave(V, 2)
-            e_node = torch.full((B, n, K * V), -2, dtype=torch.long, device=dev)          # -2: a node of its own
-            if e1 > o0:
-                uf, ui, m = Uf[:, o0 - 1:e1 - 1], Ui[:, o0 - 1:e1 - 1], e1 - o0
-                same = (ui[..., _PH, None] == a_h[:, None, None, :]) & ((ui[..., _LAST] >= 0) & (uf[..., 0] > ninf))[..., None] \
-                       & live[:, None, None, :]                  # (B, m, 2K, K)
-                hit = same.any(-1)
-                at = torch.where(hit, same.int().argmax(-1) * V + ui[..., _LAST], K * V)
-                put = uf[..., :2].masked_fill(~hit[..., None], ninf)
-                put = torch.full((B, m, K * V + 1, 2), ninf, dtype=torch.float64, device=dev).scatter_(2, at[..., None].expand(B, m, 2 * K, 2), put)[:, :, :K * V]
-                put_node = torch.full((B, m, K * V + 1), -1, dtype=torch.long, device=dev).scatter_(2, at, ui[..., _NODE])[:, :, :K * V]
-                ov = E[:, o0 - e0:].expand(B, m, K * V, 2)
-                e_node = torch.cat([e_node[:, :o0 - e0], torch.where(put[..., 1] > ov[..., 1], put_node, -2)], 1)
-                E = torch.cat([E[:, :o0 - e0].expand(B, o0 - e0, K * V, 2),
-                               torch.stack([torch.logaddexp(ov[..., 0], put[..., 0]), torch.maximum(ov[..., 1], put[..., 1])], -1)], 1)
-                Uf = Uf.clone()
-                Uf[:, o0 - 1:e1 - 1, :, 0] = uf[..., 0].masked_fill(hit, ninf)
-            # 5. each set's K best: the extensions' K best, and, ahead, the K best of those and U
-            top_e, ie = (E[..., 0] + bonus + partial).topk(K, -1)                     # (B, n, K)
-            je, ke = j_of[ie], k_of[ie]
-            aj = ai.gather(1, je.view(B, -1, 1).expand(B, n * K, 9)).view(B, n, K, 9)     # the extensions' parents
-            take = lambda x: x.reshape(B, -1, K * V).expand(B, n, K * V).gather(2, ie)
-            ef = torch.stack([take(E[..., 0]), take(E[..., 1]), take(bonus)], -1)
-            ei = torch.stack([_label_hash(aj[..., _H], ke), aj[..., _H], ke, take(e_node), ke,
-                              take(ls_next) if lm is not None else aj[..., _LS], take(hs_next) if sc.hot is not None else aj[..., _HS],
-                              pool[:, :, None] + je, aj[..., _NODE]], -1)
-            rank_u = Uf[..., 0] + Uf[..., 2] + (sc.hot_partial[Ui[..., _HS]] if sc.hot is not None else 0.0)
-            if e1 > o0:                                # (the sets ahead that no label reaches: no extension)
-                pad = lambda x, fill: torch.cat([x.new_full((B, o0 - 1, *x.shape[2:]), fill), x[:, o0 - e0:],
-                                                 x.new_full((B, M - e1, *x.shape[2:]), fill)], 1)
-                rank_u, Uf, Ui = (torch.cat([x, pad(y, fill)], 2) for x, y, fill in ((rank_u, top_e, ninf), (Uf, ef, 0.0), (Ui, ei, 0)))
-            top, i = rank_u.topk(K, -1)
-            Qf, Qi = Uf.gather(2, i[..., None].expand(B, M - 1, K, 3)), Ui.gather(2, i[..., None].expand(B, M - 1, K, 9))
-            if e0 == 0: top, Qf, Qi = torch.cat([top_e[:, :1], top], 1), torch.cat([ef[:, :1], Qf], 1), torch.cat([ei[:, :1], Qi], 1)
-            else: top, Qf, Qi = torch.cat([top[:, :1].clone().fill_(ninf), top], 1), torch.cat([Qf[:, :1], Qf], 1), torch.cat([Qi[:, :1], Qi], 1)
-            Qf[..., 0] = Qf[..., 0].masked_fill(top == ninf, ninf)
-            Qi[..., _NODE] = torch.where(Qi[..., _NODE] == -2, len(records) * S + torch.arange(S, device=dev).view(1, M, K), Qi[..., _NODE])
+            if host:                                               # the host knows the rows: the model sees those alone
+                pend = torch.from_numpy(np.flatnonzero(live & (Qi.numpy()[:, 0, :, _PEND] >= 0)))
+                if len(pend):
+                    new_p, new_s = predict(ai[..., _PEND].reshape(-1)[pend], _rows(sa, pend))
+                    same_s = new_s is new_p and sa is pa
+                    pa = _put(pa, pend, new_p)
+                    sa = pa if same_s else _put(sa, pend, new_s)
+                use = None if live.all() else torch.from_numpy(np.flatnonzero(live))
+                logits = join(frames, pa) if use is None else _put(None, use, join(frames[use], _rows(pa, use)), B * K)
+            else:
+                pend = live & (ai[..., _PEND] >= 0)
+                if bool(pend.any()):
+                    new_p, new_s = predict(torch.where(pend, ai[..., _PEND], blank).view(-1), sa)
+                    same_s = new_s is new_p and sa is pa
+                    pa = _select(pend.view(-1), new_p, pa)
+                    sa = pa if same_s else _select(pend.view(-1), new_s, sa)
+                logits = join(frames, pa)
+            cap = r + 1 == max_symbols_per_frame                   # (a label that would stay moves on by a frame)
+            sym, label, label_max, other, other_max = steps(logits.view(B, K, -1), cap)
+            lm_gain, ls_next = sc.lm_scores(ai[..., _LS]) if lm is not None else (None, None)
+            # 2. to 6.: the new sets
+            if host:
+                lm_np = (lm_gain.numpy(), ls_next.numpy()) if lm is not None else (none, none.astype(np.int64))
+                Qf, Qi = (torch.from_numpy(x) for x in _round_host(
+                    Qf.numpy(), Qi.numpy(), *(x.numpy() for x in (sym, label, label_max, other, other_max)), cap, D,
+                    *lm_np, float(lm_weight), *hot, len(records) * S))
+            else: Qf, Qi = at(Qf, Qi, sym, label, label_max, other, other_max, cap, lm_gain, ls_next, len(records) * S)
             records.append((Qi, t))
-            # 6. a hypothesis still at frame t that ranks below the K-th at frame t + 1 stops (none of its paths can
-            # rank above it: every step costs), as Graves' search stops; the predictor rows follow their hypotheses
-            Qf[:, 0, :, 0] = Qf[:, 0, :, 0].masked_fill(top[:, 0] < top[:, 1, -1:], ninf)
+            # the predictor rows follow their hypotheses
+            if host:                                               # (the host's: from the frame-t rows, updated)
+                if state is pred and sa is not pa: state = _rows(state, torch.arange(B * M * K))
+                _write(pred, a_rows, pa)
+                if state is not pred: _write(state, a_rows, sa)
+                p = _rows(pred, Qi[..., _SRC].view(-1))
+                pred, state = (p, p) if state is pred else (p, _rows(state, Qi[..., _SRC].view(-1)))
+                continue
             p = _rows(_cat(pred, pa), Qi[..., _SRC].view(-1))
             pred, state = (p, p) if state is pred and sa is pa else (p, _rows(_cat(state, sa), Qi[..., _SRC].view(-1)))
         order = torch.tensor(list(range(1, M)) + [0], device=dev)  # the next frame: each set one frame closer
@@ -1866,6 +1851,206 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
         p = _rows(pred, rows)
         pred, state = (p, p) if state is pred else (p, _rows(state, rows))
     return Ef.cpu().numpy(), Ei.cpu().numpy(), torch.stack([q for q, _ in records]).view(len(records), B, S, 9).cpu().numpy(), [f for _, f in records], sc, S
+
+class _RoundTensors:
+    """Steps 2 to 6 of a round of `_search` in tensor operations over every utterance at once (on any device, with
+    no host read): the new sets (B, M, K) (floats, integers) from the sets Qf, Qi, the joiner's `_Steps` of the
+    frame-t hypotheses and the LM's scores of their extensions (or None); new nodes numbered from node0."""
+    def __init__(self, B, M, K, V, D, sc, lm_weight, dev):
+        self.B, self.M, self.K, self.V, self.D, self.sc, self.lm_weight, self.dev = B, M, K, V, D, sc, lm_weight, dev
+        batch, ar = torch.arange(B, device=dev), torch.arange(K, device=dev)
+        self.pool = B * M * K + batch[:, None] * K                 # (B, 1): rows after the sets' hold the expanded ones'
+        self.x_src, self.y_src = torch.arange(B * M * K, device=dev).view(B, M, K), (self.pool + ar)[:, None].expand(B, M, K)
+        self.k_of, self.j_of = torch.arange(K * V, device=dev) % V, torch.arange(K * V, device=dev) // V
+
+    def __call__(self, Qf, Qi, sym, label, label_max, other, other_max, cap, lm_gain, ls_next, node0):
+        B, M, K, V, D, sc, lm_weight, dev, ninf = self.B, self.M, self.K, self.V, self.D, self.sc, self.lm_weight, self.dev, -math.inf
+        pool, x_src, y_src, k_of, j_of = self.pool, self.x_src, self.y_src, self.k_of, self.j_of
+        af, ai = Qf[:, 0], Qi[:, 0]                                # (B, K, 3), (B, K, 9): the hypotheses at frame t
+        live, a_h = af[..., 0] > ninf, ai[..., _H]
+        # 2. what each label adds to the score (LM, phrases done) and to the ranking only (phrases under way)
+        bonus = af[..., 2, None].expand(B, K, V)
+        hs_next, partial = ai[..., _HS, None].expand(B, K, V), 0.0
+        if lm_gain is not None: bonus = bonus + lm_weight * lm_gain
+        if sc.hot is not None:
+            hs_next = sc.hot_next[ai[..., _HS]]
+            bonus, partial = bonus + sc.hot_done[hs_next], sc.hot_partial[hs_next].view(B, 1, K * V)
+        bonus = bonus.reshape(B, 1, K * V)
+        # 3. the blanks (B, M - 1, K) join the sets ahead, merged where those hold their labels: U = both
+        Xf, Xi = Qf[:, 1:], Qi[:, 1:]
+        y_ac, y_best = af[:, None, :, 0] + other[..., 1:].transpose(1, 2), af[:, None, :, 1] + other_max[..., 1:].transpose(1, 2)
+        same = (Xi[..., _H, None] == a_h[:, None, None, :]) & (Xf[..., 0] > ninf)[..., None] & live[:, None, None, :]   # (B, M - 1, K, K)
+        x_ac = torch.logaddexp(Xf[..., 0], torch.where(same, y_ac[:, :, None], ninf).amax(-1))
+        b_best, j = torch.where(same, y_best[:, :, None], ninf).max(-1)
+        xi = Xi.clone()
+        xi[..., _NODE] = torch.where(b_best > Xf[..., 1], ai[..., _NODE].gather(1, j.view(B, -1)).view(B, M - 1, K), Xi[..., _NODE])
+        xi[..., _SRC] = x_src[:, 1:]
+        yi = ai[:, None].expand(B, M - 1, K, 9).clone()
+        yi[..., _PEND], yi[..., _SRC] = -1, y_src[:, 1:]
+        Uf = torch.cat([torch.stack([x_ac, torch.maximum(Xf[..., 1], b_best), Xf[..., 2]], -1),
+                        torch.stack([y_ac.masked_fill(same.any(2), ninf), y_best, af[:, None, :, 2].expand(B, M - 1, K)], -1)], 2)
+        Ui = torch.cat([xi, yi], 2)                            # (B, M - 1, 2K, 3), (B, M - 1, 2K, 9)
+        # 4. the extensions (B, n, K V), to the sets e0 .. e1 - 1 that labels reach (frame t alone for an RNN-T
+        # before the cap); an entry of U with the labels of one (in the sets o0 .. e1 - 1) gives it its probability
+        e0, e1 = int(cap), (M if D else 1 + int(cap))
+        n, o0 = e1 - e0, max(e0, 1)
+        E = torch.stack([(af[..., 0, None] + sym).view(B, 1, K * V), (af[..., 1, None] + sym).view(B, 1, K * V)], -1)
+        if D or cap: E = E + torch.stack([label[..., e0:e1], label_max[..., e0:e1]], -1).transpose(1, 2).repeat_interleave(V, 2)
+        e_node = torch.full((B, n, K * V), -2, dtype=torch.long, device=dev)          # -2: a node of its own
+        if e1 > o0:
+            uf, ui, m = Uf[:, o0 - 1:e1 - 1], Ui[:, o0 - 1:e1 - 1], e1 - o0
+            same = (ui[..., _PH, None] == a_h[:, None, None, :]) & ((ui[..., _LAST] >= 0) & (uf[..., 0] > ninf))[..., None] \
+                   & live[:, None, None, :]                  # (B, m, 2K, K)
+            hit = same.any(-1)
+            at = torch.where(hit, same.int().argmax(-1) * V + ui[..., _LAST], K * V)
+            put = uf[..., :2].masked_fill(~hit[..., None], ninf)
+            put = torch.full((B, m, K * V + 1, 2), ninf, dtype=torch.float64, device=dev).scatter_(2, at[..., None].expand(B, m, 2 * K, 2), put)[:, :, :K * V]
+            put_node = torch.full((B, m, K * V + 1), -1, dtype=torch.long, device=dev).scatter_(2, at, ui[..., _NODE])[:, :, :K * V]
+            ov = E[:, o0 - e0:].expand(B, m, K * V, 2)
+            e_node = torch.cat([e_node[:, :o0 - e0], torch.where(put[..., 1] > ov[..., 1], put_node, -2)], 1)
+            E = torch.cat([E[:, :o0 - e0].expand(B, o0 - e0, K * V, 2),
+                           torch.stack([torch.logaddexp(ov[..., 0], put[..., 0]), torch.maximum(ov[..., 1], put[..., 1])], -1)], 1)
+            Uf = Uf.clone()
+            Uf[:, o0 - 1:e1 - 1, :, 0] = uf[..., 0].masked_fill(hit, ninf)
+        # 5. each set's K best: the extensions' K best, and, ahead, the K best of those and U
+        top_e, ie = (E[..., 0] + bonus + partial).topk(K, -1)                     # (B, n, K)
+        je, ke = j_of[ie], k_of[ie]
+        aj = ai.gather(1, je.view(B, -1, 1).expand(B, n * K, 9)).view(B, n, K, 9)     # the extensions' parents
+        take = lambda x: x.reshape(B, -1, K * V).expand(B, n, K * V).gather(2, ie)
+        ef = torch.stack([take(E[..., 0]), take(E[..., 1]), take(bonus)], -1)
+        ei = torch.stack([_label_hash(aj[..., _H], ke), aj[..., _H], ke, take(e_node), ke,
+                          take(ls_next) if lm_gain is not None else aj[..., _LS], take(hs_next) if sc.hot is not None else aj[..., _HS],
+                          pool[:, :, None] + je, aj[..., _NODE]], -1)
+        rank_u = Uf[..., 0] + Uf[..., 2] + (sc.hot_partial[Ui[..., _HS]] if sc.hot is not None else 0.0)
+        if e1 > o0:                                # (the sets ahead that no label reaches: no extension)
+            pad = lambda x, fill: torch.cat([x.new_full((B, o0 - 1, *x.shape[2:]), fill), x[:, o0 - e0:],
+                                             x.new_full((B, M - e1, *x.shape[2:]), fill)], 1)
+            rank_u, Uf, Ui = (torch.cat([x, pad(y, fill)], 2) for x, y, fill in ((rank_u, top_e, ninf), (Uf, ef, 0.0), (Ui, ei, 0)))
+        top, i = rank_u.topk(K, -1)
+        Qf, Qi = Uf.gather(2, i[..., None].expand(B, M - 1, K, 3)), Ui.gather(2, i[..., None].expand(B, M - 1, K, 9))
+        if e0 == 0: top, Qf, Qi = torch.cat([top_e[:, :1], top], 1), torch.cat([ef[:, :1], Qf], 1), torch.cat([ei[:, :1], Qi], 1)
+        else: top, Qf, Qi = torch.cat([top[:, :1].clone().fill_(ninf), top], 1), torch.cat([Qf[:, :1], Qf], 1), torch.cat([Qi[:, :1], Qi], 1)
+        Qf[..., 0] = Qf[..., 0].masked_fill(top == ninf, ninf)
+        Qi[..., _NODE] = torch.where(Qi[..., _NODE] == -2, node0 + torch.arange(M * K, device=dev).view(1, M, K), Qi[..., _NODE])
+        # 6. a hypothesis still at frame t that ranks below the K-th at frame t + 1 stops (none of its paths can
+        # rank above it: every step costs), as Graves' search stops
+        Qf[:, 0, :, 0] = Qf[:, 0, :, 0].masked_fill(top[:, 0] < top[:, 1, -1:], ninf)
+        return Qf, Qi
+
+# %% ../nbs/11d_transducer_beam.ipynb #tb-host
+@numba.njit(cache=_CACHE, nogil=True)
+def _logaddexp(a, b):
+    "ln(e^a + e^b), as torch.logaddexp computes it."
+    if a == b and math.isinf(a): return a
+    return max(a, b) + math.log1p(math.exp(-abs(a - b)))
+
+_label_hash_host = numba.njit(cache=_CACHE, nogil=True)(_label_hash)
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _top(rank, n, K, out):
+    "The indices of the K largest of rank[:n] into out, largest first, ties to the lower index (a stable sort's)."
+    if K > 16:
+        out[:K] = np.argsort(-rank[:n], kind='mergesort')[:K]
+        return
+    for i in range(n):                                 # (a narrow beam: one pass, each entry against the K-th)
+        m = min(i, K)
+        if m == K and not rank[i] > rank[out[K - 1]]: continue
+        while m > 0 and rank[i] > rank[out[m - 1]]:
+            if m < K: out[m] = out[m - 1]
+            m -= 1
+        out[m] = i
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _round_host(Qf, Qi, sym, label, label_max, other, other_max, cap, D, lm_gain, ls_next, lm_weight, hot_next, hot_done,
+                hot_partial, node0):
+    """`_RoundTensors` on the host: steps 2 to 6 of a round, an utterance at a time, each set ahead at a time, in loops
+    over its K hypotheses (no (B, M, 3K) intermediates). Empty `lm_gain`: no LM; empty `hot_done`: no hotwords. The
+    blanks and extensions take their predictor rows from the frame-t hypotheses' own (b, 0, j) (where `_search` puts
+    the outputs of step 1), not from rows after the sets'."""
+    B, M, K, V = Qf.shape[0], Qf.shape[1], Qf.shape[2], sym.shape[2]
+    ninf, has_lm, has_hot = -math.inf, lm_gain.shape[0] > 0, hot_done.shape[0] > 0
+    e0, e1 = int(cap), (M if D else 1 + int(cap))           # the sets that labels reach
+    nf, ni = np.empty_like(Qf), np.empty_like(Qi)
+    Uf, Ui, rank = np.empty((3 * K, 3)), np.empty((3 * K, 9), np.int64), np.empty(3 * K)  # a set's candidates
+    E0, E1, node, r_e = np.empty(K * V), np.empty(K * V), np.empty(K * V, np.int64), np.empty(K * V)   # extensions
+    bonus, part, ls, hs = np.empty(K * V), np.empty(K * V), np.empty(K * V, np.int64), np.empty(K * V, np.int64)
+    pick, merged, top = np.empty(K, np.int64), np.empty(K, np.bool_), np.empty((M, K))
+    for b in range(B):
+        a_f, a_i, pool = Qf[b, 0], Qi[b, 0], b * M * K     # pool + j: the row of frame-t hypothesis j's predictor output
+        # 2. each label's bonus (LM, phrases done) and ranking's extra (phrases under way), the LM and phrase states
+        alive = False
+        for j in range(K):
+            alive |= a_f[j, 0] > ninf
+            for k in range(V):
+                jk = j * V + k
+                bonus[jk], part[jk], ls[jk], hs[jk] = a_f[j, 2], 0.0, a_i[j, _LS], a_i[j, _HS]
+                if has_lm: bonus[jk], ls[jk] = bonus[jk] + lm_weight * lm_gain[b, j, k], ls_next[b, j, k]
+                if has_hot:
+                    hs[jk] = hot_next[a_i[j, _HS], k]
+                    bonus[jk], part[jk] = bonus[jk] + hot_done[hs[jk]], hot_partial[hs[jk]]
+        for f in range(M):
+            n = 0
+            if f > 0:                                  # 3. the set's K, then the blanks of the K at frame t
+                merged[:] = False
+                for i in range(K):
+                    y_ac, y_best, jb = ninf, ninf, 0
+                    if Qf[b, f, i, 0] > ninf:
+                        for j in range(K):
+                            if a_f[j, 0] > ninf and a_i[j, _H] == Qi[b, f, i, _H]:
+                                merged[j], y_ac = True, max(y_ac, a_f[j, 0] + other[b, j, f])
+                                if a_f[j, 1] + other_max[b, j, f] > y_best: y_best, jb = a_f[j, 1] + other_max[b, j, f], j
+                    Uf[i, 0], Uf[i, 1], Uf[i, 2] = _logaddexp(Qf[b, f, i, 0], y_ac), max(Qf[b, f, i, 1], y_best), Qf[b, f, i, 2]
+                    Ui[i] = Qi[b, f, i]
+                    if y_best > Qf[b, f, i, 1]: Ui[i, _NODE] = a_i[jb, _NODE]
+                    Ui[i, _SRC] = (b * M + f) * K + i
+                for j in range(K):
+                    Uf[K + j, 0] = ninf if merged[j] else a_f[j, 0] + other[b, j, f]
+                    Uf[K + j, 1], Uf[K + j, 2] = a_f[j, 1] + other_max[b, j, f], a_f[j, 2]
+                    Ui[K + j] = a_i[j]
+                    Ui[K + j, _PEND], Ui[K + j, _SRC] = -1, pool + j
+                n = 2 * K
+            if alive and e0 <= f < e1:                 # 4. the extensions, given their probability by U's entries
+                for j in range(K):
+                    for k in range(V):
+                        jk = j * V + k
+                        if not a_f[j, 0] > ninf:           # (a dead hypothesis has no extension)
+                            E0[jk], E1[jk], node[jk] = ninf, ninf, -2
+                            continue
+                        E0[jk], E1[jk], node[jk] = a_f[j, 0] + sym[b, j, k], a_f[j, 1] + sym[b, j, k], -2
+                        if D or cap: E0[jk], E1[jk] = E0[jk] + label[b, j, f], E1[jk] + label_max[b, j, f]
+                for u in range(n):
+                    if Ui[u, _LAST] < 0 or not Uf[u, 0] > ninf: continue
+                    for j in range(K):
+                        if a_f[j, 0] > ninf and a_i[j, _H] == Ui[u, _PH]:
+                            jk = j * V + Ui[u, _LAST]
+                            if Uf[u, 1] > E1[jk]: node[jk] = Ui[u, _NODE]
+                            E0[jk], E1[jk], Uf[u, 0] = _logaddexp(E0[jk], Uf[u, 0]), max(E1[jk], Uf[u, 1]), ninf
+                            break
+            for u in range(n): rank[u] = Uf[u, 0] + Uf[u, 2] + (hot_partial[Ui[u, _HS]] if has_hot else 0.0)
+            if alive and e0 <= f < e1:                 # 5. the extensions' K best join the candidates
+                for jk in range(K * V): r_e[jk] = E0[jk] + bonus[jk] + part[jk] if E0[jk] > ninf else ninf
+                _top(r_e, K * V, K, pick)
+                for s in range(K):
+                    jk, c = pick[s], n + s
+                    j, k = jk // V, jk % V
+                    rank[c], Uf[c, 0], Uf[c, 1], Uf[c, 2] = r_e[jk], E0[jk], E1[jk], bonus[jk]
+                    Ui[c, _H], Ui[c, _PH], Ui[c, _LAST], Ui[c, _NODE], Ui[c, _PEND] = _label_hash_host(a_i[j, _H], k), a_i[j, _H], k, node[jk], k
+                    Ui[c, _LS], Ui[c, _HS], Ui[c, _SRC], Ui[c, _PNODE] = ls[jk], hs[jk], pool + j, a_i[j, _NODE]
+                n += K
+            if n == 0:                                 # (frame t after the cap: no hypothesis)
+                for s in range(K):
+                    nf[b, f, s], ni[b, f, s], top[f, s] = Qf[b, f, s], Qi[b, f, s], ninf
+                    nf[b, f, s, 0], ni[b, f, s, _SRC] = ninf, pool + s
+                continue
+            _top(rank, n, K, pick)                     # each set's K best; new nodes
+            for s in range(K):
+                c = pick[s]
+                nf[b, f, s], ni[b, f, s], top[f, s] = Uf[c], Ui[c], rank[c]
+                if rank[c] == ninf: nf[b, f, s, 0] = ninf
+                if ni[b, f, s, _NODE] == -2: ni[b, f, s, _NODE] = node0 + f * K + s
+        for s in range(K):                             # 6. Graves' rule
+            if top[0, s] < top[1, K - 1]: nf[b, 0, s, 0] = ninf
+    return nf, ni
 
 # %% ../nbs/11e_ctc_beam_cuda.ipynb #cb-glue
 from .kernel import load_kernel
