@@ -1656,6 +1656,7 @@ class _Steps:
             self.blanks = blank - torch.arange(len(moves) - 1, device=device)      # the blank, big blank 0, 1, ...
             self.w_blank, self.label, self.mask[self.blanks] = at(moves[:-1]), at(moves[-1:])[0], -math.inf
             self.label_cap = at(moves[-1:] + 1)[0]
+            self.cols, self.moved = self.blanks.cpu().numpy(), moves[:-1].cpu().numpy()   # (for `host`)
             self.distinct = len(set(moves[:-1].tolist())) == len(moves) - 1        # (each move one blank's)
 
     def __call__(self, logits, cap=False):
@@ -1675,6 +1676,21 @@ class _Steps:
             x = x.amax(-2)                             # (one blank a move: its log-probability)
             return sym, label, label, x, x
         return sym, label, label, x.logsumexp(-2), x.amax(-2)
+
+    def host(self, logits, cap=False):
+        "The same as numpy arrays (CPU tensors); an RNN-T's and a multi-blank model's of distinct moves by one loop."
+        if self.D or not self.distinct: return tuple(x.numpy() for x in self(logits, cap))
+        sym, other = _blank_moves(logits[..., :self.V].double().log_softmax(-1).numpy(), self.cols, self.moved, self.M)
+        label = np.broadcast_to((self.label_cap if cap else self.label).numpy(), (*sym.shape[:-1], self.M))
+        return sym, label, label, other, other
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _blank_moves(lp, cols, moved, M):
+    "`_Steps`' sym and other (n, V), (n, M) from log-probabilities (n, V), each blank (cols) moving by one frame count."
+    sym, other = lp.copy(), np.full((lp.shape[0], M), -math.inf)
+    for r in range(lp.shape[0]):
+        for i in range(len(cols)): sym[r, cols[i]], other[r, moved[i]] = -math.inf, lp[r, cols[i]]
+    return sym, other
 
 _H, _PH, _LAST, _NODE, _PEND, _LS, _HS, _SRC, _PNODE = range(9)   # a hypothesis's integers (its floats: ln P, best, bonus)
 
@@ -1788,66 +1804,73 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
     Ef, Ei = Qf[:, 0].clone().fill_(ninf), Qi[:, 0].clone()
     pred, state = _rows(pred, batch.repeat_interleave(M * K)), _rows(state, batch.repeat_interleave(M * K))
     a_rows = ((batch * M * K)[:, None] + ar).view(-1)              # the rows of the hypotheses at frame t
-    at = _RoundTensors(B, M, K, V, D, sc, lm_weight, dev)
+    tensors_round = _RoundTensors(B, M, K, V, D, sc, lm_weight, dev)
     if host:                                                       # the tables of the host's round, once
         none = np.zeros((0, 0, 0))
         hot = (sc.hot_next.numpy(), sc.hot_done.numpy(), sc.hot_partial.numpy()) if sc.hot is not None else \
               (np.zeros((0, 0), np.int64), np.zeros(0), np.zeros(0))
     records = []                                                   # (Qi, frame) of each round: the labels' tree
+    order = torch.tensor(list(range(1, M)) + [0], device=dev)      # at the next frame each set is one frame closer
+    rows = (((batch * M)[:, None, None] + order[None, :, None]) * K + ar).view(-1)
     for t in range(int(lengths.max()) + M - 1):
         over = t >= lengths                                        # the frame-t sets of ended utterances: merged
-        if bool((over & (Qf[:, 0, :, 0] > ninf).any(-1)).any()):
+        if (bool((Qf.numpy()[over.numpy(), 0, :, 0] > ninf).any()) if host else bool((over & (Qf[:, 0, :, 0] > ninf).any(-1)).any())):
             Ef, Ei = _merge_end(Ef, Ei, Qf[:, 0], Qi[:, 0], over, K)
             Qf[:, 0, :, 0] = Qf[:, 0, :, 0].masked_fill(over[:, None], ninf)
-        frames = encoder_out[:, min(t, T - 1)].repeat_interleave(K, 0)
+        frame = encoder_out[:, min(t, T - 1)]
+        frames = None if host else frame.repeat_interleave(K, 0)
         for r in range(max_symbols_per_frame):
+            cap, node0 = r + 1 == max_symbols_per_frame, len(records) * S   # (at the cap a label that would stay moves on)
+            if host:                                   # the host knows the live rows and the pending labels:
+                q_f, q_i = Qf.numpy(), Qi.numpy()      # the model sees those rows alone
+                live = np.flatnonzero(q_f[:, 0, :, 0] > ninf)                 # b K + j
+                if not len(live): break
+                # 1. the predictor takes the labels it has not seen, the joiner every live hypothesis: one call each
+                a_live = torch.from_numpy(live // K * (M * K) + live % K)    # their predictor rows
+                pa = _rows(pred, a_live)
+                sa = pa if state is pred else _rows(state, a_live)
+                labels = q_i[:, 0, :, _PEND].reshape(-1)[live]
+                pend = np.flatnonzero(labels >= 0)
+                if len(pend):
+                    new_p, new_s = predict(torch.from_numpy(labels[pend]), _rows(sa, torch.from_numpy(pend)))
+                    same_s = new_s is new_p and sa is pa
+                    pa = _put(pa, torch.from_numpy(pend), new_p)
+                    sa = pa if same_s else _put(sa, torch.from_numpy(pend), new_s)
+                row = np.full(B * K, -1)
+                row[live] = np.arange(len(live))
+                steps_np = steps.host(join(frame.index_select(0, torch.from_numpy(live // K)), pa), cap)
+                lm_np = tuple(x.numpy() for x in sc.lm_scores(Qi[:, 0, :, _LS])) if lm is not None else (none, none.astype(np.int64))
+                # 2. to 6.: the new sets, and the rows of their predictor outputs
+                Qf, Qi, src = (torch.from_numpy(x) for x in _round_host(q_f, q_i, row, *steps_np, cap, D, *lm_np, float(lm_weight), *hot, node0))
+                records.append((Qi, t))
+                # the predictor rows follow their hypotheses: the frame-t rows take step 1's outputs first
+                if state is pred and sa is not pa: state = _rows(state, torch.arange(B * M * K))   # (two buffers now)
+                _write(pred, a_live, pa)
+                if state is not pred: _write(state, a_live, sa)
+                p = _rows(pred, src)
+                pred, state = (p, p) if state is pred else (p, _rows(state, src))
+                continue
             af, ai = Qf[:, 0], Qi[:, 0]                            # (B, K, 3), (B, K, 9): the hypotheses at frame t
-            live = Qf.numpy()[:, 0, :, 0] > ninf if host else af[..., 0] > ninf
+            live = af[..., 0] > ninf
             if not bool(live.any()): break
             # 1. the predictor takes the labels it has not seen, the joiner every hypothesis: one call each
             pa = _rows(pred, a_rows)
             sa = pa if state is pred else _rows(state, a_rows)
-            if host:                                               # the host knows the rows: the model sees those alone
-                pend = torch.from_numpy(np.flatnonzero(live & (Qi.numpy()[:, 0, :, _PEND] >= 0)))
-                if len(pend):
-                    new_p, new_s = predict(ai[..., _PEND].reshape(-1)[pend], _rows(sa, pend))
-                    same_s = new_s is new_p and sa is pa
-                    pa = _put(pa, pend, new_p)
-                    sa = pa if same_s else _put(sa, pend, new_s)
-                use = None if live.all() else torch.from_numpy(np.flatnonzero(live))
-                logits = join(frames, pa) if use is None else _put(None, use, join(frames[use], _rows(pa, use)), B * K)
-            else:
-                pend = live & (ai[..., _PEND] >= 0)
-                if bool(pend.any()):
-                    new_p, new_s = predict(torch.where(pend, ai[..., _PEND], blank).view(-1), sa)
-                    same_s = new_s is new_p and sa is pa
-                    pa = _select(pend.view(-1), new_p, pa)
-                    sa = pa if same_s else _select(pend.view(-1), new_s, sa)
-                logits = join(frames, pa)
-            cap = r + 1 == max_symbols_per_frame                   # (a label that would stay moves on by a frame)
-            sym, label, label_max, other, other_max = steps(logits.view(B, K, -1), cap)
+            pend = live & (ai[..., _PEND] >= 0)
+            if bool(pend.any()):
+                new_p, new_s = predict(torch.where(pend, ai[..., _PEND], blank).view(-1), sa)
+                same_s = new_s is new_p and sa is pa
+                pa = _select(pend.view(-1), new_p, pa)
+                sa = pa if same_s else _select(pend.view(-1), new_s, sa)
+            sym, label, label_max, other, other_max = steps(join(frames, pa).view(B, K, -1), cap)
             lm_gain, ls_next = sc.lm_scores(ai[..., _LS]) if lm is not None else (None, None)
             # 2. to 6.: the new sets
-            if host:
-                lm_np = (lm_gain.numpy(), ls_next.numpy()) if lm is not None else (none, none.astype(np.int64))
-                Qf, Qi = (torch.from_numpy(x) for x in _round_host(
-                    Qf.numpy(), Qi.numpy(), *(x.numpy() for x in (sym, label, label_max, other, other_max)), cap, D,
-                    *lm_np, float(lm_weight), *hot, len(records) * S))
-            else: Qf, Qi = at(Qf, Qi, sym, label, label_max, other, other_max, cap, lm_gain, ls_next, len(records) * S)
+            Qf, Qi = tensors_round(Qf, Qi, sym, label, label_max, other, other_max, cap, lm_gain, ls_next, node0)
             records.append((Qi, t))
             # the predictor rows follow their hypotheses
-            if host:                                               # (the host's: from the frame-t rows, updated)
-                if state is pred and sa is not pa: state = _rows(state, torch.arange(B * M * K))
-                _write(pred, a_rows, pa)
-                if state is not pred: _write(state, a_rows, sa)
-                p = _rows(pred, Qi[..., _SRC].view(-1))
-                pred, state = (p, p) if state is pred else (p, _rows(state, Qi[..., _SRC].view(-1)))
-                continue
             p = _rows(_cat(pred, pa), Qi[..., _SRC].view(-1))
             pred, state = (p, p) if state is pred and sa is pa else (p, _rows(_cat(state, sa), Qi[..., _SRC].view(-1)))
-        order = torch.tensor(list(range(1, M)) + [0], device=dev)  # the next frame: each set one frame closer
         Qf, Qi = Qf[:, order], Qi[:, order]
-        rows = (((batch * M)[:, None, None] + order[None, :, None]) * K + ar).view(-1)
         p = _rows(pred, rows)
         pred, state = (p, p) if state is pred else (p, _rows(state, rows))
     return Ef.cpu().numpy(), Ei.cpu().numpy(), torch.stack([q for q, _ in records]).view(len(records), B, S, 9).cpu().numpy(), [f for _, f in records], sc, S
@@ -1961,13 +1984,14 @@ def _top(rank, n, K, out):
         out[m] = i
 
 @numba.njit(cache=_CACHE, nogil=True)
-def _round_host(Qf, Qi, sym, label, label_max, other, other_max, cap, D, lm_gain, ls_next, lm_weight, hot_next, hot_done,
+def _round_host(Qf, Qi, row, sym, label, label_max, other, other_max, cap, D, lm_gain, ls_next, lm_weight, hot_next, hot_done,
                 hot_partial, node0):
     """`_RoundTensors` on the host: steps 2 to 6 of a round, an utterance at a time, each set ahead at a time, in loops
-    over its K hypotheses (no (B, M, 3K) intermediates). Empty `lm_gain`: no LM; empty `hot_done`: no hotwords. The
-    blanks and extensions take their predictor rows from the frame-t hypotheses' own (b, 0, j) (where `_search` puts
-    the outputs of step 1), not from rows after the sets'."""
-    B, M, K, V = Qf.shape[0], Qf.shape[1], Qf.shape[2], sym.shape[2]
+    over its K hypotheses (no (B, M, 3K) intermediates). The `_Steps` arrays hold the live frame-t hypotheses' rows
+    alone: row[b K + j] is hypothesis (b, j)'s. Empty `lm_gain`: no LM; empty `hot_done`: no hotwords. The new sets,
+    and each entry's predictor row (B M K): its own for the sets' entries, its frame-t parent's (b, 0, j) for the
+    blanks and extensions (where `_search` puts the outputs of step 1)."""
+    B, M, K, V = Qf.shape[0], Qf.shape[1], Qf.shape[2], sym.shape[1]
     ninf, has_lm, has_hot = -math.inf, lm_gain.shape[0] > 0, hot_done.shape[0] > 0
     e0, e1 = int(cap), (M if D else 1 + int(cap))           # the sets that labels reach
     nf, ni = np.empty_like(Qf), np.empty_like(Qi)
@@ -1976,14 +2000,15 @@ def _round_host(Qf, Qi, sym, label, label_max, other, other_max, cap, D, lm_gain
     bonus, part, ls, hs = np.empty(K * V), np.empty(K * V), np.empty(K * V, np.int64), np.empty(K * V, np.int64)
     pick, merged, top = np.empty(K, np.int64), np.empty(K, np.bool_), np.empty((M, K))
     for b in range(B):
-        a_f, a_i, pool = Qf[b, 0], Qi[b, 0], b * M * K     # pool + j: the row of frame-t hypothesis j's predictor output
-        # 2. each label's bonus (LM, phrases done) and ranking's extra (phrases under way), the LM and phrase states
+        a_f, a_i, base, r_b = Qf[b, 0], Qi[b, 0], b * M * K, row[b * K:(b + 1) * K]
         alive = False
-        for j in range(K):
-            alive |= a_f[j, 0] > ninf
+        for j in range(K): alive |= r_b[j] >= 0
+        # 2. each label's bonus (LM, phrases done) and ranking's extra (phrases under way), the LM and phrase states
+        for j in range(K if alive else 0):
             for k in range(V):
                 jk = j * V + k
                 bonus[jk], part[jk], ls[jk], hs[jk] = a_f[j, 2], 0.0, a_i[j, _LS], a_i[j, _HS]
+                if r_b[j] < 0: continue
                 if has_lm: bonus[jk], ls[jk] = bonus[jk] + lm_weight * lm_gain[b, j, k], ls_next[b, j, k]
                 if has_hot:
                     hs[jk] = hot_next[a_i[j, _HS], k]
@@ -1996,32 +2021,33 @@ def _round_host(Qf, Qi, sym, label, label_max, other, other_max, cap, D, lm_gain
                     y_ac, y_best, jb = ninf, ninf, 0
                     if Qf[b, f, i, 0] > ninf:
                         for j in range(K):
-                            if a_f[j, 0] > ninf and a_i[j, _H] == Qi[b, f, i, _H]:
-                                merged[j], y_ac = True, max(y_ac, a_f[j, 0] + other[b, j, f])
-                                if a_f[j, 1] + other_max[b, j, f] > y_best: y_best, jb = a_f[j, 1] + other_max[b, j, f], j
+                            if r_b[j] >= 0 and a_i[j, _H] == Qi[b, f, i, _H]:
+                                merged[j], y_ac = True, max(y_ac, a_f[j, 0] + other[r_b[j], f])
+                                if a_f[j, 1] + other_max[r_b[j], f] > y_best: y_best, jb = a_f[j, 1] + other_max[r_b[j], f], j
                     Uf[i, 0], Uf[i, 1], Uf[i, 2] = _logaddexp(Qf[b, f, i, 0], y_ac), max(Qf[b, f, i, 1], y_best), Qf[b, f, i, 2]
                     Ui[i] = Qi[b, f, i]
                     if y_best > Qf[b, f, i, 1]: Ui[i, _NODE] = a_i[jb, _NODE]
-                    Ui[i, _SRC] = (b * M + f) * K + i
+                    Ui[i, _SRC] = base + f * K + i
                 for j in range(K):
-                    Uf[K + j, 0] = ninf if merged[j] else a_f[j, 0] + other[b, j, f]
-                    Uf[K + j, 1], Uf[K + j, 2] = a_f[j, 1] + other_max[b, j, f], a_f[j, 2]
+                    live = r_b[j] >= 0
+                    Uf[K + j, 0] = a_f[j, 0] + other[r_b[j], f] if live and not merged[j] else ninf
+                    Uf[K + j, 1], Uf[K + j, 2] = a_f[j, 1] + other_max[r_b[j], f] if live else ninf, a_f[j, 2]
                     Ui[K + j] = a_i[j]
-                    Ui[K + j, _PEND], Ui[K + j, _SRC] = -1, pool + j
+                    Ui[K + j, _PEND], Ui[K + j, _SRC] = -1, base + j
                 n = 2 * K
             if alive and e0 <= f < e1:                 # 4. the extensions, given their probability by U's entries
                 for j in range(K):
+                    r = r_b[j]
                     for k in range(V):
                         jk = j * V + k
-                        if not a_f[j, 0] > ninf:           # (a dead hypothesis has no extension)
-                            E0[jk], E1[jk], node[jk] = ninf, ninf, -2
-                            continue
-                        E0[jk], E1[jk], node[jk] = a_f[j, 0] + sym[b, j, k], a_f[j, 1] + sym[b, j, k], -2
-                        if D or cap: E0[jk], E1[jk] = E0[jk] + label[b, j, f], E1[jk] + label_max[b, j, f]
+                        if r < 0: E0[jk], E1[jk] = ninf, ninf     # (a dead hypothesis has no extension)
+                        elif D or cap: E0[jk], E1[jk] = a_f[j, 0] + sym[r, k] + label[r, f], a_f[j, 1] + sym[r, k] + label_max[r, f]
+                        else: E0[jk], E1[jk] = a_f[j, 0] + sym[r, k], a_f[j, 1] + sym[r, k]
+                        node[jk] = -2
                 for u in range(n):
                     if Ui[u, _LAST] < 0 or not Uf[u, 0] > ninf: continue
                     for j in range(K):
-                        if a_f[j, 0] > ninf and a_i[j, _H] == Ui[u, _PH]:
+                        if r_b[j] >= 0 and a_i[j, _H] == Ui[u, _PH]:
                             jk = j * V + Ui[u, _LAST]
                             if Uf[u, 1] > E1[jk]: node[jk] = Ui[u, _NODE]
                             E0[jk], E1[jk], Uf[u, 0] = _logaddexp(E0[jk], Uf[u, 0]), max(E1[jk], Uf[u, 1]), ninf
@@ -2035,12 +2061,12 @@ def _round_host(Qf, Qi, sym, label, label_max, other, other_max, cap, D, lm_gain
                     j, k = jk // V, jk % V
                     rank[c], Uf[c, 0], Uf[c, 1], Uf[c, 2] = r_e[jk], E0[jk], E1[jk], bonus[jk]
                     Ui[c, _H], Ui[c, _PH], Ui[c, _LAST], Ui[c, _NODE], Ui[c, _PEND] = _label_hash_host(a_i[j, _H], k), a_i[j, _H], k, node[jk], k
-                    Ui[c, _LS], Ui[c, _HS], Ui[c, _SRC], Ui[c, _PNODE] = ls[jk], hs[jk], pool + j, a_i[j, _NODE]
+                    Ui[c, _LS], Ui[c, _HS], Ui[c, _SRC], Ui[c, _PNODE] = ls[jk], hs[jk], base + j, a_i[j, _NODE]
                 n += K
-            if n == 0:                                 # (frame t after the cap: no hypothesis)
+            if n == 0:                                 # (frame t after the cap, or none alive: no hypothesis)
                 for s in range(K):
                     nf[b, f, s], ni[b, f, s], top[f, s] = Qf[b, f, s], Qi[b, f, s], ninf
-                    nf[b, f, s, 0], ni[b, f, s, _SRC] = ninf, pool + s
+                    nf[b, f, s, 0], ni[b, f, s, _SRC] = ninf, base + s
                 continue
             _top(rank, n, K, pick)                     # each set's K best; new nodes
             for s in range(K):
@@ -2050,7 +2076,7 @@ def _round_host(Qf, Qi, sym, label, label_max, other, other_max, cap, D, lm_gain
                 if ni[b, f, s, _NODE] == -2: ni[b, f, s, _NODE] = node0 + f * K + s
         for s in range(K):                             # 6. Graves' rule
             if top[0, s] < top[1, K - 1]: nf[b, 0, s, 0] = ninf
-    return nf, ni
+    return nf, ni, ni[..., _SRC].copy().reshape(-1)
 
 # %% ../nbs/11e_ctc_beam_cuda.ipynb #cb-glue
 from .kernel import load_kernel
