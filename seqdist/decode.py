@@ -1681,8 +1681,9 @@ class _Steps:
         "The same as numpy arrays (CPU tensors); an RNN-T's and a multi-blank model's of distinct moves by one loop."
         if self.D or not self.distinct: return tuple(x.numpy() for x in self(logits, cap))
         sym, other = _blank_moves(logits[..., :self.V].double().log_softmax(-1).numpy(), self.cols, self.moved, self.M)
-        label = np.broadcast_to((self.label_cap if cap else self.label).numpy(), (*sym.shape[:-1], self.M))
-        return sym, label, label, other, other
+        if len(getattr(self, 'labels', [()])[0]) < len(logits):     # (a label's moves, for as many rows or more)
+            self.labels = [np.broadcast_to(x.numpy(), (len(logits), self.M)) for x in (self.label, self.label_cap)]
+        return sym, self.labels[cap], self.labels[cap], other, other
 
 @numba.njit(cache=_CACHE, nogil=True)
 def _blank_moves(lp, cols, moved, M):
@@ -1806,7 +1807,7 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
     a_rows = ((batch * M * K)[:, None] + ar).view(-1)              # the rows of the hypotheses at frame t
     tensors_round = _RoundTensors(B, M, K, V, D, sc, lm_weight, dev)
     if host:                                                       # the tables of the host's round, once
-        none = np.zeros((0, 0, 0))
+        no_lm = np.zeros((0, 0, 0)), np.zeros((0, 0, 0), np.int64)
         hot = (sc.hot_next.numpy(), sc.hot_done.numpy(), sc.hot_partial.numpy()) if sc.hot is not None else \
               (np.zeros((0, 0), np.int64), np.zeros(0), np.zeros(0))
     records = []                                                   # (Qi, frame) of each round: the labels' tree
@@ -1823,30 +1824,20 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
             cap, node0 = r + 1 == max_symbols_per_frame, len(records) * S   # (at the cap a label that would stay moves on)
             if host:                                   # the host knows the live rows and the pending labels:
                 q_f, q_i = Qf.numpy(), Qi.numpy()      # the model sees those rows alone
-                live = np.flatnonzero(q_f[:, 0, :, 0] > ninf)                 # b K + j
-                if not len(live): break
-                # 1. the predictor takes the labels it has not seen, the joiner every live hypothesis: one call each
-                a_live = torch.from_numpy(live // K * (M * K) + live % K)    # their predictor rows
-                pa = _rows(pred, a_live)
-                sa = pa if state is pred else _rows(state, a_live)
-                labels = q_i[:, 0, :, _PEND].reshape(-1)[live]
-                pend = np.flatnonzero(labels >= 0)
-                if len(pend):
-                    new_p, new_s = predict(torch.from_numpy(labels[pend]), _rows(sa, torch.from_numpy(pend)))
-                    same_s = new_s is new_p and sa is pa
-                    pa = _put(pa, torch.from_numpy(pend), new_p)
-                    sa = pa if same_s else _put(sa, torch.from_numpy(pend), new_s)
-                row = np.full(B * K, -1)
-                row[live] = np.arange(len(live))
-                steps_np = steps.host(join(frame.index_select(0, torch.from_numpy(live // K)), pa), cap)
-                lm_np = tuple(x.numpy() for x in sc.lm_scores(Qi[:, 0, :, _LS])) if lm is not None else (none, none.astype(np.int64))
-                # 2. to 6.: the new sets, and the rows of their predictor outputs
-                Qf, Qi, src = (torch.from_numpy(x) for x in _round_host(q_f, q_i, row, *steps_np, cap, D, *lm_np, float(lm_weight), *hot, node0))
+                utt, a_live, row, pend, labels = (torch.from_numpy(x) for x in _live_rows(q_f, q_i))
+                if not utt.shape[0]: break
+                # 1. the predictor takes the labels it has not seen (its rows updated in place), the joiner every live
+                # hypothesis: one call each
+                if pend.shape[0]:
+                    new_p, new_s = predict(labels, _rows(state, pend))
+                    if state is pred and new_s is not new_p: state = _rows(state, torch.arange(B * M * K))   # (two now)
+                    _write(pred, pend, new_p)
+                    if state is not pred: _write(state, pend, new_s)
+                steps_np = steps.host(join(frame.index_select(0, utt), _rows(pred, a_live)), cap)
+                lm_np = tuple(x.numpy() for x in sc.lm_scores(Qi[:, 0, :, _LS])) if lm is not None else no_lm
+                # 2. to 6.: the new sets, and the rows of their predictor outputs, which follow their hypotheses
+                Qf, Qi, src = (torch.from_numpy(x) for x in _round_host(q_f, q_i, row.numpy(), *steps_np, cap, D, *lm_np, float(lm_weight), *hot, node0))
                 records.append((Qi, t))
-                # the predictor rows follow their hypotheses: the frame-t rows take step 1's outputs first
-                if state is pred and sa is not pa: state = _rows(state, torch.arange(B * M * K))   # (two buffers now)
-                _write(pred, a_live, pa)
-                if state is not pred: _write(state, a_live, sa)
                 p = _rows(pred, src)
                 pred, state = (p, p) if state is pred else (p, _rows(state, src))
                 continue
@@ -1984,6 +1975,23 @@ def _top(rank, n, K, out):
         out[m] = i
 
 @numba.njit(cache=_CACHE, nogil=True)
+def _live_rows(Qf, Qi):
+    """The live frame-t hypotheses (b, j) of the sets Qf, Qi (B, M, K): their utterances and predictor rows (b M K + j),
+    row[b K + j] (their index, or -1), and of those with a label the predictor has not seen, the row and the label."""
+    B, M, K = Qf.shape[0], Qf.shape[1], Qf.shape[2]
+    utt, rows, row, pend, labels = np.empty(B * K, np.int64), np.empty(B * K, np.int64), np.empty(B * K, np.int64), \
+                                   np.empty(B * K, np.int64), np.empty(B * K, np.int64)
+    n = m = 0
+    for b in range(B):
+        for j in range(K):
+            row[b * K + j] = -1
+            if not Qf[b, 0, j, 0] > -math.inf: continue
+            utt[n], rows[n], row[b * K + j] = b, b * M * K + j, n
+            if Qi[b, 0, j, _PEND] >= 0: pend[m], labels[m], m = rows[n], Qi[b, 0, j, _PEND], m + 1
+            n += 1
+    return utt[:n], rows[:n], row, pend[:m], labels[:m]
+
+@numba.njit(cache=_CACHE, nogil=True)
 def _round_host(Qf, Qi, row, sym, label, label_max, other, other_max, cap, D, lm_gain, ls_next, lm_weight, hot_next, hot_done,
                 hot_partial, node0):
     """`_RoundTensors` on the host: steps 2 to 6 of a round, an utterance at a time, each set ahead at a time, in loops
@@ -2004,7 +2012,7 @@ def _round_host(Qf, Qi, row, sym, label, label_max, other, other_max, cap, D, lm
         alive = False
         for j in range(K): alive |= r_b[j] >= 0
         # 2. each label's bonus (LM, phrases done) and ranking's extra (phrases under way), the LM and phrase states
-        for j in range(K if alive else 0):
+        for j in range(K if alive and (has_lm or has_hot) else 0):      # (without either: the parent's bonus, below)
             for k in range(V):
                 jk = j * V + k
                 bonus[jk], part[jk], ls[jk], hs[jk] = a_f[j, 2], 0.0, a_i[j, _LS], a_i[j, _HS]
@@ -2036,14 +2044,17 @@ def _round_host(Qf, Qi, row, sym, label, label_max, other, other_max, cap, D, lm
                     Ui[K + j, _PEND], Ui[K + j, _SRC] = -1, base + j
                 n = 2 * K
             if alive and e0 <= f < e1:                 # 4. the extensions, given their probability by U's entries
-                for j in range(K):
+                for j in range(K):                     # (and their ranks, 5., those given probability again below)
                     r = r_b[j]
                     for k in range(V):
                         jk = j * V + k
-                        if r < 0: E0[jk], E1[jk] = ninf, ninf     # (a dead hypothesis has no extension)
-                        elif D or cap: E0[jk], E1[jk] = a_f[j, 0] + sym[r, k] + label[r, f], a_f[j, 1] + sym[r, k] + label_max[r, f]
-                        else: E0[jk], E1[jk] = a_f[j, 0] + sym[r, k], a_f[j, 1] + sym[r, k]
                         node[jk] = -2
+                        if r < 0:                      # (a dead hypothesis has no extension)
+                            E0[jk], E1[jk], r_e[jk] = ninf, ninf, ninf
+                            continue
+                        if D or cap: E0[jk], E1[jk] = a_f[j, 0] + sym[r, k] + label[r, f], a_f[j, 1] + sym[r, k] + label_max[r, f]
+                        else: E0[jk], E1[jk] = a_f[j, 0] + sym[r, k], a_f[j, 1] + sym[r, k]
+                        r_e[jk] = (E0[jk] + bonus[jk] + part[jk] if has_lm or has_hot else E0[jk] + a_f[j, 2]) if E0[jk] > ninf else ninf
                 for u in range(n):
                     if Ui[u, _LAST] < 0 or not Uf[u, 0] > ninf: continue
                     for j in range(K):
@@ -2051,17 +2062,18 @@ def _round_host(Qf, Qi, row, sym, label, label_max, other, other_max, cap, D, lm
                             jk = j * V + Ui[u, _LAST]
                             if Uf[u, 1] > E1[jk]: node[jk] = Ui[u, _NODE]
                             E0[jk], E1[jk], Uf[u, 0] = _logaddexp(E0[jk], Uf[u, 0]), max(E1[jk], Uf[u, 1]), ninf
+                            r_e[jk] = (E0[jk] + bonus[jk] + part[jk] if has_lm or has_hot else E0[jk] + a_f[j, 2]) if E0[jk] > ninf else ninf
                             break
             for u in range(n): rank[u] = Uf[u, 0] + Uf[u, 2] + (hot_partial[Ui[u, _HS]] if has_hot else 0.0)
             if alive and e0 <= f < e1:                 # 5. the extensions' K best join the candidates
-                for jk in range(K * V): r_e[jk] = E0[jk] + bonus[jk] + part[jk] if E0[jk] > ninf else ninf
                 _top(r_e, K * V, K, pick)
                 for s in range(K):
                     jk, c = pick[s], n + s
                     j, k = jk // V, jk % V
-                    rank[c], Uf[c, 0], Uf[c, 1], Uf[c, 2] = r_e[jk], E0[jk], E1[jk], bonus[jk]
+                    rank[c], Uf[c, 0], Uf[c, 1], Uf[c, 2] = r_e[jk], E0[jk], E1[jk], bonus[jk] if has_lm or has_hot else a_f[j, 2]
                     Ui[c, _H], Ui[c, _PH], Ui[c, _LAST], Ui[c, _NODE], Ui[c, _PEND] = _label_hash_host(a_i[j, _H], k), a_i[j, _H], k, node[jk], k
-                    Ui[c, _LS], Ui[c, _HS], Ui[c, _SRC], Ui[c, _PNODE] = ls[jk], hs[jk], base + j, a_i[j, _NODE]
+                    Ui[c, _LS], Ui[c, _HS], Ui[c, _SRC], Ui[c, _PNODE] = a_i[j, _LS], a_i[j, _HS], base + j, a_i[j, _NODE]
+                    if has_lm or has_hot: Ui[c, _LS], Ui[c, _HS] = ls[jk], hs[jk]
                 n += K
             if n == 0:                                 # (frame t after the cap, or none alive: no hypothesis)
                 for s in range(K):
