@@ -1771,7 +1771,7 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
             labels, when, node = [], [], int(Ei[b, s, _NODE])
             while node >= 0:
                 R, at = divmod(node, S)
-                labels.append(int(tree[R, b, at, _LAST])); when.append(frame_of[R]); node = int(tree[R, b, at, _PNODE])
+                labels.append(int(tree[R][b, at, _LAST])); when.append(frame_of[R]); node = int(tree[R][b, at, _PNODE])
             lm_score, hot = sc.replay(labels[::-1])
             hyps.append(TransducerBeamHypothesis(torch.tensor(labels[::-1], dtype=torch.long), torch.tensor(when[::-1], dtype=torch.int32),
                                                  final[s], float(Ef[b, s, 0]), lm_score, hot))
@@ -1814,8 +1814,9 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
     order = torch.tensor(list(range(1, M)) + [0], device=dev)      # at the next frame each set is one frame closer
     rows = (((batch * M)[:, None, None] + order[None, :, None]) * K + ar).view(-1)
     for t in range(int(lengths.max()) + M - 1):
-        over = t >= lengths                                        # the frame-t sets of ended utterances: merged
-        if (bool((Qf.numpy()[over.numpy(), 0, :, 0] > ninf).any()) if host else bool((over & (Qf[:, 0, :, 0] > ninf).any(-1)).any())):
+        if host: ended = (t >= lengths.numpy()) & (Qf.numpy()[:, 0, :, 0] > ninf).any(-1)
+        if (ended.any() if host else bool(((t >= lengths) & (Qf[:, 0, :, 0] > ninf).any(-1)).any())):
+            over = t >= lengths                                    # the frame-t sets of ended utterances: merged
             Ef, Ei = _merge_end(Ef, Ei, Qf[:, 0], Qi[:, 0], over, K)
             Qf[:, 0, :, 0] = Qf[:, 0, :, 0].masked_fill(over[:, None], ninf)
         frame = encoder_out[:, min(t, T - 1)]
@@ -1861,10 +1862,12 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
             # the predictor rows follow their hypotheses
             p = _rows(_cat(pred, pa), Qi[..., _SRC].view(-1))
             pred, state = (p, p) if state is pred and sa is pa else (p, _rows(_cat(state, sa), Qi[..., _SRC].view(-1)))
-        Qf, Qi = Qf[:, order], Qi[:, order]
+        Qf, Qi = (torch.from_numpy(np.roll(x.numpy(), -1, 1)) for x in (Qf, Qi)) if host else (Qf[:, order], Qi[:, order])
         p = _rows(pred, rows)
         pred, state = (p, p) if state is pred else (p, _rows(state, rows))
-    return Ef.cpu().numpy(), Ei.cpu().numpy(), torch.stack([q for q, _ in records]).view(len(records), B, S, 9).cpu().numpy(), [f for _, f in records], sc, S
+    # the tree: each round's (B, S, 9), as they are on the host (no copy), in one transfer from elsewhere
+    tree = [q.numpy().reshape(B, S, 9) for q, _ in records] if host else torch.stack([q for q, _ in records]).view(len(records), B, S, 9).cpu().numpy()
+    return Ef.cpu().numpy(), Ei.cpu().numpy(), tree, [f for _, f in records], sc, S
 
 class _RoundTensors:
     """Steps 2 to 6 of a round of `_search` in tensor operations over every utterance at once (on any device, with
