@@ -1054,11 +1054,52 @@ def transducer_greedy_reference(encoder_out, encoder_lengths, predict, join, bla
     return out
 
 # %% ../nbs/11a_transducer_decode.ipynb #td-greedy
+@numba.njit(cache=_CACHE, nogil=True)
+def _argmax_lse(x):
+    "The index of x's largest (the first, or the first NaN, as torch.max) and ln sum exp x, in float64."
+    k = 0
+    for i in range(1, len(x)):
+        if x[i] > x[k] or (x[i] != x[i] and x[k] == x[k]): k = i
+    m = float(x[k])
+    if math.isinf(m) or m != m: return k, m
+    s = 0.0
+    for i in range(len(x)): s += math.exp(x[i] - m)
+    return k, m + math.log(s)
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _greedy_step_host(logits, V, D, blank, moves, cap, t, emitted, lengths, score):
+    """A step of `transducer_greedy_decode` for every utterance, on the host: the likeliest symbol (and duration), its
+    log-probability added to `score`, and the moves, in place on t and emitted (labels at the frame); the symbols, whether
+    each is a label, the frames they were chosen at, and whether any utterance emitted a label, and any goes on."""
+    B = logits.shape[0]
+    k_of, label, at = np.empty(B, np.int64), np.zeros(B, np.bool_), t.copy()
+    any_label = any_live = False
+    for b in range(B):
+        live = t[b] < lengths[b]
+        k, lse = _argmax_lse(logits[b, :V])
+        best = logits[b, k] - lse
+        if D:                                          # TDT: the likeliest duration too
+            j, lse_d = _argmax_lse(logits[b, V:])
+            best, move, lab = best + (logits[b, V + j] - lse_d), moves[j], live and k != blank
+        else:                                          # i = blank - k: the blank, big blank i - 1, or a label
+            i = blank - k
+            move = moves[i] if 0 <= i < len(moves) - 1 else 0
+            lab = live and move == 0
+        score[b] += best if live else best * 0.0
+        k_of[b], label[b] = k, lab
+        if not live: continue
+        if lab: emitted[b] += 1
+        if not lab or emitted[b] >= cap: move = max(move, 1)   # a blank moves on by 1 at least, a label at the cap by 1
+        if move: t[b], emitted[b] = t[b] + move, 0
+        any_label |= lab
+        any_live |= t[b] < lengths[b]
+    return k_of, label, at, any_label, any_live
+
 _SYNC_EVERY = {'cuda': 16}     # steps between the host's reads of whether any utterance goes on, by device type (CPU: 1)
 
 @torch.no_grad()
 def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join, blank, max_symbols_per_frame=10,
-                             durations=None, big_blank_durations=None):
+                             durations=None, big_blank_durations=None, backend='auto'):
     """Batched greedy decoding of a transducer over its encoder output (B, T, H): every utterance steps at once, each
     at its own frame, so that the joiner runs once per step for the batch and the predictor once per step in which
     some utterance emits a label (only those utterances' predictor states move on). `predict(tokens (B,), state)`
@@ -1069,9 +1110,13 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
     symbol moves its utterance by the likeliest duration, a blank by 1 at least); a multi-blank transducer with
     `big_blank_durations` (big blank i is the symbol blank-1-i, as `multiblank_rnnt_loss` has it). Returns a
     `TransducerHypothesis` per utterance: `transducer_greedy_reference`'s answer, which loops over each utterance's
-    frames one by one."""
+    frames one by one. `backend`: 'cpu' (a step's choices and moves by one compiled loop; CPU tensors) or 'torch'
+    (tensor operations on the inputs' device, the host reading every few steps); 'auto': 'cpu' for CPU tensors."""
     B, T = encoder_out.shape[:2]
     dev = encoder_out.device
+    if backend not in ('auto', 'cpu', 'torch'): raise ValueError(f"backend must be 'auto', 'cpu' or 'torch', got {backend!r}")
+    if backend == 'cpu' and dev.type != 'cpu':
+        raise ValueError(f"backend='cpu' needs CPU tensors, got encoder_out on {dev}: use 'torch' or 'auto'")
     lengths = torch.full((B,), T, device=dev) if encoder_lengths is None else torch.as_tensor(encoder_lengths, device=dev)
     if encoder_out.dim() != 3: raise ValueError(f"encoder_out must be (B, T, H), got shape {tuple(encoder_out.shape)}")
     if lengths.shape != (B,) or bool(((lengths < 0) | (lengths > T)).any()):
@@ -1089,8 +1134,25 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
     steps = []                                         # (symbol (B,), whether a label, frame (B,)) of each step
     frames_flat, rows = encoder_out.reshape(B * T, -1), torch.arange(B, device=dev) * T
     live, check, step = t < lengths, _SYNC_EVERY.get(dev.type, 1), 0
-    while step % check or bool(live.any()):            # (few small ops a step: their overhead is the cost on a CPU;
-        step += 1                                      # on a GPU the host reads only every `check` steps)
+    host = backend == 'cpu' or (backend == 'auto' and dev.type == 'cpu')
+    if host:                                           # a step's choices and moves by one compiled loop
+        t_np, emitted_np, score_np = t.numpy(), emitted.numpy(), score.numpy()      # (the loop updates them in place)
+        lengths_np, rows_np, moves_np = lengths.numpy(), rows.numpy(), moves.numpy()
+        going = bool(live.any())
+        while going:
+            logits = join(frames_flat.index_select(0, torch.from_numpy(rows_np + np.minimum(t_np, T - 1))), pred)
+            V = logits.shape[-1] - D
+            if blank >= V: raise ValueError(f"blank must be one of the joiner's {V} symbols, got {blank}")
+            x = logits.detach() if logits.dtype in (torch.float32, torch.float64) else logits.detach().double()
+            k, label, at, emits, going = _greedy_step_host(x.numpy(), V, D, blank, moves_np, max_symbols_per_frame,
+                                                           t_np, emitted_np, lengths_np, score_np)
+            k, label = torch.from_numpy(k), torch.from_numpy(label)
+            steps.append((k, label, torch.from_numpy(at)))
+            if emits:                                  # the predictor moves on for the utterances that emitted
+                new_pred, new_state = predict(torch.where(label, k, blank), state)
+                pred, state = _select(label, new_pred, pred), _select(label, new_state, state)
+    while not host and (step % check or bool(live.any())):   # (few small ops a step: their overhead is the cost on
+        step += 1                                      # a CPU; on a GPU the host reads only every `check` steps)
         logits = join(frames_flat[rows + t.clamp(max=T - 1)], pred)
         V = logits.shape[-1] - D
         if blank >= V: raise ValueError(f"blank must be one of the joiner's {V} symbols, got {blank}")
