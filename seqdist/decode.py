@@ -1674,12 +1674,6 @@ def _rows(x, rows):
     if isinstance(x, dict): return {k: _rows(v, rows) for k, v in x.items()}
     return type(x)(_rows(v, rows) for v in x)
 
-def _put(x, rows, new, n=None):
-    "x with its rows `rows` replaced by new's (the same structure); x None: zeros elsewhere, n rows (dead rows' logits)."
-    if isinstance(new, torch.Tensor): return (new.new_zeros((n, *new.shape[1:])) if x is None else x).index_copy(0, rows, new)
-    if isinstance(new, dict): return {k: _put(x[k], rows, v) for k, v in new.items()}
-    return type(new)(_put(a, rows, v) for a, v in zip(x, new))
-
 def _write(x, rows, new):
     "Write new's rows into x's rows `rows`, in place (the same structure)."
     if isinstance(x, torch.Tensor): x.index_copy_(0, rows, new)
@@ -1817,7 +1811,7 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
     CPU tensors. The model runs where its inputs are either way."""
     lengths = _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens, backend)
     found = _search(encoder_out, lengths, predict, join, blank, beam_width, max_symbols_per_frame, durations,
-                    big_blank_durations, lm, lm_weight, tokens, hotwords, 
+                    big_blank_durations, lm, lm_weight, tokens, hotwords,
                     host=backend == 'cpu' or (backend == 'auto' and encoder_out.device.type == 'cpu'))
     B = encoder_out.shape[0]
     if found is None: return [[TransducerBeamHypothesis(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32), 0.0, 0.0, 0.0, 0.0)]
