@@ -1018,6 +1018,18 @@ def _select(mask, new, old):
     if isinstance(new, dict): return {k: _select(mask, v, old[k]) for k, v in new.items()}
     return type(new)(_select(mask, a, b) for a, b in zip(new, old))
 
+def _rows(x, rows):
+    "The rows `rows` of a predictor output or state (tensors batch first, in lists, tuples or dicts)."
+    if isinstance(x, torch.Tensor): return x.index_select(0, rows)
+    if isinstance(x, dict): return {k: _rows(v, rows) for k, v in x.items()}
+    return type(x)(_rows(v, rows) for v in x)
+
+def _place(x, rows, new):
+    "x with its rows `rows` replaced by new's (the same structure; a copy: x is the caller's)."
+    if isinstance(x, torch.Tensor): return x.index_copy(0, rows, new)
+    if isinstance(x, dict): return {k: _place(v, rows, new[k]) for k, v in x.items()}
+    return type(x)(_place(a, rows, v) for a, v in zip(x, new))
+
 # %% ../nbs/11a_transducer_decode.ipynb #td-reference
 @torch.no_grad()
 def transducer_greedy_reference(encoder_out, encoder_lengths, predict, join, blank, max_symbols_per_frame,
@@ -1146,11 +1158,11 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
             x = logits.detach() if logits.dtype in (torch.float32, torch.float64) else logits.detach().double()
             k, label, at, emits, going = _greedy_step_host(x.numpy(), V, D, blank, moves_np, max_symbols_per_frame,
                                                            t_np, emitted_np, lengths_np, score_np)
-            k, label = torch.from_numpy(k), torch.from_numpy(label)
-            steps.append((k, label, torch.from_numpy(at)))
-            if emits:                                  # the predictor moves on for the utterances that emitted
-                new_pred, new_state = predict(torch.where(label, k, blank), state)
-                pred, state = _select(label, new_pred, pred), _select(label, new_state, state)
+            if emits:                                  # the predictor moves on for the utterances that emitted (those rows)
+                rows_l = torch.from_numpy(np.flatnonzero(label))
+                new_pred, new_state = predict(torch.from_numpy(k).index_select(0, rows_l), _rows(state, rows_l))
+                pred, state = _place(pred, rows_l, new_pred), _place(state, rows_l, new_state)
+            steps.append((torch.from_numpy(k), torch.from_numpy(label), torch.from_numpy(at)))
     while not host and (step % check or bool(live.any())):   # (few small ops a step: their overhead is the cost on
         step += 1                                      # a CPU; on a GPU the host reads only every `check` steps)
         logits = join(frames_flat[rows + t.clamp(max=T - 1)], pred)
@@ -1668,12 +1680,6 @@ def transducer_nbest_brute_force(encoder_out, length, predict, join, blank, nbes
     return sorted(scored, key=lambda h: -h[0])[:nbest]
 
 # %% ../nbs/11d_transducer_beam.ipynb #tb-helpers
-def _rows(x, rows):
-    "The rows `rows` of a predictor output or state (tensors batch first, in lists, tuples or dicts)."
-    if isinstance(x, torch.Tensor): return x.index_select(0, rows)
-    if isinstance(x, dict): return {k: _rows(v, rows) for k, v in x.items()}
-    return type(x)(_rows(v, rows) for v in x)
-
 def _write(x, rows, new):
     "Write new's rows into x's rows `rows`, in place (the same structure)."
     if isinstance(x, torch.Tensor): x.index_copy_(0, rows, new)
