@@ -1031,6 +1031,18 @@ def _select(mask, new, old):
     if isinstance(new, dict): return {k: _select(mask, v, old[k]) for k, v in new.items()}
     return type(new)(_select(mask, a, b) for a, b in zip(new, old))
 
+def _rows(x, rows):
+    "The rows `rows` of a predictor output or state (tensors batch first, in lists, tuples or dicts)."
+    if isinstance(x, torch.Tensor): return x.index_select(0, rows)
+    if isinstance(x, dict): return {k: _rows(v, rows) for k, v in x.items()}
+    return type(x)(_rows(v, rows) for v in x)
+
+def _place(x, rows, new):
+    "x with its rows `rows` replaced by new's (the same structure; a copy: x is the caller's)."
+    if isinstance(x, torch.Tensor): return x.index_copy(0, rows, new)
+    if isinstance(x, dict): return {k: _place(v, rows, new[k]) for k, v in x.items()}
+    return type(x)(_place(a, rows, v) for a, v in zip(x, new))
+
 # %% ../nbs/11a_transducer_decode.ipynb #td-reference
 @torch.no_grad()
 def transducer_greedy_reference(encoder_out, encoder_lengths, predict, join, blank, max_symbols_per_frame,
@@ -1067,11 +1079,52 @@ def transducer_greedy_reference(encoder_out, encoder_lengths, predict, join, bla
     return out
 
 # %% ../nbs/11a_transducer_decode.ipynb #td-greedy
+@numba.njit(cache=_CACHE, nogil=True)
+def _argmax_lse(x):
+    "The index of x's largest (the first, or the first NaN, as torch.max) and ln sum exp x, in float64."
+    k = 0
+    for i in range(1, len(x)):
+        if x[i] > x[k] or (x[i] != x[i] and x[k] == x[k]): k = i
+    m = float(x[k])
+    if math.isinf(m) or m != m: return k, m
+    s = 0.0
+    for i in range(len(x)): s += math.exp(x[i] - m)
+    return k, m + math.log(s)
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _greedy_step_host(logits, V, D, blank, moves, cap, t, emitted, lengths, score):
+    """A step of `transducer_greedy_decode` for every utterance, on the host: the likeliest symbol (and duration), its
+    log-probability added to `score`, and the moves, in place on t and emitted (labels at the frame); the symbols, whether
+    each is a label, the frames they were chosen at, and whether any utterance emitted a label, and any goes on."""
+    B = logits.shape[0]
+    k_of, label, at = np.empty(B, np.int64), np.zeros(B, np.bool_), t.copy()
+    any_label = any_live = False
+    for b in range(B):
+        live = t[b] < lengths[b]
+        k, lse = _argmax_lse(logits[b, :V])
+        best = logits[b, k] - lse
+        if D:                                          # TDT: the likeliest duration too
+            j, lse_d = _argmax_lse(logits[b, V:])
+            best, move, lab = best + (logits[b, V + j] - lse_d), moves[j], live and k != blank
+        else:                                          # i = blank - k: the blank, big blank i - 1, or a label
+            i = blank - k
+            move = moves[i] if 0 <= i < len(moves) - 1 else 0
+            lab = live and move == 0
+        score[b] += best if live else best * 0.0
+        k_of[b], label[b] = k, lab
+        if not live: continue
+        if lab: emitted[b] += 1
+        if not lab or emitted[b] >= cap: move = max(move, 1)   # a blank moves on by 1 at least, a label at the cap by 1
+        if move: t[b], emitted[b] = t[b] + move, 0
+        any_label |= lab
+        any_live |= t[b] < lengths[b]
+    return k_of, label, at, any_label, any_live
+
 _SYNC_EVERY = {'cuda': 16}     # steps between the host's reads of whether any utterance goes on, by device type (CPU: 1)
 
 @torch.no_grad()
 def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join, blank, max_symbols_per_frame=10,
-                             durations=None, big_blank_durations=None):
+                             durations=None, big_blank_durations=None, backend='auto'):
     """Batched greedy decoding of a transducer over its encoder output (B, T, H): every utterance steps at once, each
     at its own frame, so that the joiner runs once per step for the batch and the predictor once per step in which
     some utterance emits a label (only those utterances' predictor states move on). `predict(tokens (B,), state)`
@@ -1082,9 +1135,13 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
     symbol moves its utterance by the likeliest duration, a blank by 1 at least); a multi-blank transducer with
     `big_blank_durations` (big blank i is the symbol blank-1-i, as `multiblank_rnnt_loss` has it). Returns a
     `TransducerHypothesis` per utterance: `transducer_greedy_reference`'s answer, which loops over each utterance's
-    frames one by one."""
+    frames one by one. `backend`: 'cpu' (a step's choices and moves by one compiled loop; CPU tensors) or 'torch'
+    (tensor operations on the inputs' device, the host reading every few steps); 'auto': 'cpu' for CPU tensors."""
     B, T = encoder_out.shape[:2]
     dev = encoder_out.device
+    if backend not in ('auto', 'cpu', 'torch'): raise ValueError(f"backend must be 'auto', 'cpu' or 'torch', got {backend!r}")
+    if backend == 'cpu' and dev.type != 'cpu':
+        raise ValueError(f"backend='cpu' needs CPU tensors, got encoder_out on {dev}: use 'torch' or 'auto'")
     lengths = torch.full((B,), T, device=dev) if encoder_lengths is None else torch.as_tensor(encoder_lengths, device=dev)
     if encoder_out.dim() != 3: raise ValueError(f"encoder_out must be (B, T, H), got shape {tuple(encoder_out.shape)}")
     if lengths.shape != (B,) or bool(((lengths < 0) | (lengths > T)).any()):
@@ -1102,8 +1159,25 @@ def transducer_greedy_decode(encoder_out, encoder_lengths=None, *, predict, join
     steps = []                                         # (symbol (B,), whether a label, frame (B,)) of each step
     frames_flat, rows = encoder_out.reshape(B * T, -1), torch.arange(B, device=dev) * T
     live, check, step = t < lengths, _SYNC_EVERY.get(dev.type, 1), 0
-    while step % check or bool(live.any()):            # (few small ops a step: their overhead is the cost on a CPU;
-        step += 1                                      # on a GPU the host reads only every `check` steps)
+    host = backend == 'cpu' or (backend == 'auto' and dev.type == 'cpu')
+    if host:                                           # a step's choices and moves by one compiled loop
+        t_np, emitted_np, score_np = t.numpy(), emitted.numpy(), score.numpy()      # (the loop updates them in place)
+        lengths_np, rows_np, moves_np = lengths.numpy(), rows.numpy(), moves.numpy()
+        going = bool(live.any())
+        while going:
+            logits = join(frames_flat.index_select(0, torch.from_numpy(rows_np + np.minimum(t_np, T - 1))), pred)
+            V = logits.shape[-1] - D
+            if blank >= V: raise ValueError(f"blank must be one of the joiner's {V} symbols, got {blank}")
+            x = logits.detach() if logits.dtype in (torch.float32, torch.float64) else logits.detach().double()
+            k, label, at, emits, going = _greedy_step_host(x.numpy(), V, D, blank, moves_np, max_symbols_per_frame,
+                                                           t_np, emitted_np, lengths_np, score_np)
+            if emits:                                  # the predictor moves on for the utterances that emitted (those rows)
+                rows_l = torch.from_numpy(np.flatnonzero(label))
+                new_pred, new_state = predict(torch.from_numpy(k).index_select(0, rows_l), _rows(state, rows_l))
+                pred, state = _place(pred, rows_l, new_pred), _place(state, rows_l, new_state)
+            steps.append((torch.from_numpy(k), torch.from_numpy(label), torch.from_numpy(at)))
+    while not host and (step % check or bool(live.any())):   # (few small ops a step: their overhead is the cost on
+        step += 1                                      # a CPU; on a GPU the host reads only every `check` steps)
         logits = join(frames_flat[rows + t.clamp(max=T - 1)], pred)
         V = logits.shape[-1] - D
         if blank >= V: raise ValueError(f"blank must be one of the joiner's {V} symbols, got {blank}")
@@ -1619,11 +1693,13 @@ def transducer_nbest_brute_force(encoder_out, length, predict, join, blank, nbes
     return sorted(scored, key=lambda h: -h[0])[:nbest]
 
 # %% ../nbs/11d_transducer_beam.ipynb #tb-helpers
-def _rows(x, rows):
-    "The rows `rows` of a predictor output or state (tensors batch first, in lists, tuples or dicts)."
-    if isinstance(x, torch.Tensor): return x.index_select(0, rows)
-    if isinstance(x, dict): return {k: _rows(v, rows) for k, v in x.items()}
-    return type(x)(_rows(v, rows) for v in x)
+def _write(x, rows, new):
+    "Write new's rows into x's rows `rows`, in place (the same structure)."
+    if isinstance(x, torch.Tensor): x.index_copy_(0, rows, new)
+    elif isinstance(x, dict):
+        for k in x: _write(x[k], rows, new[k])
+    else:
+        for a, v in zip(x, new): _write(a, rows, v)
 
 def _cat(a, b):
     "a's rows, then b's (the same structure)."
@@ -1642,7 +1718,8 @@ class _Steps:
     """The joiner's logits (..., V [+ D]) as the log-probabilities of a step's choices by the frames they move, 0 to
     M - 1: `sym` (..., V), the labels' (-inf at the blanks); `label` (..., M), a label's moves (a TDT's durations, else
     0 alone), and `other` (..., M), the blank's and big blanks' moves, each summed over the choices that move alike;
-    `label_max` and `other_max` their maxima (for the likeliest path)."""
+    `label_max` and `other_max` their maxima (for the likeliest path). At the cap, a label that would stay moves on by
+    a frame."""
     def __init__(self, D, moves, blank, V, device):
         self.D, self.V, self.blank, self.M = D, V, blank, max(int(moves.max()), 1) + 1
         def at(cols):                                  # 0 at (i, cols[i]), -inf elsewhere
@@ -1653,19 +1730,43 @@ class _Steps:
         else:
             self.blanks = blank - torch.arange(len(moves) - 1, device=device)      # the blank, big blank 0, 1, ...
             self.w_blank, self.label, self.mask[self.blanks] = at(moves[:-1]), at(moves[-1:])[0], -math.inf
+            self.label_cap = at(moves[-1:] + 1)[0]
+            self.cols, self.moved = self.blanks.cpu().numpy(), moves[:-1].cpu().numpy()   # (for `host`)
             self.distinct = len(set(moves[:-1].tolist())) == len(moves) - 1        # (each move one blank's)
 
-    def __call__(self, logits):
+    def __call__(self, logits, cap=False):
         lp = logits[..., :self.V].double().log_softmax(-1)
         sym = lp + self.mask
         if self.D:
             lpd = logits[..., self.V:].double().log_softmax(-1)[..., None]
             lab, blk = lpd + self.w_label, lp[..., self.blank, None, None] + lpd + self.w_blank
-            return sym, lab.logsumexp(-2), lab.amax(-2), blk.logsumexp(-2), blk.amax(-2)
-        label = self.label.expand(*lp.shape[:-1], self.M)
+            label, label_max = lab.logsumexp(-2), lab.amax(-2)
+            if cap:
+                label = torch.cat([label[..., :1].clone().fill_(-math.inf), label[..., :2].logsumexp(-1, keepdim=True), label[..., 2:]], -1)
+                label_max = torch.cat([label[..., :1], label_max[..., :2].amax(-1, keepdim=True), label_max[..., 2:]], -1)
+            return sym, label, label_max, blk.logsumexp(-2), blk.amax(-2)
+        label = (self.label_cap if cap else self.label).expand(*lp.shape[:-1], self.M)
         x = lp[..., self.blanks, None] + self.w_blank
-        if self.distinct: return sym, label, label, x.amax(-2), x.amax(-2)
+        if self.distinct:
+            x = x.amax(-2)                             # (one blank a move: its log-probability)
+            return sym, label, label, x, x
         return sym, label, label, x.logsumexp(-2), x.amax(-2)
+
+    def host(self, logits, cap=False):
+        "The same as numpy arrays (CPU tensors); an RNN-T's and a multi-blank model's of distinct moves by one loop."
+        if self.D or not self.distinct: return tuple(x.numpy() for x in self(logits, cap))
+        sym, other = _blank_moves(logits[..., :self.V].double().log_softmax(-1).numpy(), self.cols, self.moved, self.M)
+        if len(getattr(self, 'labels', [()])[0]) < len(logits):     # (a label's moves, for as many rows or more)
+            self.labels = [np.broadcast_to(x.numpy(), (len(logits), self.M)) for x in (self.label, self.label_cap)]
+        return sym, self.labels[cap], self.labels[cap], other, other
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _blank_moves(lp, cols, moved, M):
+    "`_Steps`' sym and other (n, V), (n, M) from log-probabilities (n, V), each blank (cols) moving by one frame count."
+    sym, other = lp.copy(), np.full((lp.shape[0], M), -math.inf)
+    for r in range(lp.shape[0]):
+        for i in range(len(cols)): sym[r, cols[i]], other[r, moved[i]] = -math.inf, lp[r, cols[i]]
+    return sym, other
 
 _H, _PH, _LAST, _NODE, _PEND, _LS, _HS, _SRC, _PNODE = range(9)   # a hypothesis's integers (its floats: ln P, best, bonus)
 
@@ -1683,10 +1784,13 @@ def _merge_end(Ef, Ei, Af, Ai, over, K):
     i = (f[..., 0] + f[..., 2]).topk(K, -1)[1]
     return f.gather(1, i[..., None].expand(-1, -1, 3)), torch.cat([ei, Ai], 1).gather(1, i[..., None].expand(-1, -1, 9))
 
-def _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens):
+def _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens, backend):
     "The lengths (B,) on encoder_out's device, after the checks that need no model call."
     if not isinstance(encoder_out, torch.Tensor) or encoder_out.dim() != 3:
         raise ValueError(f"encoder_out must be (B, T, H), got shape {tuple(getattr(encoder_out, 'shape', ()))}")
+    if backend not in ('auto', 'cpu', 'torch'): raise ValueError(f"backend must be 'auto', 'cpu' or 'torch', got {backend!r}")
+    if backend == 'cpu' and encoder_out.device.type != 'cpu':
+        raise ValueError(f"backend='cpu' needs CPU tensors, got encoder_out on {encoder_out.device}: use 'torch' or 'auto'")
     B, T = encoder_out.shape[:2]
     lengths = torch.full((B,), T, device=encoder_out.device) if encoder_lengths is None else torch.as_tensor(encoder_lengths, device=encoder_out.device)
     if lengths.shape != (B,) or lengths.is_floating_point() or bool(((lengths < 0) | (lengths > T)).any()):
@@ -1708,7 +1812,7 @@ def _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symb
 # %% ../nbs/11d_transducer_beam.ipynb #tb-search
 def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, blank, beam_width=4, nbest=1,
                            max_symbols_per_frame=10, durations=None, big_blank_durations=None, lm=None, lm_weight=0.0,
-                           tokens=None, hotwords=None):
+                           tokens=None, hotwords=None, backend='auto'):
     """Beam search of a transducer over its encoder output (B, T, H), every utterance and hypothesis at once: frame by
     frame, up to `max_symbols_per_frame` rounds in which the hypotheses at the frame take every step (one `join` call
     for all, one `predict` call for the labels they last emitted). The model, the RNN-T / TDT (`durations`) /
@@ -1721,10 +1825,13 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
     has it) and lose the partial phrases' credit. Returns, per utterance, a list of the `nbest` best
     `TransducerBeamHypothesis` (labels, frames of the likeliest path, score and its parts), best first. With a beam
     that keeps every hypothesis, the n best of all label sequences (`transducer_nbest_brute_force`); always,
-    `transducer_beam_reference`'s answer."""
-    lengths = _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens)
+    `transducer_beam_reference`'s answer. `backend`: where a round's bookkeeping runs, 'cpu' (compiled loops, for
+    CPU tensors) or 'torch' (tensor operations on the inputs' device, no host read a frame); 'auto' picks 'cpu' for
+    CPU tensors. The model runs where its inputs are either way."""
+    lengths = _check_beam(encoder_out, encoder_lengths, blank, beam_width, nbest, max_symbols_per_frame, lm, lm_weight, tokens, backend)
     found = _search(encoder_out, lengths, predict, join, blank, beam_width, max_symbols_per_frame, durations,
-                    big_blank_durations, lm, lm_weight, tokens, hotwords)
+                    big_blank_durations, lm, lm_weight, tokens, hotwords,
+                    host=backend == 'cpu' or (backend == 'auto' and encoder_out.device.type == 'cpu'))
     B = encoder_out.shape[0]
     if found is None: return [[TransducerBeamHypothesis(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int32), 0.0, 0.0, 0.0, 0.0)]
                               for _ in range(B)]
@@ -1739,7 +1846,7 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
             labels, when, node = [], [], int(Ei[b, s, _NODE])
             while node >= 0:
                 R, at = divmod(node, S)
-                labels.append(int(tree[R, b, at, _LAST])); when.append(frame_of[R]); node = int(tree[R, b, at, _PNODE])
+                labels.append(int(tree[R][b, at, _LAST])); when.append(frame_of[R]); node = int(tree[R][b, at, _PNODE])
             lm_score, hot = sc.replay(labels[::-1])
             hyps.append(TransducerBeamHypothesis(torch.tensor(labels[::-1], dtype=torch.long), torch.tensor(when[::-1], dtype=torch.int32),
                                                  final[s], float(Ef[b, s, 0]), lm_score, hot))
@@ -1748,9 +1855,10 @@ def transducer_beam_search(encoder_out, encoder_lengths=None, *, predict, join, 
 
 @torch.inference_mode()
 def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame, durations, big_blank_durations, lm, lm_weight,
-            tokens, hotwords):
+            tokens, hotwords, host):
     """`transducer_beam_search`'s search: the ended sets (B, K) (floats, integers), the tree of labels (a Qi per round)
-    and each round's frame, the label scorer and the number of slots S; None where there are no frames."""
+    and each round's frame, the label scorer and the number of slots S; None where there are no frames. `host`: a
+    round's bookkeeping by `_round_host` (CPU tensors), else by `_RoundTensors` (any device)."""
     (B, T), dev, ninf = encoder_out.shape[:2], encoder_out.device, -math.inf
     D, moves = _transducer_moves(durations, big_blank_durations, blank, dev)
     try: pred, state = predict(torch.full((B,), blank, dtype=torch.long, device=dev), None)
@@ -1772,17 +1880,43 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
     Ef, Ei = Qf[:, 0].clone().fill_(ninf), Qi[:, 0].clone()
     pred, state = _rows(pred, batch.repeat_interleave(M * K)), _rows(state, batch.repeat_interleave(M * K))
     a_rows = ((batch * M * K)[:, None] + ar).view(-1)              # the rows of the hypotheses at frame t
-    pool = B * M * K + batch[:, None] * K                          # (B, 1): rows after them hold the expanded ones'
-    x_src, y_src = torch.arange(B * M * K, device=dev).view(B, M, K), (pool + ar)[:, None].expand(B, M, K)
-    k_of, j_of = torch.arange(K * V, device=dev) % V, torch.arange(K * V, device=dev) // V
+    tensors_round = _RoundTensors(B, M, K, V, D, sc, lm_weight, dev)
+    if host:                                                       # the tables of the host's round, once
+        no_lm = np.zeros((0, 0, 0)), np.zeros((0, 0, 0), np.int64)
+        hot = (sc.hot_next.numpy(), sc.hot_done.numpy(), sc.hot_partial.numpy()) if sc.hot is not None else \
+              (np.zeros((0, 0), np.int64), np.zeros(0), np.zeros(0))
     records = []                                                   # (Qi, frame) of each round: the labels' tree
+    order = torch.tensor(list(range(1, M)) + [0], device=dev)      # at the next frame each set is one frame closer
+    rows = (((batch * M)[:, None, None] + order[None, :, None]) * K + ar).view(-1)
     for t in range(int(lengths.max()) + M - 1):
-        over = t >= lengths                                        # the frame-t sets of ended utterances: merged
-        if bool((over & (Qf[:, 0, :, 0] > ninf).any(-1)).any()):
+        if host: ended = (t >= lengths.numpy()) & (Qf.numpy()[:, 0, :, 0] > ninf).any(-1)
+        if (ended.any() if host else bool(((t >= lengths) & (Qf[:, 0, :, 0] > ninf).any(-1)).any())):
+            over = t >= lengths                                    # the frame-t sets of ended utterances: merged
             Ef, Ei = _merge_end(Ef, Ei, Qf[:, 0], Qi[:, 0], over, K)
             Qf[:, 0, :, 0] = Qf[:, 0, :, 0].masked_fill(over[:, None], ninf)
-        frames = encoder_out[:, min(t, T - 1)].repeat_interleave(K, 0)
+        frame = encoder_out[:, min(t, T - 1)]
+        frames = None if host else frame.repeat_interleave(K, 0)
         for r in range(max_symbols_per_frame):
+            cap, node0 = r + 1 == max_symbols_per_frame, len(records) * S   # (at the cap a label that would stay moves on)
+            if host:                                   # the host knows the live rows and the pending labels:
+                q_f, q_i = Qf.numpy(), Qi.numpy()      # the model sees those rows alone
+                utt, a_live, row, pend, labels = (torch.from_numpy(x) for x in _live_rows(q_f, q_i))
+                if not utt.shape[0]: break
+                # 1. the predictor takes the labels it has not seen (its rows updated in place), the joiner every live
+                # hypothesis: one call each
+                if pend.shape[0]:
+                    new_p, new_s = predict(labels, _rows(state, pend))
+                    if state is pred and new_s is not new_p: state = _rows(state, torch.arange(B * M * K))   # (two now)
+                    _write(pred, pend, new_p)
+                    if state is not pred: _write(state, pend, new_s)
+                steps_np = steps.host(join(frame.index_select(0, utt), _rows(pred, a_live)), cap)
+                lm_np = tuple(x.numpy() for x in sc.lm_scores(Qi[:, 0, :, _LS])) if lm is not None else no_lm
+                # 2. to 6.: the new sets, and the rows of their predictor outputs, which follow their hypotheses
+                Qf, Qi, src = (torch.from_numpy(x) for x in _round_host(q_f, q_i, row.numpy(), *steps_np, cap, D, *lm_np, float(lm_weight), *hot, node0))
+                records.append((Qi, t))
+                p = _rows(pred, src)
+                pred, state = (p, p) if state is pred else (p, _rows(state, src))
+                continue
             af, ai = Qf[:, 0], Qi[:, 0]                            # (B, K, 3), (B, K, 9): the hypotheses at frame t
             live = af[..., 0] > ninf
             if not bool(live.any()): break
@@ -1795,90 +1929,244 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
                 same_s = new_s is new_p and sa is pa
                 pa = _select(pend.view(-1), new_p, pa)
                 sa = pa if same_s else _select(pend.view(-1), new_s, sa)
-            sym, label, label_max, other, other_max = steps(join(frames, pa).view(B, K, -1))
-            cap = r + 1 == max_symbols_per_frame
-            if cap:                                                # a label that would stay moves on by a frame
-                label = torch.cat([label[..., :1].clone().fill_(ninf), label[..., :2].logsumexp(-1, keepdim=True), label[..., 2:]], -1)
-                label_max = torch.cat([label[..., :1], label_max[..., :2].amax(-1, keepdim=True), label_max[..., 2:]], -1)
-            a_h = ai[..., _H]
-            # 2. what each label adds to the score (LM, phrases done) and to the ranking only (phrases under way)
-            bonus = af[..., 2, None].expand(B, K, V)
-            ls_next, hs_next, partial = ai[..., _LS, None].expand(B, K, V), ai[..., _HS, None].expand(B, K, V), 0.0
-            if lm is not None:
-                lm_gain, ls_next = sc.lm_scores(ai[..., _LS])
-                bonus = bonus + lm_weight * lm_gain
-            if sc.hot is not None:
-                hs_next = sc.hot_next[ai[..., _HS]]
-                bonus, partial = bonus + sc.hot_done[hs_next], sc.hot_partial[hs_next].view(B, 1, K * V)
-            bonus = bonus.reshape(B, 1, K * V)
-            # 3. the blanks (B, M - 1, K) join the sets ahead, merged where those hold their labels: U = both
-            Xf, Xi = Qf[:, 1:], Qi[:, 1:]
-            y_ac, y_best = af[:, None, :, 0] + other[..., 1:].transpose(1, 2), af[:, None, :, 1] + other_max[..., 1:].transpose(1, 2)
-            same = (Xi[..., _H, None] == a_h[:, None, None, :]) & (Xf[..., 0] > ninf)[..., None] & live[:, None, None, :]   # (B, M - 1, K, K)
-            x_ac = torch.logaddexp(Xf[..., 0], torch.where(same, y_ac[:, :, None], ninf).amax(-1))
-            b_best, j = torch.where(same, y_best[:, :, None], ninf).max(-1)
-            xi = Xi.clone()
-            xi[..., _NODE] = torch.where(b_best > Xf[..., 1], ai[..., _NODE].gather(1, j.view(B, -1)).view(B, M - 1, K), Xi[..., _NODE])
-            xi[..., _SRC] = x_src[:, 1:]
-            yi = ai[:, None].expand(B, M - 1, K, 9).clone()
-            yi[..., _PEND], yi[..., _SRC] = -1, y_src[:, 1:]
-            Uf = torch.cat([torch.stack([x_ac, torch.maximum(Xf[..., 1], b_best), Xf[..., 2]], -1),
-                            torch.stack([y_ac.masked_fill(same.any(2), ninf), y_best, af[:, None, :, 2].expand(B, M - 1, K)], -1)], 2)
-            Ui = torch.cat([xi, yi], 2)                            # (B, M - 1, 2K, 3), (B, M - 1, 2K, 9)
-            # 4. the extensions (B, n, K V), to the sets e0 .. e1 - 1 that labels reach (frame t alone for an RNN-T
-            # before the cap); an entry of U with the labels of one (in the sets o0 .. e1 - 1) gives it its probability
-            e0, e1 = int(cap), (M if D else 1 + int(cap))
-            n, o0 = e1 - e0, max(e0, 1)
-            E = torch.stack([(af[..., 0, None] + sym).view(B, 1, K * V), (af[..., 1, None] + sym).view(B, 1, K * V)], -1)
-            if D or cap: E = E + torch.stack([label[..., e0:e1], label_max[..., e0:e1]], -1).transpose(1, 2).repeat_interleave(V, 2)
-            e_node = torch.full((B, n, K * V), -2, dtype=torch.long, device=dev)          # -2: a node of its own
-            if e1 > o0:
-                uf, ui, m = Uf[:, o0 - 1:e1 - 1], Ui[:, o0 - 1:e1 - 1], e1 - o0
-                same = (ui[..., _PH, None] == a_h[:, None, None, :]) & ((ui[..., _LAST] >= 0) & (uf[..., 0] > ninf))[..., None] \
-                       & live[:, None, None, :]                  # (B, m, 2K, K)
-                hit = same.any(-1)
-                at = torch.where(hit, same.int().argmax(-1) * V + ui[..., _LAST], K * V)
-                put = uf[..., :2].masked_fill(~hit[..., None], ninf)
-                put = torch.full((B, m, K * V + 1, 2), ninf, dtype=torch.float64, device=dev).scatter_(2, at[..., None].expand(B, m, 2 * K, 2), put)[:, :, :K * V]
-                put_node = torch.full((B, m, K * V + 1), -1, dtype=torch.long, device=dev).scatter_(2, at, ui[..., _NODE])[:, :, :K * V]
-                ov = E[:, o0 - e0:].expand(B, m, K * V, 2)
-                e_node = torch.cat([e_node[:, :o0 - e0], torch.where(put[..., 1] > ov[..., 1], put_node, -2)], 1)
-                E = torch.cat([E[:, :o0 - e0].expand(B, o0 - e0, K * V, 2),
-                               torch.stack([torch.logaddexp(ov[..., 0], put[..., 0]), torch.maximum(ov[..., 1], put[..., 1])], -1)], 1)
-                Uf = Uf.clone()
-                Uf[:, o0 - 1:e1 - 1, :, 0] = uf[..., 0].masked_fill(hit, ninf)
-            # 5. each set's K best: the extensions' K best, and, ahead, the K best of those and U
-            top_e, ie = (E[..., 0] + bonus + partial).topk(K, -1)                     # (B, n, K)
-            je, ke = j_of[ie], k_of[ie]
-            aj = ai.gather(1, je.view(B, -1, 1).expand(B, n * K, 9)).view(B, n, K, 9)     # the extensions' parents
-            take = lambda x: x.reshape(B, -1, K * V).expand(B, n, K * V).gather(2, ie)
-            ef = torch.stack([take(E[..., 0]), take(E[..., 1]), take(bonus)], -1)
-            ei = torch.stack([_label_hash(aj[..., _H], ke), aj[..., _H], ke, take(e_node), ke,
-                              take(ls_next) if lm is not None else aj[..., _LS], take(hs_next) if sc.hot is not None else aj[..., _HS],
-                              pool[:, :, None] + je, aj[..., _NODE]], -1)
-            rank_u = Uf[..., 0] + Uf[..., 2] + (sc.hot_partial[Ui[..., _HS]] if sc.hot is not None else 0.0)
-            if e1 > o0:                                # (the sets ahead that no label reaches: no extension)
-                pad = lambda x, fill: torch.cat([x.new_full((B, o0 - 1, *x.shape[2:]), fill), x[:, o0 - e0:],
-                                                 x.new_full((B, M - e1, *x.shape[2:]), fill)], 1)
-                rank_u, Uf, Ui = (torch.cat([x, pad(y, fill)], 2) for x, y, fill in ((rank_u, top_e, ninf), (Uf, ef, 0.0), (Ui, ei, 0)))
-            top, i = rank_u.topk(K, -1)
-            Qf, Qi = Uf.gather(2, i[..., None].expand(B, M - 1, K, 3)), Ui.gather(2, i[..., None].expand(B, M - 1, K, 9))
-            if e0 == 0: top, Qf, Qi = torch.cat([top_e[:, :1], top], 1), torch.cat([ef[:, :1], Qf], 1), torch.cat([ei[:, :1], Qi], 1)
-            else: top, Qf, Qi = torch.cat([top[:, :1].clone().fill_(ninf), top], 1), torch.cat([Qf[:, :1], Qf], 1), torch.cat([Qi[:, :1], Qi], 1)
-            Qf[..., 0] = Qf[..., 0].masked_fill(top == ninf, ninf)
-            Qi[..., _NODE] = torch.where(Qi[..., _NODE] == -2, len(records) * S + torch.arange(S, device=dev).view(1, M, K), Qi[..., _NODE])
+            sym, label, label_max, other, other_max = steps(join(frames, pa).view(B, K, -1), cap)
+            lm_gain, ls_next = sc.lm_scores(ai[..., _LS]) if lm is not None else (None, None)
+            # 2. to 6.: the new sets
+            Qf, Qi = tensors_round(Qf, Qi, sym, label, label_max, other, other_max, cap, lm_gain, ls_next, node0)
             records.append((Qi, t))
-            # 6. a hypothesis still at frame t that ranks below the K-th at frame t + 1 stops (none of its paths can
-            # rank above it: every step costs), as Graves' search stops; the predictor rows follow their hypotheses
-            Qf[:, 0, :, 0] = Qf[:, 0, :, 0].masked_fill(top[:, 0] < top[:, 1, -1:], ninf)
+            # the predictor rows follow their hypotheses
             p = _rows(_cat(pred, pa), Qi[..., _SRC].view(-1))
             pred, state = (p, p) if state is pred and sa is pa else (p, _rows(_cat(state, sa), Qi[..., _SRC].view(-1)))
-        order = torch.tensor(list(range(1, M)) + [0], device=dev)  # the next frame: each set one frame closer
-        Qf, Qi = Qf[:, order], Qi[:, order]
-        rows = (((batch * M)[:, None, None] + order[None, :, None]) * K + ar).view(-1)
+        Qf, Qi = (torch.from_numpy(np.roll(x.numpy(), -1, 1)) for x in (Qf, Qi)) if host else (Qf[:, order], Qi[:, order])
         p = _rows(pred, rows)
         pred, state = (p, p) if state is pred else (p, _rows(state, rows))
-    return Ef.cpu().numpy(), Ei.cpu().numpy(), torch.stack([q for q, _ in records]).view(len(records), B, S, 9).cpu().numpy(), [f for _, f in records], sc, S
+    # the tree: each round's (B, S, 9), as they are on the host (no copy), in one transfer from elsewhere
+    tree = [q.numpy().reshape(B, S, 9) for q, _ in records] if host else torch.stack([q for q, _ in records]).view(len(records), B, S, 9).cpu().numpy()
+    return Ef.cpu().numpy(), Ei.cpu().numpy(), tree, [f for _, f in records], sc, S
+
+class _RoundTensors:
+    """Steps 2 to 6 of a round of `_search` in tensor operations over every utterance at once (on any device, with
+    no host read): the new sets (B, M, K) (floats, integers) from the sets Qf, Qi, the joiner's `_Steps` of the
+    frame-t hypotheses and the LM's scores of their extensions (or None); new nodes numbered from node0."""
+    def __init__(self, B, M, K, V, D, sc, lm_weight, dev):
+        self.B, self.M, self.K, self.V, self.D, self.sc, self.lm_weight, self.dev = B, M, K, V, D, sc, lm_weight, dev
+        batch, ar = torch.arange(B, device=dev), torch.arange(K, device=dev)
+        self.pool = B * M * K + batch[:, None] * K                 # (B, 1): rows after the sets' hold the expanded ones'
+        self.x_src, self.y_src = torch.arange(B * M * K, device=dev).view(B, M, K), (self.pool + ar)[:, None].expand(B, M, K)
+        self.k_of, self.j_of = torch.arange(K * V, device=dev) % V, torch.arange(K * V, device=dev) // V
+
+    def __call__(self, Qf, Qi, sym, label, label_max, other, other_max, cap, lm_gain, ls_next, node0):
+        B, M, K, V, D, sc, lm_weight, dev, ninf = self.B, self.M, self.K, self.V, self.D, self.sc, self.lm_weight, self.dev, -math.inf
+        pool, x_src, y_src, k_of, j_of = self.pool, self.x_src, self.y_src, self.k_of, self.j_of
+        af, ai = Qf[:, 0], Qi[:, 0]                                # (B, K, 3), (B, K, 9): the hypotheses at frame t
+        live, a_h = af[..., 0] > ninf, ai[..., _H]
+        # 2. what each label adds to the score (LM, phrases done) and to the ranking only (phrases under way)
+        bonus = af[..., 2, None].expand(B, K, V)
+        hs_next, partial = ai[..., _HS, None].expand(B, K, V), 0.0
+        if lm_gain is not None: bonus = bonus + lm_weight * lm_gain
+        if sc.hot is not None:
+            hs_next = sc.hot_next[ai[..., _HS]]
+            bonus, partial = bonus + sc.hot_done[hs_next], sc.hot_partial[hs_next].view(B, 1, K * V)
+        bonus = bonus.reshape(B, 1, K * V)
+        # 3. the blanks (B, M - 1, K) join the sets ahead, merged where those hold their labels: U = both
+        Xf, Xi = Qf[:, 1:], Qi[:, 1:]
+        y_ac, y_best = af[:, None, :, 0] + other[..., 1:].transpose(1, 2), af[:, None, :, 1] + other_max[..., 1:].transpose(1, 2)
+        same = (Xi[..., _H, None] == a_h[:, None, None, :]) & (Xf[..., 0] > ninf)[..., None] & live[:, None, None, :]   # (B, M - 1, K, K)
+        x_ac = torch.logaddexp(Xf[..., 0], torch.where(same, y_ac[:, :, None], ninf).amax(-1))
+        b_best, j = torch.where(same, y_best[:, :, None], ninf).max(-1)
+        xi = Xi.clone()
+        xi[..., _NODE] = torch.where(b_best > Xf[..., 1], ai[..., _NODE].gather(1, j.view(B, -1)).view(B, M - 1, K), Xi[..., _NODE])
+        xi[..., _SRC] = x_src[:, 1:]
+        yi = ai[:, None].expand(B, M - 1, K, 9).clone()
+        yi[..., _PEND], yi[..., _SRC] = -1, y_src[:, 1:]
+        Uf = torch.cat([torch.stack([x_ac, torch.maximum(Xf[..., 1], b_best), Xf[..., 2]], -1),
+                        torch.stack([y_ac.masked_fill(same.any(2), ninf), y_best, af[:, None, :, 2].expand(B, M - 1, K)], -1)], 2)
+        Ui = torch.cat([xi, yi], 2)                            # (B, M - 1, 2K, 3), (B, M - 1, 2K, 9)
+        # 4. the extensions (B, n, K V), to the sets e0 .. e1 - 1 that labels reach (frame t alone for an RNN-T
+        # before the cap); an entry of U with the labels of one (in the sets o0 .. e1 - 1) gives it its probability
+        e0, e1 = int(cap), (M if D else 1 + int(cap))
+        n, o0 = e1 - e0, max(e0, 1)
+        E = torch.stack([(af[..., 0, None] + sym).view(B, 1, K * V), (af[..., 1, None] + sym).view(B, 1, K * V)], -1)
+        if D or cap: E = E + torch.stack([label[..., e0:e1], label_max[..., e0:e1]], -1).transpose(1, 2).repeat_interleave(V, 2)
+        e_node = torch.full((B, n, K * V), -2, dtype=torch.long, device=dev)          # -2: a node of its own
+        if e1 > o0:
+            uf, ui, m = Uf[:, o0 - 1:e1 - 1], Ui[:, o0 - 1:e1 - 1], e1 - o0
+            same = (ui[..., _PH, None] == a_h[:, None, None, :]) & ((ui[..., _LAST] >= 0) & (uf[..., 0] > ninf))[..., None] \
+                   & live[:, None, None, :]                  # (B, m, 2K, K)
+            hit = same.any(-1)
+            at = torch.where(hit, same.int().argmax(-1) * V + ui[..., _LAST], K * V)
+            put = uf[..., :2].masked_fill(~hit[..., None], ninf)
+            put = torch.full((B, m, K * V + 1, 2), ninf, dtype=torch.float64, device=dev).scatter_(2, at[..., None].expand(B, m, 2 * K, 2), put)[:, :, :K * V]
+            put_node = torch.full((B, m, K * V + 1), -1, dtype=torch.long, device=dev).scatter_(2, at, ui[..., _NODE])[:, :, :K * V]
+            ov = E[:, o0 - e0:].expand(B, m, K * V, 2)
+            e_node = torch.cat([e_node[:, :o0 - e0], torch.where(put[..., 1] > ov[..., 1], put_node, -2)], 1)
+            E = torch.cat([E[:, :o0 - e0].expand(B, o0 - e0, K * V, 2),
+                           torch.stack([torch.logaddexp(ov[..., 0], put[..., 0]), torch.maximum(ov[..., 1], put[..., 1])], -1)], 1)
+            Uf = Uf.clone()
+            Uf[:, o0 - 1:e1 - 1, :, 0] = uf[..., 0].masked_fill(hit, ninf)
+        # 5. each set's K best: the extensions' K best, and, ahead, the K best of those and U
+        top_e, ie = (E[..., 0] + bonus + partial).topk(K, -1)                     # (B, n, K)
+        je, ke = j_of[ie], k_of[ie]
+        aj = ai.gather(1, je.view(B, -1, 1).expand(B, n * K, 9)).view(B, n, K, 9)     # the extensions' parents
+        take = lambda x: x.reshape(B, -1, K * V).expand(B, n, K * V).gather(2, ie)
+        ef = torch.stack([take(E[..., 0]), take(E[..., 1]), take(bonus)], -1)
+        ei = torch.stack([_label_hash(aj[..., _H], ke), aj[..., _H], ke, take(e_node), ke,
+                          take(ls_next) if lm_gain is not None else aj[..., _LS], take(hs_next) if sc.hot is not None else aj[..., _HS],
+                          pool[:, :, None] + je, aj[..., _NODE]], -1)
+        rank_u = Uf[..., 0] + Uf[..., 2] + (sc.hot_partial[Ui[..., _HS]] if sc.hot is not None else 0.0)
+        if e1 > o0:                                # (the sets ahead that no label reaches: no extension)
+            pad = lambda x, fill: torch.cat([x.new_full((B, o0 - 1, *x.shape[2:]), fill), x[:, o0 - e0:],
+                                             x.new_full((B, M - e1, *x.shape[2:]), fill)], 1)
+            rank_u, Uf, Ui = (torch.cat([x, pad(y, fill)], 2) for x, y, fill in ((rank_u, top_e, ninf), (Uf, ef, 0.0), (Ui, ei, 0)))
+        top, i = rank_u.topk(K, -1)
+        Qf, Qi = Uf.gather(2, i[..., None].expand(B, M - 1, K, 3)), Ui.gather(2, i[..., None].expand(B, M - 1, K, 9))
+        if e0 == 0: top, Qf, Qi = torch.cat([top_e[:, :1], top], 1), torch.cat([ef[:, :1], Qf], 1), torch.cat([ei[:, :1], Qi], 1)
+        else: top, Qf, Qi = torch.cat([top[:, :1].clone().fill_(ninf), top], 1), torch.cat([Qf[:, :1], Qf], 1), torch.cat([Qi[:, :1], Qi], 1)
+        Qf[..., 0] = Qf[..., 0].masked_fill(top == ninf, ninf)
+        Qi[..., _NODE] = torch.where(Qi[..., _NODE] == -2, node0 + torch.arange(M * K, device=dev).view(1, M, K), Qi[..., _NODE])
+        # 6. a hypothesis still at frame t that ranks below the K-th at frame t + 1 stops (none of its paths can
+        # rank above it: every step costs), as Graves' search stops
+        Qf[:, 0, :, 0] = Qf[:, 0, :, 0].masked_fill(top[:, 0] < top[:, 1, -1:], ninf)
+        return Qf, Qi
+
+# %% ../nbs/11d_transducer_beam.ipynb #tb-host
+@numba.njit(cache=_CACHE, nogil=True)
+def _logaddexp(a, b):
+    "ln(e^a + e^b), as torch.logaddexp computes it."
+    if a == b and math.isinf(a): return a
+    return max(a, b) + math.log1p(math.exp(-abs(a - b)))
+
+_label_hash_host = numba.njit(cache=_CACHE, nogil=True)(_label_hash)
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _top(rank, n, K, out):
+    "The indices of the K largest of rank[:n] into out, largest first, ties to the lower index (a stable sort's)."
+    if K > 16:
+        out[:K] = np.argsort(-rank[:n], kind='mergesort')[:K]
+        return
+    for i in range(n):                                 # (a narrow beam: one pass, each entry against the K-th)
+        m = min(i, K)
+        if m == K and not rank[i] > rank[out[K - 1]]: continue
+        while m > 0 and rank[i] > rank[out[m - 1]]:
+            if m < K: out[m] = out[m - 1]
+            m -= 1
+        out[m] = i
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _live_rows(Qf, Qi):
+    """The live frame-t hypotheses (b, j) of the sets Qf, Qi (B, M, K): their utterances and predictor rows (b M K + j),
+    row[b K + j] (their index, or -1), and of those with a label the predictor has not seen, the row and the label."""
+    B, M, K = Qf.shape[0], Qf.shape[1], Qf.shape[2]
+    utt, rows, row, pend, labels = np.empty(B * K, np.int64), np.empty(B * K, np.int64), np.empty(B * K, np.int64), \
+                                   np.empty(B * K, np.int64), np.empty(B * K, np.int64)
+    n = m = 0
+    for b in range(B):
+        for j in range(K):
+            row[b * K + j] = -1
+            if not Qf[b, 0, j, 0] > -math.inf: continue
+            utt[n], rows[n], row[b * K + j] = b, b * M * K + j, n
+            if Qi[b, 0, j, _PEND] >= 0: pend[m], labels[m], m = rows[n], Qi[b, 0, j, _PEND], m + 1
+            n += 1
+    return utt[:n], rows[:n], row, pend[:m], labels[:m]
+
+@numba.njit(cache=_CACHE, nogil=True)
+def _round_host(Qf, Qi, row, sym, label, label_max, other, other_max, cap, D, lm_gain, ls_next, lm_weight, hot_next, hot_done,
+                hot_partial, node0):
+    """`_RoundTensors` on the host: steps 2 to 6 of a round, an utterance at a time, each set ahead at a time, in loops
+    over its K hypotheses (no (B, M, 3K) intermediates). The `_Steps` arrays hold the live frame-t hypotheses' rows
+    alone: row[b K + j] is hypothesis (b, j)'s. Empty `lm_gain`: no LM; empty `hot_done`: no hotwords. The new sets,
+    and each entry's predictor row (B M K): its own for the sets' entries, its frame-t parent's (b, 0, j) for the
+    blanks and extensions (where `_search` puts the outputs of step 1)."""
+    B, M, K, V = Qf.shape[0], Qf.shape[1], Qf.shape[2], sym.shape[1]
+    ninf, has_lm, has_hot = -math.inf, lm_gain.shape[0] > 0, hot_done.shape[0] > 0
+    e0, e1 = int(cap), (M if D else 1 + int(cap))           # the sets that labels reach
+    nf, ni = np.empty_like(Qf), np.empty_like(Qi)
+    Uf, Ui, rank = np.empty((3 * K, 3)), np.empty((3 * K, 9), np.int64), np.empty(3 * K)  # a set's candidates
+    E0, E1, node, r_e = np.empty(K * V), np.empty(K * V), np.empty(K * V, np.int64), np.empty(K * V)   # extensions
+    bonus, part, ls, hs = np.empty(K * V), np.empty(K * V), np.empty(K * V, np.int64), np.empty(K * V, np.int64)
+    pick, merged, top = np.empty(K, np.int64), np.empty(K, np.bool_), np.empty((M, K))
+    for b in range(B):
+        a_f, a_i, base, r_b = Qf[b, 0], Qi[b, 0], b * M * K, row[b * K:(b + 1) * K]
+        alive = False
+        for j in range(K): alive |= r_b[j] >= 0
+        # 2. each label's bonus (LM, phrases done) and ranking's extra (phrases under way), the LM and phrase states
+        for j in range(K if alive and (has_lm or has_hot) else 0):      # (without either: the parent's bonus, below)
+            for k in range(V):
+                jk = j * V + k
+                bonus[jk], part[jk], ls[jk], hs[jk] = a_f[j, 2], 0.0, a_i[j, _LS], a_i[j, _HS]
+                if r_b[j] < 0: continue
+                if has_lm: bonus[jk], ls[jk] = bonus[jk] + lm_weight * lm_gain[b, j, k], ls_next[b, j, k]
+                if has_hot:
+                    hs[jk] = hot_next[a_i[j, _HS], k]
+                    bonus[jk], part[jk] = bonus[jk] + hot_done[hs[jk]], hot_partial[hs[jk]]
+        for f in range(M):
+            n = 0
+            if f > 0:                                  # 3. the set's K, then the blanks of the K at frame t
+                merged[:] = False
+                for i in range(K):
+                    y_ac, y_best, jb = ninf, ninf, 0
+                    if Qf[b, f, i, 0] > ninf:
+                        for j in range(K):
+                            if r_b[j] >= 0 and a_i[j, _H] == Qi[b, f, i, _H]:
+                                merged[j], y_ac = True, max(y_ac, a_f[j, 0] + other[r_b[j], f])
+                                if a_f[j, 1] + other_max[r_b[j], f] > y_best: y_best, jb = a_f[j, 1] + other_max[r_b[j], f], j
+                    Uf[i, 0], Uf[i, 1], Uf[i, 2] = _logaddexp(Qf[b, f, i, 0], y_ac), max(Qf[b, f, i, 1], y_best), Qf[b, f, i, 2]
+                    Ui[i] = Qi[b, f, i]
+                    if y_best > Qf[b, f, i, 1]: Ui[i, _NODE] = a_i[jb, _NODE]
+                    Ui[i, _SRC] = base + f * K + i
+                for j in range(K):
+                    live = r_b[j] >= 0
+                    Uf[K + j, 0] = a_f[j, 0] + other[r_b[j], f] if live and not merged[j] else ninf
+                    Uf[K + j, 1], Uf[K + j, 2] = a_f[j, 1] + other_max[r_b[j], f] if live else ninf, a_f[j, 2]
+                    Ui[K + j] = a_i[j]
+                    Ui[K + j, _PEND], Ui[K + j, _SRC] = -1, base + j
+                n = 2 * K
+            if alive and e0 <= f < e1:                 # 4. the extensions, given their probability by U's entries
+                for j in range(K):                     # (and their ranks, 5., those given probability again below)
+                    r = r_b[j]
+                    for k in range(V):
+                        jk = j * V + k
+                        node[jk] = -2
+                        if r < 0:                      # (a dead hypothesis has no extension)
+                            E0[jk], E1[jk], r_e[jk] = ninf, ninf, ninf
+                            continue
+                        if D or cap: E0[jk], E1[jk] = a_f[j, 0] + sym[r, k] + label[r, f], a_f[j, 1] + sym[r, k] + label_max[r, f]
+                        else: E0[jk], E1[jk] = a_f[j, 0] + sym[r, k], a_f[j, 1] + sym[r, k]
+                        r_e[jk] = (E0[jk] + bonus[jk] + part[jk] if has_lm or has_hot else E0[jk] + a_f[j, 2]) if E0[jk] > ninf else ninf
+                for u in range(n):
+                    if Ui[u, _LAST] < 0 or not Uf[u, 0] > ninf: continue
+                    for j in range(K):
+                        if r_b[j] >= 0 and a_i[j, _H] == Ui[u, _PH]:
+                            jk = j * V + Ui[u, _LAST]
+                            if Uf[u, 1] > E1[jk]: node[jk] = Ui[u, _NODE]
+                            E0[jk], E1[jk], Uf[u, 0] = _logaddexp(E0[jk], Uf[u, 0]), max(E1[jk], Uf[u, 1]), ninf
+                            r_e[jk] = (E0[jk] + bonus[jk] + part[jk] if has_lm or has_hot else E0[jk] + a_f[j, 2]) if E0[jk] > ninf else ninf
+                            break
+            for u in range(n): rank[u] = Uf[u, 0] + Uf[u, 2] + (hot_partial[Ui[u, _HS]] if has_hot else 0.0)
+            if alive and e0 <= f < e1:                 # 5. the extensions' K best join the candidates
+                _top(r_e, K * V, K, pick)
+                for s in range(K):
+                    jk, c = pick[s], n + s
+                    j, k = jk // V, jk % V
+                    rank[c], Uf[c, 0], Uf[c, 1], Uf[c, 2] = r_e[jk], E0[jk], E1[jk], bonus[jk] if has_lm or has_hot else a_f[j, 2]
+                    Ui[c, _H], Ui[c, _PH], Ui[c, _LAST], Ui[c, _NODE], Ui[c, _PEND] = _label_hash_host(a_i[j, _H], k), a_i[j, _H], k, node[jk], k
+                    Ui[c, _LS], Ui[c, _HS], Ui[c, _SRC], Ui[c, _PNODE] = a_i[j, _LS], a_i[j, _HS], base + j, a_i[j, _NODE]
+                    if has_lm or has_hot: Ui[c, _LS], Ui[c, _HS] = ls[jk], hs[jk]
+                n += K
+            if n == 0:                                 # (frame t after the cap, or none alive: no hypothesis)
+                for s in range(K):
+                    nf[b, f, s], ni[b, f, s], top[f, s] = Qf[b, f, s], Qi[b, f, s], ninf
+                    nf[b, f, s, 0], ni[b, f, s, _SRC] = ninf, base + s
+                continue
+            _top(rank, n, K, pick)                     # each set's K best; new nodes
+            for s in range(K):
+                c = pick[s]
+                nf[b, f, s], ni[b, f, s], top[f, s] = Uf[c], Ui[c], rank[c]
+                if rank[c] == ninf: nf[b, f, s, 0] = ninf
+                if ni[b, f, s, _NODE] == -2: ni[b, f, s, _NODE] = node0 + f * K + s
+        for s in range(K):                             # 6. Graves' rule
+            if top[0, s] < top[1, K - 1]: nf[b, 0, s, 0] = ninf
+    return nf, ni, ni[..., _SRC].copy().reshape(-1)
 
 # %% ../nbs/11e_ctc_beam_cuda.ipynb #cb-glue
 from .kernel import load_kernel

@@ -256,14 +256,15 @@ def test_a_nan_is_refused_naming_its_sequence_and_padding_is_never_read():
 
 from seqdist.decode import transducer_greedy_decode, transducer_greedy_reference, random_transducer, torchaudio_rnnt_parts
 
-def test_batched_transducer_greedy_decoding_is_the_frame_by_frame_loops():
+@pytest.mark.parametrize('backend', ['cpu', 'torch'])
+def test_batched_transducer_greedy_decoding_is_the_frame_by_frame_loops(backend):
     for seed in range(30):
         g = torch.Generator().manual_seed(seed)
         V, B, T, blank, cap = 3 + seed % 9, 1 + seed % 6, 1 + seed % 13, seed % 3, 1 + seed % 4
         predict, join = random_transducer(V, seed=seed, dtype=torch.float64, blank=blank, blank_bias=seed % 5)
         enc = torch.randn(B, T, 16, generator=g, dtype=torch.float64)
         lengths = torch.randint(0, T + 1, (B,), generator=g)
-        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=cap)
+        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=cap, backend=backend)
         loop = transducer_greedy_reference(enc, lengths, predict, join, blank, cap)
         for a, b in zip(ours, loop):
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.timesteps, b.timesteps), seed
@@ -285,6 +286,8 @@ def test_torchaudios_rnnt_is_decoded_as_it_is():
     (dict(encoder_lengths=torch.tensor([5, 9])), r'encoder_lengths must be B = 2 lengths in \[0, T\] = \[0, 6\]'),
     (dict(max_symbols_per_frame=0), r'max_symbols_per_frame must be an int >= 1'),
     (dict(encoder_out=torch.randn(6, 16)), r'encoder_out must be \(B, T, H\)'),
+    (dict(backend='numba'), r"backend must be 'auto', 'cpu' or 'torch', got 'numba'"),
+    (dict(encoder_out=torch.randn(2, 6, 16, device='meta'), backend='cpu'), r"backend='cpu' needs CPU tensors, got encoder_out on meta"),
 ])
 def test_transducer_greedy_bad_input_is_named(kwargs, message):
     predict, join = random_transducer(5)
@@ -303,11 +306,13 @@ def _random_case(kind, seed):
     enc = torch.randn(B, T, 16, generator=g, dtype=torch.float64) * (1 + seed % 3)
     return predict, join, enc, torch.randint(0, T + 1, (B,), generator=g), blank, cap, opts
 
+@pytest.mark.parametrize('backend', ['cpu', 'torch'])
 @pytest.mark.parametrize('kind', ['tdt', 'multiblank'])
-def test_batched_tdt_and_multiblank_greedy_decoding_is_the_loops(kind):
+def test_batched_tdt_and_multiblank_greedy_decoding_is_the_loops(kind, backend):
     for seed in range(30):
         predict, join, enc, lengths, blank, cap, opts = _random_case(kind, seed)
-        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=cap, **opts)
+        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=cap,
+                                        backend=backend, **opts)
         loop = transducer_greedy_reference(enc, lengths, predict, join, blank, cap, **opts)
         for a, b in zip(ours, loop):
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.timesteps, b.timesteps), seed
@@ -333,11 +338,12 @@ def _scripted(kind):
         return logits
     return predict, join, blank, (dict(durations=[0, 3]) if kind == 'tdt' else dict(big_blank_durations=[3]))
 
+@pytest.mark.parametrize('backend', ['cpu', 'torch'])
 @pytest.mark.parametrize('kind', ['tdt', 'multiblank'])
-def test_tdt_and_multiblank_greedy_moves_by_the_chosen_durations(kind):
+def test_tdt_and_multiblank_greedy_moves_by_the_chosen_durations(kind, backend):
     predict, join, blank, opts = _scripted(kind)
     enc = torch.arange(11, dtype=torch.float64)[None, :, None].expand(2, 11, 3).contiguous()
-    hyps = transducer_greedy_decode(enc, torch.tensor([11, 5]), predict=predict, join=join, blank=blank, **opts)
+    hyps = transducer_greedy_decode(enc, torch.tensor([11, 5]), predict=predict, join=join, blank=blank, backend=backend, **opts)
     assert hyps[0].tokens.tolist() == [1, 4, 3, 2] and hyps[0].timesteps.tolist() == [0, 3, 6, 9]
     assert hyps[1].tokens.tolist() == [1, 4] and hyps[1].timesteps.tolist() == [0, 3]
 
@@ -369,7 +375,8 @@ def test_greedy_decoding_reading_the_host_every_few_steps_is_the_same(monkeypatc
                                           extra=len(opts.get('durations', ())))
         enc, lengths = torch.randn(4, 13, 16, dtype=torch.float64), torch.tensor([13, 7, 0, 2])
         blank = 5 if kind == 'multiblank' else 0
-        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=2, **opts)
+        ours = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=blank, max_symbols_per_frame=2,
+                                        backend='torch', **opts)
         loop = transducer_greedy_reference(enc, lengths, predict, join, blank, 2, **opts)
         for a, b in zip(ours, loop):
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.timesteps, b.timesteps) and abs(a.score - b.score) < 1e-9

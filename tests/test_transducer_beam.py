@@ -34,22 +34,24 @@ def _alike(a, hyps):
     return len(a) == len(hyps) and all(x[1] == tuple(h.tokens.tolist()) and x[2] == tuple(h.timesteps.tolist())
                                        and abs(x[0] - h.score) < 1e-9 for x, h in zip(a, hyps))
 
+@pytest.mark.parametrize('backend', ['cpu', 'torch'])
 @pytest.mark.parametrize('kind', ['rnnt', 'tdt', 'multiblank'])
-def test_a_beam_that_keeps_everything_gives_enumerations_n_best(kind):
+def test_a_beam_that_keeps_everything_gives_enumerations_n_best(kind, backend):
     for seed in range(3):
         predict, join, blank, opts, enc, _ = _case(kind, seed)
         cap = 1 + seed % 2
         for extra in _scorers(seed, 4, blank, opts):
             truth = transducer_nbest_brute_force(enc[0], 3, predict, join, blank, 4, cap, **opts, **extra)
             ours = transducer_beam_search(enc, predict=predict, join=join, blank=blank, beam_width=1200, nbest=4,
-                                          max_symbols_per_frame=cap, **opts, **extra)[0]
+                                          max_symbols_per_frame=cap, backend=backend, **opts, **extra)[0]
             assert _alike(truth, ours), (seed, extra)
             assert all(h.score == pytest.approx(h.acoustic + extra.get('lm_weight', 0.0) * h.lm + h.hotwords, abs=1e-9) for h in ours)
             ref = transducer_beam_reference(enc, [3], predict, join, blank, 1200, 4, cap, **opts, **extra)[0]
             assert len(ref) == len(truth) and all(a[1] == b[1] and a[2] == b[2] and abs(a[0] - b[0]) < 1e-9 for a, b in zip(ref, truth))
 
+@pytest.mark.parametrize('backend', ['cpu', 'torch'])
 @pytest.mark.parametrize('kind', ['rnnt', 'tdt', 'multiblank'])
-def test_with_pruning_the_batched_search_is_the_reference(kind):
+def test_with_pruning_the_batched_search_is_the_reference(kind, backend):
     n = 0
     for seed in range(5):
         V, T, cap = 4 + seed % 5, 4 + seed % 9, 1 + seed % 3
@@ -58,7 +60,7 @@ def test_with_pruning_the_batched_search_is_the_reference(kind):
             for beam in (1 + seed % 3, 5 + seed):
                 ref = transducer_beam_reference(enc, lengths, predict, join, blank, beam, min(3, beam), cap, **opts, **extra)
                 ours = transducer_beam_search(enc, lengths, predict=predict, join=join, blank=blank, beam_width=beam,
-                                              nbest=min(3, beam), max_symbols_per_frame=cap, **opts, **extra)
+                                              nbest=min(3, beam), max_symbols_per_frame=cap, backend=backend, **opts, **extra)
                 for a, b in zip(ref, ours):
                     assert _alike(a, b), (seed, beam, extra)
                     n += 1
@@ -118,6 +120,8 @@ def test_torchaudios_rnnt_is_searched_as_it_is():
     (dict(hotwords=[([0, 1], 1.0)]), ValueError, r'hotwords must be spelled by token ids'),
     (dict(durations=[]), ValueError, r'durations must be a non-empty list of ints >= 0'),
     (dict(durations=[0, 1], big_blank_durations=[2]), ValueError, r'give durations \(a TDT\) or big_blank_durations'),
+    (dict(backend='cuda'), ValueError, r"backend must be 'auto', 'cpu' or 'torch', got 'cuda'"),
+    (dict(encoder_out=torch.randn(2, 6, 16, device='meta'), backend='cpu'), ValueError, r"backend='cpu' needs CPU tensors, got encoder_out on meta"),
 ])
 def test_bad_input_is_named(kwargs, error, message):
     predict, join = random_transducer(5)
