@@ -746,7 +746,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                 s += run[b_node[i]]
                 best = max(best, s)
                 size = _heap_push(hs, hb, hk, size, hcap, s, i, -1)
-            n_top = _top_tokens(row, top, M)      # the M likeliest tokens, sorted; twice as many whenever a beam needs more
+            n_top = _top_tokens(row, top, M)      # the M likeliest tokens, sorted; more whenever a beam needs more
             for i in range(nb):
                 nd = b_node[i]
                 tot = _plus(b_pb[i], b_pnb[i], use_max)
@@ -758,7 +758,9 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                 words = tot + wscore[nd] + (max(spells_on, done_score[nd] if ends else -np.inf) if use_words else 0.0)
                 bound = words + (hot_bound[hot[nd]] if use_hot else 0.0)
                 for r in range(C):
-                    if r == n_top: n_top = _top_tokens(row, top, min(C, 2 * n_top))
+                    if r == n_top:                 # (twice as many by insertion while that is cheap, else all sorted)
+                        if 2 * n_top <= 64: n_top = _top_tokens(row, top, min(C, 2 * n_top))
+                        else: top[:] = np.argsort(-row); n_top = C
                     k = top[r]
                     if bound + row[k] < (hs[0] if size == hcap else best - threshold): break
                     if k == blank or excluded[i * C + k]: continue
