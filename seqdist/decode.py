@@ -986,6 +986,15 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     search, torchaudio's `log_add=False`: with nbest 1, prefixes with the same future are recombined, as its states
     are); `whole_words`: a hypothesis must end with its last word done by a delimiter (torchaudio's lexicon decoding);
     `lm_lookahead`: a prefix spelling a word ranks with the best LM score of a word it begins (flashlight's smearing)."""
+    found, il = _ctc_search(**locals())
+    return [[CTCHypothesis(torch.tensor(seq, dtype=torch.long), spell(seq, tokens, blank) if tokens is not None else [],
+                           score, steps) for (score, seq), steps in zip(hyps, _first_frames(log_probs[b, :il[b]], hyps, blank))]
+            for b, hyps in enumerate(found)]
+
+def _ctc_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest=1, tokens=None, lm=None, lm_weight=0.0,
+                word_score=0.0, lexicon=None, hotwords=None, beam_threshold=math.inf, backend='auto', merge_delimiters=False,
+                unk_score=0.0, unk_prefix_score=0.0, semiring='log', whole_words=False, lm_lookahead=False, lm_tokens=False):
+    "`ctc_beam_search`'s search: per utterance its n best (score, token tuple), and the input lengths (the faces' too)."
     il = _check_search(log_probs, input_lengths, beam_width, blank, nbest, tokens, lm)
     C = log_probs.shape[2]
     if lexicon is not None and tokens is None: raise ValueError("lexicon needs tokens: its words are spelled by them")
@@ -997,9 +1006,7 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
                           unk_prefix_score, whole_words, lm_lookahead, lm_tokens)
     if backend == 'auto': backend = 'cuda' if log_probs.is_cuda and _BACKENDS['cuda'].handles(scorer, merge_delimiters) else 'cpu'
     found = _BACKENDS[backend](log_probs.detach() if backend == 'cuda' else log_probs.detach().cpu(), il, beam_width, blank, nbest, scorer, beam_threshold, merge_delimiters, semiring)
-    return [[CTCHypothesis(torch.tensor(seq, dtype=torch.long), spell(seq, tokens, blank) if tokens is not None else [],
-                           score, steps) for (score, seq), steps in zip(hyps, _first_frames(log_probs[b, :il[b]], hyps, blank))]
-            for b, hyps in enumerate(found)]
+    return found, il
 
 def _first_frames(log_probs, hyps, blank):
     "Each hypothesis's tokens' first frames on its best alignment (`forced_align`, the CPU kernel), int32 tensors."
@@ -1433,19 +1440,19 @@ class CTCDecoder:
             raise ValueError(f"emissions must have one column per token ({len(self.tokens)}), got {emissions.shape[2]}")
         lp = emissions.detach().cpu().double()
         if self.sil_score: lp[..., self.sil] += self.sil_score        # (flashlight's: for every frame of silence)
-        found = ctc_beam_search(lp, lengths, **self.search)
-        il = torch.full((lp.shape[0],), lp.shape[1]) if lengths is None else torch.as_tensor(lengths).cpu()
-        return [[self._hypothesis(lp[b, :il[b]], h) for h in hyps] for b, hyps in enumerate(found)]
+        found, il = _ctc_search(lp, lengths, **self.search)       # (the search alone: the best paths are aligned here)
+        return [[self._hypothesis(lp[b, :il[b]], score, seq) for score, seq in hyps] for b, hyps in enumerate(found)]
 
-    def _hypothesis(self, lp, h):
-        "torchaudio's hypothesis from the best path of h's tokens: a silence each side, blanks and repeats removed."
-        path = (forced_align(lp[None], h.tokens[None], None, [len(h.tokens)], self.blank, backend='cpu')[0][0].tolist()
+    def _hypothesis(self, lp, score, seq):
+        "torchaudio's hypothesis from the best path of the tokens `seq`: a silence each side, blanks and repeats removed."
+        path = (forced_align(lp[None], torch.tensor([seq], dtype=torch.long), None, [len(seq)], self.blank, backend='cpu')[0][0].tolist()
                 if len(lp) else [])
         raw = [self.sil] + path + [self.sil]
         steps = [i for i, k in enumerate(raw) if k != self.blank and (i == 0 or k != raw[i - 1])]
         # (where no hypothesis ended at a word's end, the one being spelled is no word)
-        words = [] if self.lexicon is None else h.words[:-1] if len(h.tokens) and h.tokens[-1] != self.sil else h.words
-        return CTCHypothesis(torch.tensor([raw[i] for i in steps], dtype=torch.long), list(words), h.score,
+        words = [] if self.lexicon is None else spell(seq, self.search['tokens'], self.blank)
+        words = words[:-1] if self.lexicon is not None and len(seq) and seq[-1] != self.sil else words
+        return CTCHypothesis(torch.tensor([raw[i] for i in steps], dtype=torch.long), list(words), score,
                              torch.tensor(steps, dtype=torch.int32))
 
     def idxs_to_tokens(self, idxs):
