@@ -447,3 +447,9 @@ def test_topk_kernel_on_float32_emissions_and_long_sequences():
     assert torch.equal(got, want) and scores.dtype == torch.float32
     assert (scores[:, 2] == -math.inf).all() and (got[:, 2] == -1).all() and (scores[:, :2] > -math.inf).all()
     assert torch.allclose(scores[:, :2], want_scores[:, :2], rtol=1e-6, atol=0)
+
+def test_only_graphs_of_at_most_lanes_max_states_go_four_lanes_at_a_time():
+    "Four sequences of one graph and length: bundled while the graph is small, one a thread beyond LANES_MAX_STATES."
+    seq_graph, lengths, ok = np.zeros(4, np.int64), np.full(4, 10), np.array([True])
+    assert G.lane_bundles(seq_graph, lengths, ok, np.array([G.LANES_MAX_STATES])).tolist() == [[0, 1, 2, 3]]
+    assert G.lane_bundles(seq_graph, lengths, ok, np.array([G.LANES_MAX_STATES + 1])).shape == (0, G.LANES)
