@@ -140,12 +140,16 @@ def test_hypotheses_have_torchaudios_structure_and_the_aligners_timesteps():
                 labels, scores = forced_align(lp[b:b + 1, :il[b]], h.tokens[None])
                 assert torch.equal(h.timesteps, token_spans(labels, scores, [len(h.tokens)])[0][0].int())
 
+def random_phrases(rng, C, most):
+    "Up to `most` random phrases of 1-4 tokens in [1, C) (token 0, the blank, in none) and their weights in [-1, 2]."
+    phrases = [rng.choices(range(1, C), k=rng.randint(1, 4)) for _ in range(rng.randint(1, most))]
+    return phrases, [rng.uniform(-1, 2) for _ in phrases]
+
 def test_the_hotword_automaton_credits_every_occurrence_and_drops_partial_matches():
     for seed in range(100):
         rng = random.Random(seed)
         C = rng.randint(2, 5)
-        phrases = [rng.choices(range(1, C), k=rng.randint(1, 4)) for _ in range(rng.randint(1, 6))]
-        weights = [rng.uniform(-1, 2) for _ in phrases]
+        phrases, weights = random_phrases(rng, C, 6)
         hot = Hotwords(phrases, weights, C)
         seq = rng.choices(range(1, C), k=rng.randint(0, 12))
         s, earned = 0, 0.0
@@ -160,8 +164,7 @@ def test_the_dense_move_table_is_the_automaton_and_the_kernel_answers_alike_with
     for seed in range(30):
         rng = random.Random(seed)
         C = rng.randint(3, 12)
-        phrases = [rng.choices(range(1, C), k=rng.randint(1, 4)) for _ in range(rng.randint(1, 30))]
-        weights = [rng.uniform(-1, 2) for _ in phrases]
+        phrases, weights = random_phrases(rng, C, 30)
         hot = Hotwords(phrases, weights, C)
         table = hot.moves().reshape(-1, C)
         assert [[int(table[s, k]) for k in range(C)] for s in range(len(hot.fail))] == \
