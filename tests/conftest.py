@@ -103,3 +103,21 @@ def small_emformer_rnnt(seed=0):
         transformer_num_layers=1, transformer_dropout=0.0, transformer_activation='relu', transformer_left_context_length=8,
         transformer_max_memory_size=0, transformer_weight_init_scale_strategy=None, transformer_tanh_on_mem=False,
         symbol_embedding_dim=8, num_lstm_layers=2, lstm_layer_norm=True, lstm_layer_norm_epsilon=1e-5, lstm_dropout=0.0).eval()
+
+def word_option_searches(semiring, merge=lambda seed: False, seeds=60):
+    """(seed, arguments of the beam search's backends) over small random batches, the word options in turn: an LM or
+    none, hotwords, a lexicon, the partial-word score, whole words, the lookahead, and `merge(seed)` delimiters merged."""
+    import math
+    from seqdist.decode import PrefixScorer, NGramLM, Hotwords, random_arpa
+    tokens5, words5 = ['-', 'a', 'b', '|', '▁c'], ['a', 'b', 'ab', 'ba', 'c', 'ca', 'cab', 'bab']
+    for seed in range(seeds):
+        g = torch.Generator().manual_seed(seed)
+        N, T, C = 3, 4 + seed % 11, (5, 24)[seed % 2]
+        toks = tokens5 if C == 5 else ['-', '|'] + [f'{a}{b}' for a in 'abcd' for b in ('', 'a', 'b', 'ab', 'ba', 'ca')][:C - 2]
+        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).mul(1 + seed % 3).log_softmax(-1)
+        scorer = PrefixScorer(C, 0, toks, NGramLM(text=random_arpa(seed, words5, order=2)) if seed % 5 else None, 0.7, -0.2,
+                              Hotwords([[1, 2], [2, 3, 1], [3]], [0.5, 1.0, -0.2], C) if seed % 3 else None,
+                              ['a', 'ab', 'aab', 'b', 'ba', 'c', 'cab', 'ca'] if seed % 4 == 1 else None, unk_score=-1.0,
+                              unk_prefix_score=(0.0, -2.0)[seed % 7 < 3], whole_words=seed % 2 == 0, lookahead=seed % 3 == 0)
+        yield seed, (lp, torch.randint(0, T + 1, (N,), generator=g), 1 + seed % 6, 0, 1 + (semiring == 'log') * (seed % 2),
+                     scorer, (math.inf, 2.0)[seed % 2], merge(seed), semiring)

@@ -2,6 +2,7 @@
 the CPU kernel's hypotheses and scores, its refusals, and `cuda_ctc_decoder`'s face on it."""
 import math, random
 import pytest
+from conftest import word_option_searches
 import torch
 from seqdist.decode import (ctc_beam_search, PrefixScorer, NGramLM, random_arpa, cuda_ctc_decoder, _ctc_beam_search_cpu,
                             _ctc_beam_search_cuda, Hotwords)
@@ -96,18 +97,7 @@ def test_a_word_score_that_lifts_unlikely_delimiters_is_found_as_the_cpu_kernel_
 @pytest.mark.parametrize('semiring', ['log', 'max'])
 def test_with_every_word_option_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
     "LM or none, hotwords, a lexicon, the partial-word score, whole words, the lookahead and merged delimiters, in turn."
-    tokens5, words5 = ['-', 'a', 'b', '|', '▁c'], ['a', 'b', 'ab', 'ba', 'c', 'ca', 'cab', 'bab']
-    for seed in range(60):
-        g = torch.Generator().manual_seed(seed)
-        N, T, C = 3, 4 + seed % 11, (5, 24)[seed % 2]
-        toks = tokens5 if C == 5 else ['-', '|'] + [f'{a}{b}' for a in 'abcd' for b in ('', 'a', 'b', 'ab', 'ba', 'ca')][:C - 2]
-        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).mul(1 + seed % 3).log_softmax(-1)
-        scorer = PrefixScorer(C, 0, toks, NGramLM(text=random_arpa(seed, words5, order=2)) if seed % 5 else None, 0.7, -0.2,
-                              Hotwords([[1, 2], [2, 3, 1], [3]], [0.5, 1.0, -0.2], C) if seed % 3 else None,
-                              ['a', 'ab', 'aab', 'b', 'ba', 'c', 'cab', 'ca'] if seed % 4 == 1 else None, unk_score=-1.0,
-                              unk_prefix_score=(0.0, -2.0)[seed % 7 < 3], whole_words=seed % 2 == 0, lookahead=seed % 3 == 0)
-        args = (lp, torch.randint(0, T + 1, (N,), generator=g), 1 + seed % 6, 0, 1 + (semiring == 'log') * (seed % 2), scorer,
-                (math.inf, 2.0)[seed % 2], seed % 5 == 0 or seed % 7 == 1, semiring)
+    for seed, args in word_option_searches(semiring, merge=lambda seed: seed % 5 == 0 or seed % 7 == 1):
         assert _ctc_beam_search_cpu(*args) == _ctc_beam_search_cuda(*args), seed
 
 def test_the_public_call_runs_it_and_masked_tokens_are_never_chosen():

@@ -4,9 +4,9 @@ its Python reference (with pruning), torchaudio's structure of the answer, and b
 import math, random, tempfile
 import pytest
 import torch
-from conftest import small_emformer_rnnt
+from conftest import small_emformer_rnnt, word_option_searches
 from seqdist.decode import (NGramLM, ArpaError, arpa_reference_scores, random_arpa, ctc_beam_search, CTCHypothesis,
-                            ctc_nbest_brute_force, spell, Hotwords, phrase_tokens, PrefixScorer, ctc_beam_search_reference,
+                            ctc_nbest_brute_force, spell, Hotwords, phrase_tokens, ctc_beam_search_reference,
                             _ctc_beam_search_cpu)
 from seqdist.ctc import forced_align, token_spans
 
@@ -180,18 +180,7 @@ def test_the_dense_move_table_is_the_automaton_and_the_kernel_answers_alike_with
 @pytest.mark.parametrize('semiring', ['log', 'max'])
 def test_the_kernel_with_every_word_option_pruned_is_the_reference(semiring):
     "LM or none, hotwords, a lexicon, the partial-word score, whole words and the lookahead, in turn, with pruning: the reference's hypotheses."
-    tokens5, words5 = ['-', 'a', 'b', '|', '▁c'], ['a', 'b', 'ab', 'ba', 'c', 'ca', 'cab', 'bab']
-    for seed in range(60):
-        g = torch.Generator().manual_seed(seed)
-        N, T, C = 3, 4 + seed % 11, (5, 24)[seed % 2]
-        toks = tokens5 if C == 5 else ['-', '|'] + [f'{a}{b}' for a in 'abcd' for b in ('', 'a', 'b', 'ab', 'ba', 'ca')][:C - 2]
-        lp = torch.randn(N, T, C, generator=g, dtype=torch.float64).mul(1 + seed % 3).log_softmax(-1)
-        scorer = PrefixScorer(C, 0, toks, NGramLM(text=random_arpa(seed, words5, order=2)) if seed % 5 else None, 0.7, -0.2,
-                              Hotwords([[1, 2], [2, 3, 1], [3]], [0.5, 1.0, -0.2], C) if seed % 3 else None,
-                              ['a', 'ab', 'aab', 'b', 'ba', 'c', 'cab', 'ca'] if seed % 4 == 1 else None, unk_score=-1.0,
-                              unk_prefix_score=(0.0, -2.0)[seed % 7 < 3], whole_words=seed % 2 == 0, lookahead=seed % 3 == 0)
-        args = (lp, torch.randint(0, T + 1, (N,), generator=g), 1 + seed % 6, 0, 1 + (semiring == 'log') * (seed % 2), scorer,
-                (math.inf, 2.0)[seed % 2], False, semiring)
+    for seed, args in word_option_searches(semiring):
         for ref, ker in zip(ctc_beam_search_reference(*args), _ctc_beam_search_cpu(*args)):
             assert [t for _, t in ref] == [t for _, t in ker], seed
             assert all(abs(a - b) < 1e-12 for (a, _), (b, _) in zip(ref, ker)), seed
