@@ -988,7 +988,7 @@ def ctc_beam_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest
     `lm_lookahead`: a prefix spelling a word ranks with the best LM score of a word it begins (flashlight's smearing)."""
     found, il = _ctc_search(**locals())
     return [[CTCHypothesis(torch.tensor(seq, dtype=torch.long), spell(seq, tokens, blank) if tokens is not None else [],
-                           score, steps) for (score, seq), steps in zip(hyps, _first_frames(log_probs[b, :il[b]], hyps, blank))]
+                           score, steps) for (score, seq), steps in zip(hyps, _first_frames(log_probs[b, :il[b]], hyps, blank)[0])]
             for b, hyps in enumerate(found)]
 
 def _ctc_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest=1, tokens=None, lm=None, lm_weight=0.0,
@@ -1009,15 +1009,16 @@ def _ctc_search(log_probs, input_lengths=None, *, beam_width, blank=0, nbest=1, 
     return found, il
 
 def _first_frames(log_probs, hyps, blank):
-    "Each hypothesis's tokens' first frames on its best alignment (`forced_align`, the CPU kernel), int32 tensors."
-    if not hyps or len(log_probs) == 0: return [torch.zeros(len(seq), dtype=torch.int32) for _, seq in hyps]
+    """Each hypothesis's tokens' first frames on its best alignment (`forced_align`, the CPU kernel), int32 tensors,
+    and the alignments (n, T): one call for the n hypotheses."""
+    if not hyps or len(log_probs) == 0: return [torch.zeros(len(seq), dtype=torch.int32) for _, seq in hyps], torch.zeros(len(hyps), len(log_probs), dtype=torch.long)
     L = max(1, max(len(seq) for _, seq in hyps))
     targets = torch.tensor([list(seq) + [blank] * (L - len(seq)) for _, seq in hyps])
     lengths = torch.tensor([len(seq) for _, seq in hyps])
     lp = log_probs.detach().cpu()[None].expand(len(hyps), -1, -1)
     labels, scores = forced_align(lp, targets, None, lengths, blank=blank, backend='cpu')
     start = token_spans(labels, scores, lengths, blank)[0]
-    return [start[i, :n].int() for i, n in enumerate(lengths.tolist())]
+    return [start[i, :n].int() for i, n in enumerate(lengths.tolist())], labels
 
 ctc_beam_search = declared(ctc_beam_search, lambda: dict(log_probs=torch.randn(2, 6, 4).log_softmax(-1),
                                                          input_lengths=torch.tensor([6, 4]), beam_width=3),
@@ -1416,9 +1417,10 @@ class CTCDecoder:
     (a Viterbi beam search, `semiring='max'`, unless `log_add`): a hypothesis's tokens are its best path's with
     torchaudio's conventions (a silence before the first frame and after the last, merged with the path's own; the
     blanks and repeats removed) and its timesteps count that first silence as step 0 (a token first seen at frame t
-    is at step t + 1); its words are the lexicon's it spells (none without a lexicon)."""
+    is at step t + 1); its words are the lexicon's it spells (none without a lexicon). The search runs where `backend`
+    says ('auto': on the emissions' device, the CUDA kernel for CUDA tensors); the best paths are aligned on the CPU."""
     def __init__(self, nbest, lexicon, tokens, lm, beam_size, beam_threshold, lm_weight, word_score, sil_score, log_add,
-                 blank, sil):
+                 blank, sil, backend='auto'):
         self.nbest, self.tokens, self.lm, self.blank, self.sil = nbest, tokens, lm, blank, sil
         self.lexicon, self.sil_score = lexicon, sil_score
         # the tokens as the search spells words: with a lexicon the silence the one delimiter and every other token a
@@ -1429,7 +1431,7 @@ class CTCDecoder:
                            word_score=word_score if lexicon is not None else 0.0, lexicon=lexicon,
                            beam_threshold=beam_threshold, semiring='log' if log_add else 'max',
                            whole_words=lexicon is not None, lm_lookahead=lm is not None and lexicon is not None,
-                           lm_tokens=lexicon is None and lm is not None)
+                           lm_tokens=lexicon is None and lm is not None, backend=backend)
         self._online = []
 
     def __call__(self, emissions, lengths=None):
@@ -1438,15 +1440,16 @@ class CTCDecoder:
             raise ValueError(f"emissions must be a (batch, frame, num_tokens) tensor, got {getattr(emissions, 'shape', emissions)!r}")
         if emissions.shape[2] != len(self.tokens):
             raise ValueError(f"emissions must have one column per token ({len(self.tokens)}), got {emissions.shape[2]}")
-        lp = emissions.detach().cpu().double()
-        if self.sil_score: lp[..., self.sil] += self.sil_score        # (flashlight's: for every frame of silence)
-        found, il = _ctc_search(lp, lengths, **self.search)       # (the search alone: the best paths are aligned here)
-        return [[self._hypothesis(lp[b, :il[b]], score, seq) for score, seq in hyps] for b, hyps in enumerate(found)]
+        lp = emissions.detach().double()                  # (on its device: a CUDA tensor's search runs there)
+        if self.sil_score:                                # flashlight's, for every frame of silence (on a copy: the
+            lp = lp.clone(); lp[..., self.sil] += self.sil_score        # caller's emissions are left as they are)
+        found, il = _ctc_search(lp, lengths, **self.search)       # (the search alone: the best paths are aligned here,
+        lp = lp.cpu()                                             # an utterance's in one call)
+        return [[self._hypothesis(score, seq, path.tolist()) for (score, seq), path in zip(hyps, _first_frames(lp[b, :il[b]], hyps, self.blank)[1])]
+                for b, hyps in enumerate(found)]
 
-    def _hypothesis(self, lp, score, seq):
-        "torchaudio's hypothesis from the best path of the tokens `seq`: a silence each side, blanks and repeats removed."
-        path = (forced_align(lp[None], torch.tensor([seq], dtype=torch.long), None, [len(seq)], self.blank, backend='cpu')[0][0].tolist()
-                if len(lp) else [])
+    def _hypothesis(self, score, seq, path):
+        "torchaudio's hypothesis from the tokens `seq` and their best path: a silence each side, blanks and repeats removed."
         raw = [self.sil] + path + [self.sil]
         steps = [i for i, k in enumerate(raw) if k != self.blank and (i == 0 or k != raw[i - 1])]
         # (where no hypothesis ended at a word's end, the one being spelled is no word)
@@ -1470,7 +1473,7 @@ class CTCDecoder:
 
 def ctc_decoder(lexicon, tokens, lm=None, lm_dict=None, nbest=1, beam_size=50, beam_size_token=None,
                 beam_threshold=50, lm_weight=2, word_score=0, unk_score=-math.inf, sil_score=0, log_add=False,
-                blank_token='-', sil_token='|', unk_word='<unk>'):
+                blank_token='-', sil_token='|', unk_word='<unk>', backend='auto'):
     """torchaudio's `ctc_decoder`, the same arguments and defaults: a `CTCDecoder` over `tokens` (a list or a file)
     with a `lexicon` file (or None: lexicon-free) and `lm` (an ARPA file's path or an `NGramLM`; `lm_weight` times its
     log10 scores, as KenLM's are), `word_score` per word, `sil_score` per frame of silence; `log_add=False` scores a
@@ -1478,7 +1481,8 @@ def ctc_decoder(lexicon, tokens, lm=None, lm_dict=None, nbest=1, beam_size=50, b
     words are the tokens. `beam_size_token` is accepted and prunes nothing (the search visits tokens by falling score
     and stops where none can enter the beam). Not supported (refused by name): a finite `unk_score` (flashlight's
     unknown words), `lm_dict`, a custom LM object, KenLM's binary files, and lexicons whose spellings are not their
-    words' characters."""
+    words' characters. `backend` (seqdist's): where the search runs, 'auto' (the CUDA kernel for CUDA emissions, the
+    CPU kernel for CPU ones), 'cpu', 'cuda' (emulated on CPU tensors) or 'reference'."""
     tokens = _read_tokens(tokens)
     for name, t in (('blank_token', blank_token), ('sil_token', sil_token)):
         if t not in tokens: raise ValueError(f"{name} {t!r} is not one of the tokens")
@@ -1497,7 +1501,8 @@ def ctc_decoder(lexicon, tokens, lm=None, lm_dict=None, nbest=1, beam_size=50, b
     for name, v in (('nbest', nbest), ('beam_size', beam_size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if nbest > beam_size: raise ValueError(f"nbest must be at most beam_size ({beam_size}), got {nbest}")
-    return CTCDecoder(nbest, lexicon, tokens, lm, beam_size, beam_threshold, lm_weight, word_score, sil_score, log_add, blank, sil)
+    if backend not in ('auto', 'cpu', 'cuda', 'reference'): raise ValueError(f"backend must be 'auto', 'cpu', 'cuda' or 'reference', got {backend!r}")
+    return CTCDecoder(nbest, lexicon, tokens, lm, beam_size, beam_threshold, lm_weight, word_score, sil_score, log_add, blank, sil, backend)
 
 # %% ../nbs/11c_torchaudio_decoder.ipynb #ta-cuface
 class CUCTCHypothesis(NamedTuple):

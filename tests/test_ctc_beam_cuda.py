@@ -5,7 +5,7 @@ import pytest
 from conftest import word_option_searches
 import torch
 from seqdist.decode import (ctc_beam_search, PrefixScorer, NGramLM, random_arpa, cuda_ctc_decoder, _ctc_beam_search_cpu,
-                            _ctc_beam_search_cuda, Hotwords)
+                            _ctc_beam_search_cuda, Hotwords, ctc_decoder)
 
 @pytest.mark.parametrize('semiring', ['log', 'max'])
 def test_the_emulated_kernel_gives_the_cpu_kernels_hypotheses(semiring):
@@ -119,3 +119,19 @@ def test_cuda_ctc_decoders_face_runs_the_search_of_the_frames_it_keeps():
     got = cuda_ctc_decoder(['-', 'a', 'b', 'c', 'd'], nbest=2, beam_size=4, blank_skip_threshold=1.0)(lp, torch.tensor([15, 9]))
     want = ctc_beam_search(lp, torch.tensor([15, 9]), beam_width=4, nbest=2, backend='cuda')
     assert [[(h.tokens, h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
+
+@pytest.mark.parametrize('log_add', [False, True])
+def test_ctc_decoders_face_on_the_cuda_kernel_gives_the_cpu_kernels_hypotheses(tmp_path, log_add):
+    "torchaudio's face with backend='cuda' (the kernel a CUDA tensor's search runs, emulated): a lexicon, a word LM, silence scores."
+    toks, words = ['-', '|', 'a', 'b', 'c'], ['a', 'ab', 'ba', 'c', 'cab', 'bb']
+    (tmp_path / 'lexicon.txt').write_text(''.join(f"{w} {' '.join(w)} |\n" for w in words))
+    (tmp_path / 'lm.arpa').write_text(random_arpa(0, words, order=3, n_per_order=10, suffix_closed=True))
+    for seed, lexicon in enumerate([str(tmp_path / 'lexicon.txt'), None] * 3):
+        g = torch.Generator().manual_seed(seed)
+        lp = torch.randn(3, 12, 5, generator=g).mul(1 + seed % 3).log_softmax(-1)
+        lengths = torch.tensor([12, 7, 0])
+        kw = dict(lexicon=lexicon, tokens=toks, lm=str(tmp_path / 'lm.arpa'), nbest=1 if lexicon else 3, beam_size=6, log_add=log_add,
+                  sil_score=(seed % 3 - 1) * 0.4, word_score=0.5)
+        cpu, cuda = ctc_decoder(**kw, backend='cpu')(lp, lengths), ctc_decoder(**kw, backend='cuda')(lp, lengths)
+        assert [[(h.tokens.tolist(), h.words, h.timesteps.tolist(), h.score) for h in x] for x in cuda] == \
+               [[(h.tokens.tolist(), h.words, h.timesteps.tolist(), h.score) for h in x] for x in cpu], seed

@@ -762,6 +762,12 @@ def test_gpu_ctc_beam_search_equals_the_cpu_kernel(record):
         assert [[(h.tokens.tolist(), h.score) for h in x] for x in got] == [[(h.tokens.tolist(), h.score) for h in x] for x in want]
     face = cuda_ctc_decoder([str(i) for i in range(40)], blank_skip_threshold=1.0)(lp.float().cuda(), il.int().cuda())
     assert [h[0].tokens for h in face] == [x[0].tokens.tolist() for x in ctc_beam_search(lp.float(), il, beam_width=10, backend='cpu')]
+    from seqdist.decode import ctc_decoder                                 # torchaudio's face: CUDA emissions searched there
+    face = ctc_decoder(None, chars, beam_size=6, nbest=2, sil_score=0.3)
+    with count_launches() as launches: got = face(lp.float().cuda(), il.cuda())
+    assert sum(launches.values()) >= 1, 'the CUDA kernel searched'
+    assert ([[(h.tokens.tolist(), h.timesteps.tolist(), h.score) for h in x] for x in got] ==
+            [[(h.tokens.tolist(), h.timesteps.tolist(), h.score) for h in x] for x in face(lp.float(), il)])
     record('ctc_beam_search')
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])

@@ -95,6 +95,15 @@ def test_when_no_hypothesis_ends_at_a_words_end_the_unfinished_word_is_not_count
     best = decoder(lp)[0][0]
     assert best.words == [] and best.score == 0.0 and decoder.idxs_to_tokens(best.tokens) == ['|', 'a', '|']
 
+def test_a_silence_score_leaves_the_callers_emissions_as_they_were():
+    "sil_score is added to a copy: float64 emissions on the CPU (which the face need not copy) come back unchanged."
+    lp = torch.randn(2, 9, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    before = lp.clone()
+    shifted = ctc_decoder(None, ['-', '|', 'a', 'b'], sil_score=1.5, beam_size=4)(lp)
+    assert torch.equal(lp, before)
+    lp2 = lp.clone(); lp2[..., 1] += 1.5
+    assert [h[0].score for h in shifted] == [h[0].score for h in ctc_decoder(None, ['-', '|', 'a', 'b'], beam_size=4)(lp2)]
+
 def test_cuda_ctc_decoders_call_searches_the_frames_it_keeps():
     g = torch.Generator().manual_seed(1)
     lp = torch.randn(3, 20, 5, generator=g).mul(3).log_softmax(-1)
@@ -120,6 +129,7 @@ def test_cuda_ctc_decoders_call_searches_the_frames_it_keeps():
     (dict(nbest=0), ValueError, 'nbest'),
     (dict(beam_size=2, nbest=3), ValueError, 'nbest must be at most beam_size'),
     (dict(tokens=[]), TypeError, 'tokens'),
+    (dict(backend='gpu'), ValueError, "backend must be 'auto', 'cpu', 'cuda' or 'reference', got 'gpu'"),
 ])
 def test_bad_input_is_named(tmp_path, kwargs, error, message):
     args = {'lexicon': _lexicon_file(tmp_path, ['a', 'ab']), 'tokens': ['-', '|', 'a', 'b'], **kwargs}
