@@ -1233,17 +1233,17 @@ def _transducer_moves(durations, big_blank_durations, blank, device):
     return 0, torch.tensor([1] + big + [0], device=device)
 
 # %% ../nbs/11a_transducer_decode.ipynb #td-toy
-def random_transducer(V, H=16, seed=0, dtype=torch.float32, blank=0, blank_bias=3.0, extra=0):
+def random_transducer(V, H=16, seed=0, dtype=torch.float32, blank=0, blank_bias=3.0, extra=0, device='cpu'):
     """A small random transducer's `predict` and `join` (an embedding and a GRU cell; a tanh joiner whose blank logit
     is raised by `blank_bias`, so that it says blank about as often as a trained model), for examples and tests:
     labels 0..V-1, the predictor's state one (B, H) tensor; `extra` more logits after the V symbols' (a TDT's
-    durations')."""
+    durations'); its weights on `device` (the same weights on every device)."""
     g = torch.Generator().manual_seed(seed)
-    w = lambda *shape: (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(dtype)
-    embed, cell = w(V, H), torch.nn.GRUCell(H, H).to(dtype).requires_grad_(False)
+    w = lambda *shape: (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(device, dtype)
+    embed, cell = w(V, H), torch.nn.GRUCell(H, H).to(device, dtype).requires_grad_(False)
     for p in cell.parameters(): p.copy_(w(*p.shape) if p.dim() > 1 else w(1, p.shape[0])[0])
     enc_w, pred_w, out_w = w(H, H), w(H, H), w(V + extra, H) * 2
-    bias = torch.zeros(V + extra, dtype=dtype); bias[blank] = blank_bias
+    bias = torch.zeros(V + extra, dtype=dtype, device=device); bias[blank] = blank_bias
     def predict(tokens, state):
         h = cell(embed[tokens], state)
         return h, h

@@ -875,3 +875,41 @@ def test_gpu_graph_logz_checkpointed_is_the_every_frame_kernel_and_fits_1gb(semi
     assert torch.isfinite(z).all() and torch.isfinite(grad).all()
     assert extra <= 1e9, f"{extra / 1e6:.0f} MB beyond the inputs"
     record('graph', ('graph_logz',), None)
+
+def _transducer_decoding_on(device, count_syncs=False):
+    """Greedy (RNN-T, TDT) and beam (with a token LM) decoding of a random transducer whose weights are on `device`:
+    each hypothesis as (what, utterance, rank, labels, frames, score), and the greedy decoder's host-device
+    synchronisations (counted where `count_syncs`)."""
+    import warnings
+    from seqdist.decode import transducer_greedy_decode, transducer_beam_search, random_transducer, NGramLM, random_arpa
+    B, T, V = 6, 48, 12
+    enc = torch.randn(B, T, 16, generator=_gen(8), dtype=torch.float64).to(device)
+    lengths = torch.tensor([48, 40, 1, 0, 33, 47]).to(device)
+    tokens = [f't{i}' for i in range(V)]
+    lm = NGramLM(text=random_arpa(2, tokens[1:], order=2, n_per_order=20))
+    out, syncs = [], []
+    for kind, extra in (('rnnt', {}), ('tdt', dict(durations=[0, 1, 2, 3]))):
+        predict, join = random_transducer(V, seed=3, dtype=torch.float64, blank_bias=3.0, device=device, extra=len(extra.get('durations', ())))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            if count_syncs: torch.cuda.set_sync_debug_mode('warn')
+            try: greedy = transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=0, max_symbols_per_frame=3, **extra)
+            finally:
+                if count_syncs: torch.cuda.set_sync_debug_mode(0)
+        syncs.append(sum('synchroniz' in str(w.message) for w in caught))
+        beams = transducer_beam_search(enc, lengths, predict=predict, join=join, blank=0, beam_width=4, nbest=2, max_symbols_per_frame=2,
+                                       lm=lm, lm_weight=0.4, tokens=tokens, **extra)
+        out += [(kind + ' greedy', b, 0, h.tokens.tolist(), h.timesteps.tolist(), h.score) for b, h in enumerate(greedy)]
+        out += [(kind + ' beam', b, r, h.tokens.tolist(), h.timesteps.tolist(), h.score) for b, hs in enumerate(beams) for r, h in enumerate(hs)]
+    return out, syncs
+
+def test_gpu_transducer_decoding_equals_the_cpu_and_greedy_reads_the_host_every_16_steps(record):
+    """transducer_greedy_decode and transducer_beam_search with the model and encoder output on the GPU (the torch
+    path): the CPU's hypotheses (scores within 1e-9: the same float64 model); the greedy decoder reads whether any
+    utterance goes on every 16 steps, not at every frame."""
+    cpu, _ = _transducer_decoding_on('cpu')
+    gpu, syncs = _transducer_decoding_on('cuda', count_syncs=True)
+    assert [h[:5] for h in gpu] == [h[:5] for h in cpu]
+    assert all(abs(a[5] - b[5]) < 1e-9 for a, b in zip(gpu, cpu))
+    assert all(s <= 48 * (3 + 1) // 16 + 8 for s in syncs), syncs       # (at most a step a frame and one a symbol)
+    record('transducer_decoding')
