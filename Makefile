@@ -96,7 +96,7 @@ gpu-check-notebooks:
 # anchors, the variants behind their switches, the kernel profiles of the losing rows (into $$OUT when set), and
 # nbs/bench/cuda.json written as it goes. Carry .anchors (tools/gpu_anchors.sh) and Liger's wheel for those anchors.
 gpu-bench-quick:
-	$(PYTHON) tools/gpu_bench.py nbs/bench/cuda.json --seconds 300 $(if $(OUT),--profiles $(OUT)/profiles.txt)
+	$(PYTHON) tools/gpu_bench.py nbs/bench/cuda.json --seconds 300 $(if $(OUT),--profiles $(OUT)/profiles.txt) $(if $(ONLY),--only $(ONLY))
 
 # The full GPU benchmark (same machine assumptions). Its seqdist 0.0.3 anchor comes from .anchors/: run
 # tools/gpu_anchors.sh where pip works and take .anchors along.

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from seqdist.bench import (_families, bench_ctc_gpu, GPU_CTC_SHAPES, compare_row, value_and_grad, load_seqdist003,
-                           _sync, ctc_inputs_for)
+                           _sync, ctc_inputs_for, timed_pair)
 from seqdist.timing import peak_gpu_mb
 
 
@@ -141,6 +141,144 @@ def joint_rows(device, quick):
     return rows
 
 
+def _timed_row(op, shape, anchor, theirs, ours, device, quick, check='-', **more):
+    "A row of two calls timed alternately (no gradient): the anchor's time over ours, `theirs` None: none to compare."
+    q = dict(warmup=1, reps=3) if quick else dict(warmup=2, reps=7)
+    if theirs is None:
+        t1 = timed_pair(ours, ours, device, **q)[0]
+        return dict(op=op, shape=shape, anchor=anchor, anchor_ms=float('nan'), ours_ms=t1, ratio=float('nan'), check=check, **more)
+    t0, t1 = timed_pair(theirs, ours, device, **q)
+    return dict(op=op, shape=shape, anchor=anchor, anchor_ms=t0, ours_ms=t1, ratio=t0 / t1, check=check, **more)
+
+
+def _cuctc():
+    "torchaudio's cuda_ctc_decoder (its cuctc extension), or None where it does not load."
+    try:
+        from torchaudio.models.decoder import cuda_ctc_decoder
+        return cuda_ctc_decoder
+    except Exception: return None
+
+
+def decode_rows(device, quick):
+    """The decoding issue's GPU rows: `cuda_ctc_decoder`'s face against torchaudio's (cuctc) at its beam, no LM; a
+    token 3-gram's cost and 1,000 hotwords' cost against the same search without; a lexicon and a word 3-gram on the
+    device against the CPU kernel; transducer greedy decoding (batch 32) against the per-frame loop and beam 4 against
+    greedy, the model on the device."""
+    import random
+    from seqdist.decode import (cuda_ctc_decoder, ctc_beam_search, NGramLM, random_arpa, Hotwords, transducer_greedy_decode,
+                                transducer_greedy_reference, transducer_beam_search, random_transducer)
+    from seqdist.benchmarks.decode import spoken_emissions
+    rows, theirs_face = [], _cuctc()
+    N, T = (4, 100) if quick else (32, 400)
+    for C in (32, 500):
+        g = torch.Generator().manual_seed(C)
+        lp = torch.randn(N, T, C, generator=g).mul(3).log_softmax(-1)
+        lp[..., 0] += 2.0                                       # blank-heavy, as trained CTC models are
+        lp = lp.log_softmax(-1).to(device)
+        lengths = torch.randint(3 * T // 4, T + 1, (N,), generator=g).int().to(device)
+        vocab = ['<blk>'] + [f'\u2581t{i}' if i % 4 == 0 else f't{i}' for i in range(1, C)]
+        ours = cuda_ctc_decoder(vocab, beam_size=10)
+        theirs = theirs_face(vocab, beam_size=10) if theirs_face is not None and device == 'cuda' else None
+        a, b = ours(lp, lengths), (theirs(lp, lengths) if theirs is not None else None)
+        same = '-' if b is None else f"the same best tokens in {sum(x[0].tokens == y[0].tokens for x, y in zip(a, b))} of {N}"
+        rows.append(_timed_row('cuda_ctc_decoder, beam 10, no LM', f"N={N} T={T} C={C}",
+                               "torchaudio's cuda_ctc_decoder (cuctc)" + ('' if theirs else ' (not loaded)'),
+                               (lambda: theirs(lp, lengths)) if theirs else None, lambda: ours(lp, lengths), device, quick, same))
+        tokens = ['-'] + vocab[1:]
+        lm = NGramLM(text=random_arpa(0, tokens[1:], order=3, n_per_order=2000 if not quick else 50))
+        il = lengths.long()
+        none = lambda: ctc_beam_search(lp, il, beam_width=10)
+        rows.append(_timed_row('ctc_beam_search, a token 3-gram (cost: ratio = no LM / LM)', f"N={N} T={T} C={C} beam 10",
+                               'the same search without an LM', none,
+                               lambda: ctc_beam_search(lp, il, beam_width=10, tokens=tokens, lm=lm, lm_weight=0.5, lm_tokens=True),
+                               device, quick, 'target: LM <= 1.2x no LM, ratio >= 0.83'))
+        if C == 32:
+            rng = random.Random(0)
+            word = lambda: rng.choices(range(1, C), k=rng.randint(3, 6))
+            hot = Hotwords.from_arg([(sum((word() for _ in range(rng.randint(2, 3))), []), 1.0) for _ in range(1000)], None, 0, C)
+            rows.append(_timed_row('ctc_beam_search, 1,000 hotwords (cost: ratio = none / hotwords)', f"N={N} T={T} C={C} beam 10",
+                                   'the same search without hotwords', none, lambda: ctc_beam_search(lp, il, beam_width=10, hotwords=hot),
+                                   device, quick))
+    lp, chars, lexicon, _ = spoken_emissions(4 if quick else 16, 500)
+    from seqdist.decode import word_arpa
+    path = '/tmp/seqdist_gpu_bench_words.arpa'
+    word_arpa(path, lexicon, *((50_000, 50_000) if not quick else (500, 500)))      # (the CPU bench's 3-gram of 100k n-grams)
+    lm = NGramLM(path)
+    kw = dict(beam_width=50, tokens=chars, lm=lm, lm_weight=0.5, word_score=1.0, lexicon=lexicon, whole_words=True, lm_lookahead=True,
+              semiring='max')
+    lpd = lp.to(device)
+    rows.append(_timed_row('ctc_beam_search, lexicon + word 3-gram, on the device', f"N={lp.shape[0]} T=500 C={len(chars)} beam 50",
+                           'the CPU kernel (2 threads)', lambda: ctc_beam_search(lp, backend='cpu', **kw), lambda: ctc_beam_search(lpd, **kw),
+                           device, quick))
+    B, T, V, H = (8, 50, 64, 64) if quick else (32, 200, 64, 64)
+    enc = torch.randn(B, T, H, generator=torch.Generator().manual_seed(0)).to(device)
+    lengths = torch.randint(3 * T // 4, T + 1, (B,), generator=torch.Generator().manual_seed(0)).to(device)
+    predict, join = random_transducer(V=V, H=H, blank_bias=4.5, device=device)
+    with torch.no_grad():
+        greedy = lambda: transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=0)
+        rows.append(_timed_row('transducer_greedy_decode, RNN-T, on the device', f"B={B} T={3 * T // 4}-{T} V={V} H={H}",
+                               'the per-frame loop (transducer_greedy_reference)',
+                               lambda: transducer_greedy_reference(enc, lengths, predict, join, 0, 10), greedy, device, quick))
+        for cap in (10, 2):
+            rows.append(_timed_row(f'transducer_beam_search, beam 4, cap {cap}, on the device', f"B={B} T={3 * T // 4}-{T} V={V} H={H}",
+                                   'transducer_greedy_decode (target: beam <= 3x greedy, ratio >= 0.33)',
+                                   lambda: transducer_greedy_decode(enc, lengths, predict=predict, join=join, blank=0, max_symbols_per_frame=cap),
+                                   lambda: transducer_beam_search(enc, lengths, predict=predict, join=join, blank=0, beam_width=4,
+                                                                  max_symbols_per_frame=cap), device, quick))
+    return rows
+
+
+def graph_rows(device, quick):
+    """The graph lattice's GPU rows: graph_loss over CTC graphs against seqdist's ctc_loss (target: ratio >= 0.5), over
+    a 3-mer CTC-CRF graph against sparse.logZ (ratio >= 0.67), the shared denominator (S=20,000, E=250,000, N=32
+    T=500: within 50 ms and 1 GB), and GraphLattice's entropy against log Z's forward and backward."""
+    from seqdist.ctc import ctc_loss
+    from seqdist import sparse
+    from seqdist.crf import kmer_transitions
+    from seqdist.graph import graph_loss, graph_logz, ctc_graph, sparse_crf_graph, GraphLattice
+    from seqdist.benchmarks.graph import denominator_graph
+    rows = []
+    for N, T, C, L in ([(4, 100, 32, 20)] if quick else [(32, 500, 32, 100), (32, 500, 500, 100)]):
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(T, N, C, generator=g).to(device).requires_grad_()
+        targets, tl = torch.randint(1, C, (N, L), generator=g), torch.randint(L // 2, L + 1, (N,), generator=g)
+        il = torch.full((N,), T)
+        graphs = ctc_graph(targets, tl)
+        td, ild, tld = targets.to(device), il.to(device), tl.to(device)
+        rows.append(compare_row('graph_loss, CTC graphs', f"N={N} T={T} C={C} L={L // 2}-{L}", "seqdist's ctc_loss",
+                                value_and_grad(lambda x: ctc_loss(x.log_softmax(-1), td, ild, tld, reduction='none'), logits),
+                                value_and_grad(lambda x: graph_loss(x.log_softmax(-1), il, graphs, reduction='none'), logits), device,
+                                **(dict(warmup=1, reps=3) if quick else {})))
+    N, T, k = (4, 200, 3) if quick else (64, 4000, 3)
+    idx = kmer_transitions(k, 4)
+    Cn, NZ = idx.shape
+    Ms = torch.randn(T, N, Cn, NZ, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+    zeros, crf_graph, lengths = torch.zeros(N, Cn, device=device), sparse_crf_graph(idx), torch.full((N,), T)
+    idx_d = idx.to(device)
+    rows.append(compare_row('graph_logz, CTC-CRF graph', f"N={N} T={T} {k}-mers", "seqdist's sparse.logZ",
+                            value_and_grad(lambda x: sparse.logZ(x, idx_d, zeros, zeros), Ms),
+                            value_and_grad(lambda x: graph_logz(x.flatten(2), lengths, crf_graph), Ms), device,
+                            **(dict(warmup=1, reps=3) if quick else {})))
+    N, T, S, E, C = (2, 50, 2000, 25000, 500) if quick else (32, 500, 20000, 250000, 500)
+    den = denominator_graph(S, E, C)
+    lp = torch.randn(T, N, C, generator=torch.Generator().manual_seed(2)).log_softmax(-1).to(device).requires_grad_()
+    lengths = torch.full((N,), T)
+    run = value_and_grad(lambda x: graph_logz(x, lengths, den), lp)
+    row = compare_row('graph_logz fwd+bwd, a shared denominator graph', f"N={N} T={T} S={S} E={E} C={C}",
+                      'none (target: <= 50 ms and 1 GB on an H100)', None, run, device, **(dict(warmup=1, reps=3) if quick else {}))
+    rows.append(row)
+    N, T, C, L = (4, 100, 32, 20) if quick else (32, 500, 32, 100)
+    g = torch.Generator().manual_seed(3)
+    lp = torch.randn(T, N, C, generator=g).log_softmax(-1).to(device)
+    graphs = ctc_graph(torch.randint(1, C, (N, L), generator=g), torch.randint(L // 2, L + 1, (N,), generator=g))
+    il = torch.full((N,), T)
+    x = lp.clone().requires_grad_()
+    rows.append(_timed_row('GraphLattice entropy (ratio: log Z fwd+bwd / entropy)', f"N={N} T={T} C={C} L={L // 2}-{L}",
+                           'graph_logz fwd+bwd', lambda: torch.autograd.grad(graph_logz(x, il, graphs).sum(), x),
+                           lambda: GraphLattice(lp, il, graphs).entropy(), device, quick))
+    return rows
+
+
 def align_hour_rows(device, quick):
     "forced_align of an hour of frames (T=180,000, L=50,000, C=32) on the device: time and peak extra memory."
     from seqdist.ctc import forced_align
@@ -249,7 +387,8 @@ def main():
              ('ctc_questions', fams['ctc_questions']), ('forced_align', fams['forced_align']),
              ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']), ('tdt', fams['tdt']),
              ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
-             ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick))]
+             ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick)),
+             ('decode', lambda: decode_rows(dev, a.quick)), ('graph', lambda: graph_rows(dev, a.quick))]
     if a.profiles: order.insert(7, ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
     if a.profiles: order.append(('host', lambda: host_profile(dev, a.profiles.replace('.txt', '_host.txt'), a.quick) or []))
     if a.only:
