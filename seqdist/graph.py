@@ -1142,7 +1142,7 @@ class GraphLattice(AlignmentPosterior):
         if not isinstance(other, GraphLattice): raise TypeError(f"other must be a GraphLattice, got {type(other).__name__}")
         if other.log_probs.device != self.log_probs.device: raise ValueError(f"other must have log_probs on {self.log_probs.device}, got {other.log_probs.device}")
         if other.log_probs.shape != self.log_probs.shape: raise ValueError(f"other must have log_probs of shape {tuple(self.log_probs.shape)}, got {tuple(other.log_probs.shape)}")
-        if not torch.equal(other.input_lengths, self.input_lengths): raise ValueError("other must have the same input_lengths")
+        if not torch.equal(other._lengths, self._lengths): raise ValueError("other must have the same input_lengths")
         for n, (a, b) in enumerate(zip(self.graphs, other.graphs)):
             if a is not b and not (a.num_states == b.num_states and a.start == b.start and torch.equal(a.src, b.src) and
                                    torch.equal(a.dst, b.dst) and torch.equal(a.labels, b.labels) and torch.equal(a.finals, b.finals)):
@@ -1229,11 +1229,11 @@ class GraphLattice(AlignmentPosterior):
                 scores[j][n] = path_score(g, self.log_probs[:L, n], arcs, final).to(self.log_probs.dtype)
         return paths, torch.stack([torch.stack(row) for row in scores])
 
-    def _path_scores(self, paths, real):
+    def _path_scores(self, paths, real, logz=None):
         """The scores (M, N) of paths (M, N, P) (numpy: arcs of each sequence's graph, -1 after them) on the emissions'
         device, differentiable w.r.t. log_probs and the arc and final scores: their arcs' scores, the labels the
-        emitting ones read at their frames, their final state's score; -inf where `real` (M, N) is False (no path: its
-        arcs are not read). (The indices are numpy's, one transfer to the device, and the reads 1-D `index_select`s: a
+        emitting ones read at their frames, their final state's score (minus `logz` (N,) if given, but for -inf); -inf
+        where `real` (M, N) is False (no path: its arcs are not read). (The indices are numpy's, one transfer to the device, and the reads 1-D `index_select`s: a
         multi-dimensional index wakes torch's threads, milliseconds on a busy machine.)"""
         pk, u = self.packed, unpack_layout(self.packed.layout)
         T, N, C = self.log_probs.shape
@@ -1252,6 +1252,7 @@ class GraphLattice(AlignmentPosterior):
             [a.size, at.size, end.size, real.size])
         take = lambda v, i, shape: v.index_select(0, i).view(shape)
         score = (take(w, i_a, a.shape) + take(x, i_at, at.shape)).sum(-1) + take(pk.final_scores.to(dev, torch.float64), i_end, end.shape)
+        if logz is not None: score = torch.where(torch.isneginf(score), score, score - logz.double())   # (a score of -inf: -inf)
         return torch.where(i_real.view(real.shape).bool(), score, -math.inf).to(self.log_probs.dtype)
 
     def _are_paths(self, paths):
@@ -1282,7 +1283,7 @@ class GraphLattice(AlignmentPosterior):
         T, N, C = self.log_probs.shape
         if value.dim() < 2 or value.shape[-2] != N: raise ValueError(f"value must have shape (..., {N}, P), got {tuple(value.shape)}")
         flat = value.reshape(-1, N, value.shape[-1]).to('cpu', torch.int64).numpy()
-        return (self._path_scores(flat, self._are_paths(flat)) - self.log_partition).reshape(value.shape[:-1])
+        return self._path_scores(flat, self._are_paths(flat), self.log_partition).reshape(value.shape[:-1])
 
 def path_length_batch(graphs, T):
     "The path tensors' length P for these graphs and T frames (`path_length` of the deepest epsilon chains)."

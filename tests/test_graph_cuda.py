@@ -282,6 +282,7 @@ def test_graph_lattice_questions_through_the_emulated_kernel_equal_the_cpu_path(
         z = want['log_partition']
         assert torch.isfinite(z).tolist() == [True, True, True, False, True]              # (length 0 too)
         assert launches == {k: {'graph_logz': n} if n else {} for k, n in _LAUNCHES.items()}
+        assert torch.isneginf(got['log_prob'][:, 3]).all()                               # (no path: -inf, not NaN)
         _assert_same_answers(got, want, dtype, 'cpu')
 
 def _graphs_on(graphs, device):
