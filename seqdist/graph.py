@@ -942,14 +942,9 @@ graph_logz_op = Op(f'{_OPS}::graph_logz',
     poisoned=_graph_poisoned, per_sequence={'logz': 0, 'log_probs': 1})
 
 # %% ../nbs/12_graph.ipynb #gr-api
-def _backend(backend, log_probs, questions=False):
-    """'auto': the CPU kernel for CPU tensors, the CUDA kernel for CUDA ones; 'cuda' on CPU tensors runs the CUDA source
-    in the emulator. `questions` (GraphLattice's, whose posteriors and paths come from the CPU kernels): the reference
-    on a GPU."""
-    if questions and log_probs.is_cuda and backend in ('auto', 'cuda'):
-        if backend == 'cuda': raise ValueError("backend='cuda': GraphLattice's questions run on the CPU kernels or the reference; "
-                                               "backend='auto' runs the reference on a GPU")
-        return 'reference'
+def _backend(backend, log_probs):
+    """'auto': the CPU kernel for CPU tensors, the CUDA kernel for CUDA ones (graph_logz and GraphLattice's questions
+    alike); 'cuda' on CPU tensors runs the CUDA source in the emulator; 'reference' the per-sequence PyTorch."""
     return resolve_backend(backend, log_probs, ('cpu', 'cuda', 'reference'), 'log_probs')
 
 def graph_logz(log_probs, input_lengths, graphs, semiring='Log', backend='auto'):
@@ -1026,16 +1021,19 @@ class GraphLattice(AlignmentPosterior):
     last, as a (N, P) tensor of arc indices of each sequence's graph, -1 after them (P = `path_length(graph, T)`: T
     emitting arcs and the longest chains of epsilon arcs around them), as `argmax`, `sample` and `log_prob` read them.
     entropy, kl and cross_entropy are expectations of the path score under the posteriors (the gradient of log Z: a
-    path's score is a sum over its arcs), so they cost the CPU kernel's forward and backward passes; the reference
-    computes them by the Entropy, KL and CrossEntropy semirings instead."""
+    path's score is a sum over its arcs), so they cost one forward and backward pass of the kernel of the emissions'
+    device (the CPU kernel, or on a GPU the CUDA kernel, one launch); the reference computes them by the Entropy, KL and
+    CrossEntropy semirings instead. The walks (argmax, sample, topk) run the CPU kernels: on a GPU, on one host copy
+    of the emissions (a call waits for the GPU once), the paths copied back."""
     def __init__(self, log_probs, input_lengths, graphs, *, backend='auto'):
         self.log_probs, self.input_lengths = log_probs, torch.as_tensor(input_lengths)
         N = log_probs.shape[1] if isinstance(log_probs, torch.Tensor) and log_probs.dim() == 3 else None
         self.graphs = graphs if isinstance(graphs, (list, tuple)) else [graphs] * (N or 0)
-        self.backend = _backend(backend, log_probs, questions=True) if isinstance(log_probs, torch.Tensor) else backend
+        self.backend = _backend(backend, log_probs) if isinstance(log_probs, torch.Tensor) else backend
         self.packed = pack_graphs(graphs, N)
         _check_graph_inputs(log_probs, self.input_lengths, self.packed.arc_scores, self.packed.final_scores, self.packed.layout,
                             self.packed.seq_graph)
+        self._lengths = self.input_lengths.to('cpu', torch.int64)                      # (the kernels' lengths: host ints)
         super().__init__(log_probs, input_lengths, graphs, backend=self.backend)
 
     def _logz(self, log_probs, semiring='Log'):
@@ -1050,24 +1048,34 @@ class GraphLattice(AlignmentPosterior):
         "log Z (N,): the log of the summed exp(score) of every path (differentiable); -inf where no path fits."
         return self._logz(self.log_probs)
 
-    def _state(self, log_probs, semiring='Log', for_backward=False):
-        pk = self.packed
-        return _graph_prepare(SimpleNamespace(log_probs=log_probs, input_lengths=self.input_lengths, arc_scores=pk.arc_scores,
-                                              final_scores=pk.final_scores, layout=pk.layout, seq_graph=pk.seq_graph,
-                                              semiring=semiring, for_backward=for_backward), 'cpu', False)
+    def _state(self, log_probs, semiring='Log', for_backward=False, backend='cpu'):
+        "The op's prepared state for `backend` (the CPU kernels by default) on these emissions, the graphs' scores on their device."
+        pk, dev = self.packed, log_probs.device
+        return _graph_prepare(SimpleNamespace(log_probs=log_probs, input_lengths=self._lengths, arc_scores=pk.arc_scores.detach().to(dev),
+                                              final_scores=pk.final_scores.detach().to(dev), layout=pk.layout, seq_graph=pk.seq_graph,
+                                              semiring=semiring, for_backward=for_backward), backend, False)
 
-    def _posteriors(self):
-        """log Z (N,) and the posteriors (float64): of each (frame, label) (T, N, C), and per sequence of each arc (N,
-        E_max) and final state (N, S_max) of its graph; by the CPU kernel, or the reference's autograd."""
+    def _forward(self, for_backward=True):
+        """log Z (N,) and, `for_backward`, its posteriors: of each (frame, label) (T, N, C), and per sequence of each arc
+        (N, E_max) and final state (N, S_max) of its graph, on the emissions' device. The op's forward of the lattice's
+        backend: the CPU kernel on float64 emissions (it sums in float64 whatever it reads; its posteriors stay float64),
+        the CUDA kernel in the emissions' precision, one launch (emulated on CPU tensors); or the reference's autograd."""
         if self.backend == 'reference': return self._reference_posteriors()
-        return _graph_forward_cpu(self._state(self.log_probs.detach().double(), for_backward=True))
+        lp = self.log_probs.detach()
+        return graph_logz_op.forward[self.backend](self._state(lp.double() if self.backend == 'cpu' else lp, for_backward=for_backward,
+                                                               backend=self.backend))
+
+    def _host(self, dtype=None):
+        "The emissions for the CPU kernels' walks: the tensor itself on the CPU, one copy from a GPU."
+        return self.log_probs.detach().to('cpu', dtype)
 
     def _reference_posteriors(self):
-        "The reference's log Z and, by autograd, its posteriors (as `_posteriors`), a sequence at a time."
+        "The reference's log Z and, by autograd, its posteriors (as `_forward`), a sequence at a time."
         T, N, C = self.log_probs.shape
-        gl = torch.zeros(T, N, C, dtype=torch.float64)
+        f64 = dict(dtype=torch.float64, device=self.log_probs.device)
+        gl = torch.zeros(T, N, C, **f64)
         E, Sn = max(g.num_arcs for g in self.graphs), max(g.num_states for g in self.graphs)
-        gw, gf, zs = torch.zeros(N, E, dtype=torch.float64), torch.zeros(N, Sn, dtype=torch.float64), []
+        gw, gf, zs = torch.zeros(N, E, **f64), torch.zeros(N, Sn, **f64), []
         for n, g in enumerate(self.graphs):
             L = int(self.input_lengths[n])
             lp = self.log_probs.detach().double()[:L, n].requires_grad_()
@@ -1079,36 +1087,35 @@ class GraphLattice(AlignmentPosterior):
                     if dl is not None: gl[:L, n] = dl
                     if dw is not None: gw[n, :g.num_arcs] = dw
                     if df is not None: gf[n, g.finals] = df
-            zs.append(z.detach() if z > -1e30 else torch.tensor(-math.inf, dtype=torch.float64))
+            zs.append(z.detach().double() if z > -1e30 else torch.tensor(-math.inf, **f64))
         return torch.stack(zs), gl, gw, gf
 
     @property
     def marginals(self):
         "The posterior probability that each frame reads each label (T, N, C) (0 past each input length)."
-        return self._posteriors()[1].to(self.log_probs.dtype)
+        return self._forward()[1].to(self.log_probs.dtype)
 
     @property
     def arc_marginals(self):
         "The expected number of times a path takes each arc, (N, E) of each sequence's graph (zero-padded to the largest)."
-        return self._posteriors()[2].to(self.log_probs.dtype)
+        return self._forward()[2].to(self.log_probs.dtype)
 
     def _expected_scores(self, posteriors, lattice):
-        "E[score] (N,) of paths with these posteriors (`_posteriors`), scored by `lattice`'s log_probs and graphs."
+        "E[score] (N,) of paths with these posteriors (`_forward`), scored by `lattice`'s log_probs and graphs, on their device."
         z, gl, gw, gf = posteriors
-        pk, u = lattice.packed, unpack_layout(lattice.packed.layout)
-        to_arc, ok = per_sequence_index(u, pk.seq_graph, gw.shape[1])
-        to_state, ok_s = per_sequence_index(u, pk.seq_graph, gf.shape[1], arcs=False)
-        w = torch.where(ok, pk.arc_scores.detach().double()[to_arc.clamp(max=len(u.src) - 1)], 0.0) if len(u.src) else gw
-        f = torch.where(ok_s, pk.final_scores.detach().double()[to_state.clamp(max=int(u.g_state[-1]) - 1)], 0.0)
+        pk, u, dev = lattice.packed, unpack_layout(lattice.packed.layout), gl.device
+        to_arc, ok = (x.to(dev) for x in per_sequence_index(u, pk.seq_graph, gw.shape[1]))
+        to_state, ok_s = (x.to(dev) for x in per_sequence_index(u, pk.seq_graph, gf.shape[1], arcs=False))
+        w = torch.where(ok, pk.arc_scores.detach().to(dev, torch.float64)[to_arc.clamp(max=len(u.src) - 1)], 0.0) if len(u.src) else gw
+        f = torch.where(ok_s, pk.final_scores.detach().to(dev, torch.float64)[to_state.clamp(max=int(u.g_state[-1]) - 1)], 0.0)
         times = lambda p, x: torch.where(p != 0, p * x, 0.0)           # (a score of -inf that no path takes: 0)
         return times(gl, lattice.log_probs.detach().double()).sum((0, 2)) + times(gw, w).sum(1) + times(gf, f).sum(1)
 
     def _questions(self, other=None):
         "log Z_p and E_p[score_p] (N,), and with `other`, log Z_q and E_p[score_q]: p's posteriors, one backward pass."
-        post = self._posteriors()
+        post = self._forward()
         out = [post[0], self._expected_scores(post, self)]
-        if other is not None: out += [other._posteriors()[0] if other.backend == 'reference' else _graph_forward_cpu(other._state(other.log_probs.detach().double()))[0],
-                                      self._expected_scores(post, other)]
+        if other is not None: out += [other._forward(for_backward=False)[0], self._expected_scores(post, other)]
         return out
 
     def entropy(self):
@@ -1133,8 +1140,9 @@ class GraphLattice(AlignmentPosterior):
 
     def _same_structure(self, other):
         if not isinstance(other, GraphLattice): raise TypeError(f"other must be a GraphLattice, got {type(other).__name__}")
+        if other.log_probs.device != self.log_probs.device: raise ValueError(f"other must have log_probs on {self.log_probs.device}, got {other.log_probs.device}")
         if other.log_probs.shape != self.log_probs.shape: raise ValueError(f"other must have log_probs of shape {tuple(self.log_probs.shape)}, got {tuple(other.log_probs.shape)}")
-        if not torch.equal(other.input_lengths, self.input_lengths): raise ValueError("other must have the same input_lengths")
+        if not torch.equal(other._lengths, self._lengths): raise ValueError("other must have the same input_lengths")
         for n, (a, b) in enumerate(zip(self.graphs, other.graphs)):
             if a is not b and not (a.num_states == b.num_states and a.start == b.start and torch.equal(a.src, b.src) and
                                    torch.equal(a.dst, b.dst) and torch.equal(a.labels, b.labels) and torch.equal(a.finals, b.finals)):
@@ -1158,11 +1166,11 @@ class GraphLattice(AlignmentPosterior):
 
     @property
     def argmax(self):
-        "The best path of each sequence (N, P) (`viterbi`); all -1 where no path fits."
+        """The best path of each sequence (N, P) (`viterbi`); all -1 where no path fits. The CPU's Viterbi kernel (on a
+        GPU: on one host copy of the emissions, the paths copied back)."""
         if self.backend == 'reference':
             return self._walks(lambda x, n: x.argmax(), Max)
-        pk = self.packed
-        return viterbi_paths(self._state(self.log_probs, 'Max'))
+        return viterbi_paths(self._state(self._host(), 'Max')).to(self.log_probs.device)
 
     def _walks(self, choose, S):
         T = self.log_probs.shape[0]
@@ -1178,34 +1186,38 @@ class GraphLattice(AlignmentPosterior):
 
     def sample(self, sample_shape=(), generator=None):
         """Exact samples of paths (*sample_shape, N, P) (forward filtering, backward sampling: on the CPU the numba
-        walk `_graph_sample_cpu`, all draws at once; the reference's walk otherwise, `choose_index` at each step); all -1
-        where no path fits."""
+        walk `_graph_sample_cpu`, all draws at once, also for CUDA tensors, on one host copy of the emissions, the paths
+        copied back; the reference's walk with backend='reference', `choose_index` at each step); all -1 where no path
+        fits. The uniforms come from `generator` on its device (the CPU's by default): a CPU generator seeded alike
+        gives the same paths on either device."""
         shape = torch.Size(sample_shape)
         n = max(1, shape.numel())
         if self.backend == 'reference':
             x = torch.stack([self._walks(lambda x, i: choose_index(x, torch.rand((), generator=generator, dtype=torch.float64).to(x.dtype)), Log)
                              for _ in range(n)])
         else:
-            st = self._state(self.log_probs.detach().double())
+            st = self._state(self._host(torch.float64))
             T, N, _ = st.lp.shape
             P = path_length_batch(self.graphs, T)
-            u = torch.rand(n, N, 2 * P + 2, generator=generator, dtype=torch.float64)   # (at most P + T + 1 steps a walk)
+            u = torch.rand(n, N, 2 * P + 2, generator=generator, dtype=torch.float64,          # (at most P + T + 1 steps a walk)
+                           device=generator.device if generator is not None else 'cpu').cpu()
             paths = torch.empty(n, N, max(P, 1), dtype=torch.int64)
             parallel_for(_graph_sample_cpu, N, st.lp.numpy(), st.lengths.numpy(), st.w.numpy(), st.fin.numpy(), st.seq_graph.numpy(),
                          st.L, segment_frames(T, max(g.num_states for g in self.graphs)), u.numpy(), paths.numpy(),
                          work=n * T * N * max(1, len(st.u.src)))
-            x = paths[..., :P]
+            x = paths[..., :P].to(self.log_probs.device)
         return x.reshape(*shape, *x.shape[1:])
 
     def topk(self, k):
         """The k best paths of each sequence, best first: paths (k, N, P) (-1 after their arcs; all -1 where fewer than k
         exist) and their scores (k, N) (not normalised; differentiable w.r.t. log_probs and the arc and final scores;
-        -inf where no path). The KMax(k) recursion with back-pointers: the numba kernel `_graph_kbest_cpu`, or with
+        -inf where no path). The KMax(k) recursion with back-pointers: the numba kernel `_graph_kbest_cpu` (for CUDA
+        tensors too, on one host copy of the emissions: the paths copied back, their scores read on the GPU), or with
         backend='reference' `kbest_paths_reference` (the same paths: the same sums in the same order, ties kept alike)."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1: raise ValueError(f"k must be a positive int, got {k!r}")
         if self.backend != 'reference':
-            paths, found = _kbest_paths_cpu(self._state(self.log_probs.detach().double()), self.packed, int(k))
-            return paths, self._path_scores(paths, found)
+            paths, found = _kbest_paths_cpu(self._state(self._host(torch.float64)), self.packed, int(k))
+            return paths.to(self.log_probs.device), self._path_scores(paths.numpy(), np.arange(k)[:, None] < found.numpy())
         T, N, C = self.log_probs.shape
         P = path_length_batch(self.graphs, T)
         paths = torch.full((k, N, P), -1, dtype=torch.int64)
@@ -1217,15 +1229,16 @@ class GraphLattice(AlignmentPosterior):
                 scores[j][n] = path_score(g, self.log_probs[:L, n], arcs, final).to(self.log_probs.dtype)
         return paths, torch.stack([torch.stack(row) for row in scores])
 
-    def _path_scores(self, paths, found):
-        """The scores (k, N) of paths (k, N, P) (arcs of each sequence's graph, -1 after them), differentiable w.r.t.
-        log_probs and the arc and final scores: their arcs' scores, the labels the emitting ones read at their frames,
-        their final state's score; -inf in the rows j >= found[n] (no path). (The indices are numpy's and the reads 1-D
-        `index_select`s: a multi-dimensional index wakes torch's threads, milliseconds on a busy machine.)"""
+    def _path_scores(self, paths, real, logz=None):
+        """The scores (M, N) of paths (M, N, P) (numpy: arcs of each sequence's graph, -1 after them) on the emissions'
+        device, differentiable w.r.t. log_probs and the arc and final scores: their arcs' scores, the labels the
+        emitting ones read at their frames, their final state's score (minus `logz` (N,) if given, but for -inf); -inf
+        where `real` (M, N) is False (no path: its arcs are not read). (The indices are numpy's, one transfer to the device, and the reads 1-D `index_select`s: a
+        multi-dimensional index wakes torch's threads, milliseconds on a busy machine.)"""
         pk, u = self.packed, unpack_layout(self.packed.layout)
         T, N, C = self.log_probs.shape
-        sg, E = pk.seq_graph.numpy(), len(u.src)
-        p = np.pad(paths.numpy(), ((0, 0), (0, 0), (0, 1)), constant_values=-1)          # (a column to read where P = 0)
+        sg, E, dev = pk.seq_graph.numpy(), len(u.src), self.log_probs.device
+        p = np.pad(np.where(real[..., None], paths, -1), ((0, 0), (0, 0), (0, 1)), constant_values=-1)   # (a column where P = 0)
         a = np.where(p >= 0, p + u.g_arc[sg][:, None], E)                                 # packed arcs; E: a pad, score 0
         lab = np.append(u.lab, EPSILON)[a]
         emit = lab >= 0
@@ -1233,37 +1246,44 @@ class GraphLattice(AlignmentPosterior):
         n_arcs = (p >= 0).sum(-1)
         last = np.take_along_axis(a, np.maximum(n_arcs - 1, 0)[..., None], -1)[..., 0]
         end = np.where(n_arcs > 0, np.append(u.dst, 0)[last], u.g_start[sg])              # the final state
-        zero = torch.zeros(1, dtype=torch.float64)
-        x, w = torch.cat([self.log_probs.double().reshape(-1), zero]), torch.cat([pk.arc_scores.double(), zero])
-        take = lambda v, i: v.index_select(0, torch.from_numpy(i.ravel())).view(i.shape)
-        score = (take(w, a) + take(x, at)).sum(-1) + take(pk.final_scores.double(), end)
-        return torch.where(torch.from_numpy(np.arange(len(p))[:, None] < found.numpy()), score, -math.inf).to(self.log_probs.dtype)
+        zero = torch.zeros(1, dtype=torch.float64, device=dev)
+        x, w = torch.cat([self.log_probs.double().reshape(-1), zero]), torch.cat([pk.arc_scores.to(dev, torch.float64), zero])
+        i_a, i_at, i_end, i_real = torch.from_numpy(np.concatenate([a.ravel(), at.ravel(), end.ravel(), real.ravel()]).astype(np.int64)).to(dev).split(
+            [a.size, at.size, end.size, real.size])
+        take = lambda v, i, shape: v.index_select(0, i).view(shape)
+        score = (take(w, i_a, a.shape) + take(x, i_at, at.shape)).sum(-1) + take(pk.final_scores.to(dev, torch.float64), i_end, end.shape)
+        if logz is not None: score = torch.where(torch.isneginf(score), score, score - logz.double())   # (a score of -inf: -inf)
+        return torch.where(i_real.view(real.shape).bool(), score, -math.inf).to(self.log_probs.dtype)
+
+    def _are_paths(self, paths):
+        """Which of paths (M, N, P) (numpy: arcs, -1 after them) are paths of their sequence's graph through its frames
+        (M, N): arcs of its graph, with no -1 before one, that join up from its start to a final, reading its input
+        length's frames."""
+        pk, u = self.packed, unpack_layout(self.packed.layout)
+        sg = pk.seq_graph.numpy()
+        arc = paths >= 0
+        ok = (arc.cumprod(-1) == arc).all(-1) & (np.where(arc, paths, 0) < np.diff(u.g_arc)[sg][:, None]).all(-1)
+        p = np.pad(np.where(ok[..., None], paths, -1), ((0, 0), (0, 0), (0, 1)), constant_values=-1)
+        arc, E = p >= 0, len(u.src)
+        a = np.where(arc, p + u.g_arc[sg][:, None], E)                                    # packed arcs; E: none
+        src, dst, lab = np.append(u.src, -1)[a], np.append(u.dst, -1)[a], np.append(u.lab, EPSILON)[a]
+        start = np.broadcast_to(u.g_start[sg], p.shape[:-1])[..., None]
+        at = np.concatenate([start, dst[..., :-1]], -1)                                   # the state before each arc
+        n_arcs = arc.sum(-1)
+        end = np.where(n_arcs > 0, np.take_along_axis(dst, np.maximum(n_arcs - 1, 0)[..., None], -1)[..., 0], start[..., 0])
+        is_final = np.zeros(int(u.g_state[-1]), dtype=np.bool_)
+        for i, g in enumerate(pk.graphs): is_final[g.finals.numpy() + u.g_state[i]] = True
+        return ok & np.where(arc, src == at, True).all(-1) & (((lab >= 0) & arc).sum(-1) == self._lengths.numpy()) & is_final[end]
 
     def log_prob(self, value):
         """The log-probability of paths `value` (..., N, P) (arcs, -1 after them): their scores (arcs, the labels they read
         at their frames, the final state's) minus log Z; -inf for what is not a path of the sequence's graph through its
-        frames (arcs that do not join up, do not start at the start or end at a final, or read another number of frames)."""
+        frames (arcs that do not join up, do not start at the start or end at a final, or read another number of frames).
+        The paths are checked on the host (one copy of `value` from a GPU), their scores read on the emissions' device."""
         T, N, C = self.log_probs.shape
         if value.dim() < 2 or value.shape[-2] != N: raise ValueError(f"value must have shape (..., {N}, P), got {tuple(value.shape)}")
-        z = self.log_partition
-        flat = value.reshape(-1, N, value.shape[-1])
-        out = torch.full((flat.shape[0], N), -math.inf, dtype=z.dtype)
-        for n, g in enumerate(self.graphs):
-            L = int(self.input_lengths[n])
-            fin = dict(zip(g.finals.tolist(), range(len(g.finals))))
-            for i in range(flat.shape[0]):
-                arcs = flat[i, n]
-                arcs = arcs[arcs >= 0]
-                if ((flat[i, n] >= 0).cumprod(0) == 0).logical_and(flat[i, n] >= 0).any(): continue   # a -1 before an arc
-                if len(arcs) and int(arcs.max()) >= g.num_arcs: continue
-                s, t, score, ok = g.start, 0, 0.0, True
-                for a in arcs.tolist():
-                    if int(g.src[a]) != s or (int(g.labels[a]) >= 0 and t >= L): ok = False; break
-                    score = score + g.scores[a]
-                    if int(g.labels[a]) >= 0: score = score + self.log_probs[t, n, g.labels[a]]; t += 1
-                    s = int(g.dst[a])
-                if ok and t == L and s in fin: out[i, n] = score + g.final_scores[fin[s]] - z[n]
-        return out.reshape(value.shape[:-1])
+        flat = value.reshape(-1, N, value.shape[-1]).to('cpu', torch.int64).numpy()
+        return self._path_scores(flat, self._are_paths(flat), self.log_partition).reshape(value.shape[:-1])
 
 def path_length_batch(graphs, T):
     "The path tensors' length P for these graphs and T frames (`path_length` of the deepest epsilon chains)."

@@ -1,7 +1,9 @@
 """The graph lattice's CUDA kernel (`graph_logz(..., backend='cuda')`), through the emulator on CPU tensors: log Z and
 its gradients w.r.t. the emissions, arc and final scores equal the CPU kernel's and the reference's on random graphs
 with epsilon arcs, ragged batches, infeasible sequences, CTC graphs (= F.ctc_loss), the Max semiring (its gradient the
-best path), the looping path (more states than threads), repeatability and one launch a step."""
+best path), the looping path (more states than threads), repeatability and one launch a step; GraphLattice's questions
+on the CUDA path (the posteriors' from the kernel, the walks' on the CPU kernels) = the CPU path's, emulated here and on
+CUDA tensors under `make gpu-check`."""
 import math
 import pytest
 import torch
@@ -209,3 +211,102 @@ def test_the_budget_keeps_every_sqrt_t_th_frame_and_allocates_that_much(monkeypa
         shapes.clear()
         graph_logz(lp, lengths, [gs[i] for i in which], backend='cuda')
         assert shapes == [((5, 2, S), (5, 0, S))]
+
+# GraphLattice's questions on the CUDA path: log Z, the posteriors and the expectations from the CUDA kernel (one launch
+# a lattice), the walks (argmax, sample, topk) on the CPU kernels from one host copy of the emissions.
+LATTICE_TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9),
+               # float32: the CUDA kernel sums in float32, the CPU kernel in float64; an expectation (entropy, cross
+               # entropy, KL) adds T C posteriors (each within about 1e-6) times scores, log Z's of |50| or so
+               torch.float32: dict(rtol=1e-4, atol=1e-4)}
+
+def _lattice_case(seed, dtype, shared, N=5, T=9, C=4):
+    """Emissions p and q (T, N, C), lengths 0, T, 7, 3 and random, and random graphs with epsilon arcs: one shared by
+    the batch, or one a sequence (two sequences the same object). Sequence 3 is infeasible: shared, a frame that no
+    label can take; per sequence, a CTC graph of 1 1 2 (4 frames at least) through its 3."""
+    g = torch.Generator().manual_seed(seed)
+    gs = [random_graph(int(torch.randint(2, 8, (), generator=g)), int(torch.randint(4, 16, (), generator=g)), C, 0.4, g)
+          for _ in range(1 if shared else N)]
+    lp, lq = torch.randn(2, T, N, C, generator=g, dtype=torch.float64).mul(2).log_softmax(-1).to(dtype)
+    lengths = torch.tensor([0, T, 7, 3, int(torch.randint(1, T + 1, (), generator=g))])
+    if shared: lp[1, 3] = -math.inf
+    else: gs[3], gs[4] = ctc_graph(torch.tensor([1, 1, 2])), gs[2]
+    return lp, lq, lengths, gs[0] if shared else gs
+
+def _lattice_answers(p, q):
+    """Every question of GraphLattice p (q: the other of cross_entropy and kl), and the kernel launches of each;
+    log_prob of the samples and the k best, and the gradients of the k best's and log_prob's scores."""
+    asks = dict(log_partition=lambda: p.log_partition, marginals=lambda: p.marginals, arc_marginals=lambda: p.arc_marginals,
+                entropy=p.entropy, cross_entropy=lambda: p.cross_entropy(q), kl=lambda: p.kl(q), argmax=lambda: p.argmax,
+                sample=lambda: p.sample((4,), generator=torch.Generator().manual_seed(1)), topk=lambda: p.topk(3))
+    out, launches = {}, {}
+    for name, ask in asks.items():
+        with count_launches() as n: out[name] = ask()
+        launches[name] = dict(n)
+    out['log_prob'] = p.log_prob(torch.cat([out['sample'], out['topk'][0]]))
+    x = p.log_probs
+    for name, scores in (('topk_grad', out['topk'][1]), ('log_prob_grad', out['log_prob'])):
+        if x.requires_grad: out[name], = torch.autograd.grad(torch.where(torch.isfinite(scores), scores, 0).sum(), x, retain_graph=True)
+    return out, launches
+
+def _assert_same_answers(got, want, dtype, device):
+    "got's answers on `device` = want's (the CPU path's): paths exactly, values within LATTICE_TOL[dtype] (NaN alike)."
+    assert got.keys() == want.keys()
+    for name in want:
+        for a, b in zip(*((x if isinstance(x, tuple) else (x,)) for x in (got[name], want[name]))):
+            assert a.device.type == device and a.shape == b.shape and a.dtype == b.dtype, (name, a.device, a.shape, a.dtype)
+            if a.is_floating_point(): torch.testing.assert_close(a.cpu(), b, equal_nan=True, **LATTICE_TOL[dtype], msg=lambda m: f"{name}: {m}")
+            else: assert torch.equal(a.cpu(), b), name
+
+def _no_reference(monkeypatch):
+    "The per-sequence reference, refused (GraphLattice's questions on the kernels must not reach it)."
+    def refused(*args, **kw): raise AssertionError("the reference ran")
+    for name in ('graph_forward_reference', 'walk_back_reference', 'kbest_paths_reference', '_reference_logz'):
+        monkeypatch.setattr(G, name, refused)
+
+_LAUNCHES = dict(log_partition=1, marginals=1, arc_marginals=1, entropy=1, cross_entropy=2, kl=2, argmax=0, sample=0, topk=0)
+
+@pytest.mark.parametrize('shared', [True, False], ids=['shared', 'per-sequence'])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_graph_lattice_questions_through_the_emulated_kernel_equal_the_cpu_path(dtype, shared, monkeypatch):
+    """backend='cuda' on CPU tensors (the emulator): log Z and the posteriors' questions from the CUDA kernel, one launch
+    a lattice (cross entropy and KL: p's forward and backward, q's forward), in the emissions' precision; the walks on
+    the CPU kernels, no launch; every answer the CPU path's (paths exactly), with lengths 0 and an infeasible sequence."""
+    _no_reference(monkeypatch)
+    for seed in (1, 9):                                   # (9: epsilon chains two deep)
+        lp, lq, lengths, graphs = _lattice_case(seed, dtype, shared)
+        runs = {}
+        for backend in ('cuda', 'cpu'):
+            x = lp.clone().requires_grad_()
+            runs[backend] = _lattice_answers(G.GraphLattice(x, lengths, graphs, backend=backend), G.GraphLattice(lq, lengths, graphs, backend=backend))
+        (got, launches), (want, _) = runs['cuda'], runs['cpu']
+        z = want['log_partition']
+        assert torch.isfinite(z).tolist() == [True, True, True, False, True]              # (length 0 too)
+        assert launches == {k: {'graph_logz': n} if n else {} for k, n in _LAUNCHES.items()}
+        assert torch.isneginf(got['log_prob'][:, 3]).all()                               # (no path: -inf, not NaN)
+        _assert_same_answers(got, want, dtype, 'cpu')
+
+def _graphs_on(graphs, device):
+    "The graphs with their arc and final scores on `device` (one object for each distinct one)."
+    moved = {}
+    def on(g): return moved.setdefault(id(g), Graph(g.src, g.dst, g.labels, g.scores.to(device), g.start, g.finals,
+                                                       g.final_scores.to(device), num_states=g.num_states))
+    return on(graphs) if isinstance(graphs, Graph) else [on(g) for g in graphs]
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('backend', ['auto', 'cuda'])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_gpu_graph_lattice_questions_on_cuda_tensors_equal_the_cpu_path(dtype, backend, monkeypatch, device='cuda'):
+    """On CUDA tensors, backend 'auto' and 'cuda': every answer on the GPU and the CPU path's (paths exactly; the
+    gradients of the k best's and log_prob's scores too), log Z and the posteriors' questions by the CUDA kernel (one
+    launch a lattice), the walks by the CPU kernels on a host copy, never the reference; shared and per-sequence
+    graphs, lengths 0 and an infeasible sequence; the graphs' scores and the lengths on the CPU ('auto') or the GPU."""
+    _no_reference(monkeypatch)
+    for seed, shared in ((1, True), (9, False), (9, True), (1, False)):
+        lp, lq, lengths, graphs = _lattice_case(seed, dtype, shared)
+        want, _ = _lattice_answers(G.GraphLattice(lp.clone().requires_grad_(), lengths, graphs, backend='cpu'),
+                                   G.GraphLattice(lq, lengths, graphs, backend='cpu'))
+        there = (graphs, lengths) if backend == 'auto' else (_graphs_on(graphs, device), lengths.to(device))
+        got, launches = _lattice_answers(G.GraphLattice(lp.to(device).requires_grad_(), there[1], there[0], backend=backend),
+                                         G.GraphLattice(lq.to(device), there[1], there[0], backend=backend))
+        assert launches == {k: {'graph_logz': n} if n else {} for k, n in _LAUNCHES.items()}
+        _assert_same_answers(got, want, dtype, device)
