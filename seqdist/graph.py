@@ -708,7 +708,7 @@ def packed_structure(*graphs):
     """The structure of a batch's graphs (one per sequence): `layout` (one int64 tensor), `seq_graph` (N,) (and as ints,
     `distinct`), each distinct graph's first sequence, the final states' packed indices, the states in all and the most
     arcs and states of a graph. Made once per list of graph objects and kept while they live; torch.compile calls it as
-    it traces and keeps its result as a constant of the compiled graph, guarded by the graphs' identities."""
+    it traces: a constant of the compiled graph, guarded by the graphs' identities (new graph objects: traced again)."""
     hit = _PACKED.get(key := tuple(map(id, graphs)))
     if hit is not None and all(r() is not None for r in hit[0]): return hit[1]
     first = {}                                            # each distinct graph's first sequence, by the graph's id

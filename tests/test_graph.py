@@ -465,7 +465,7 @@ def test_torch_compile_fullgraph_gives_the_eager_result(backend, shared):
     """torch.compile(fullgraph=True) traces graph_loss whole (the graphs' structure packed as it traces, the kernel a
     custom op): the eager loss and its gradients w.r.t. the emissions, the arc and the final scores, exactly; one graph
     with epsilon arcs shared by the batch, or a list of CTC graphs, one of them twice; the CPU kernel, and the CUDA one
-    through the emulator."""
+    through the emulator. Other graph objects are not read as the first (the structure, a constant, is guarded)."""
     gen = torch.Generator().manual_seed(6)
     lp = torch.randn(9, 3, 5, generator=gen, dtype=torch.float64).log_softmax(-1).requires_grad_()
     il = torch.tensor([9, 7, 6])
@@ -474,11 +474,14 @@ def test_torch_compile_fullgraph_gives_the_eager_result(backend, shared):
         distinct = [_scored(g, gen) for g in ctc_graph(torch.tensor([[1, 2, 2], [4, 3, 0]]), torch.tensor([3, 2]))]
         graphs = [distinct[0], distinct[1], distinct[0]]
     leaves = [lp] + [x for g in (distinct if not shared else [distinct]) for x in (g.scores, g.final_scores)]
-    def f(lp): return graph_loss(lp, il, graphs, reduction='sum', backend=backend) * 2.0
-    eager, comp = f(lp), torch.compile(f, fullgraph=True, backend='aot_eager')(lp)
+    def f(lp, graphs): return graph_loss(lp, il, graphs, reduction='sum', backend=backend) * 2.0
+    compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
+    eager, comp = f(lp, graphs), compiled(lp, graphs)
     assert torch.isfinite(eager) and torch.equal(eager, comp)
     for a, b in zip(torch.autograd.grad(eager, leaves), torch.autograd.grad(comp, leaves)):
         assert a.abs().sum() > 0 and torch.equal(a, b)
+    other = _scored(compact_ctc_topology(5), gen) if shared else graphs[1:] + graphs[:1]   # other graph objects: traced again
+    assert torch.equal(compiled(lp, other), f(lp, other)) and not torch.equal(f(lp, other), eager)
 
 def test_a_batchs_graphs_are_packed_once_across_calls(monkeypatch):
     """The structure of a list of graph objects (or of one shared graph) is packed on its first call and read from a cache
