@@ -453,3 +453,57 @@ def test_only_graphs_of_at_most_lanes_max_states_go_four_lanes_at_a_time():
     seq_graph, lengths, ok = np.zeros(4, np.int64), np.full(4, 10), np.array([True])
     assert G.lane_bundles(seq_graph, lengths, ok, np.array([G.LANES_MAX_STATES])).tolist() == [[0, 1, 2, 3]]
     assert G.lane_bundles(seq_graph, lengths, ok, np.array([G.LANES_MAX_STATES + 1])).shape == (0, G.LANES)
+
+def _scored(g, gen):
+    "g with random arc and final scores (float64) that require a gradient."
+    return Graph(g.src, g.dst, g.labels, torch.randn(g.num_arcs, generator=gen, dtype=torch.float64).requires_grad_(), g.start, g.finals,
+                 torch.randn(len(g.finals), generator=gen, dtype=torch.float64).requires_grad_(), num_states=g.num_states)
+
+@pytest.mark.parametrize('backend', ['auto', 'cuda'])
+@pytest.mark.parametrize('shared', [True, False], ids=['one-graph', 'a-list'])
+def test_torch_compile_fullgraph_gives_the_eager_result(backend, shared):
+    """torch.compile(fullgraph=True) traces graph_loss whole (the graphs' structure packed as it traces, the kernel a
+    custom op): the eager loss and its gradients w.r.t. the emissions, the arc and the final scores, exactly; one graph
+    with epsilon arcs shared by the batch, or a list of CTC graphs, one of them twice; the CPU kernel, and the CUDA one
+    through the emulator. Other graph objects are not read as the first (the structure, a constant, is guarded)."""
+    gen = torch.Generator().manual_seed(6)
+    lp = torch.randn(9, 3, 5, generator=gen, dtype=torch.float64).log_softmax(-1).requires_grad_()
+    il = torch.tensor([9, 7, 6])
+    if shared: graphs = distinct = _scored(compact_ctc_topology(5), gen)
+    else:
+        distinct = [_scored(g, gen) for g in ctc_graph(torch.tensor([[1, 2, 2], [4, 3, 0]]), torch.tensor([3, 2]))]
+        graphs = [distinct[0], distinct[1], distinct[0]]
+    leaves = [lp] + [x for g in (distinct if not shared else [distinct]) for x in (g.scores, g.final_scores)]
+    def f(lp, graphs): return graph_loss(lp, il, graphs, reduction='sum', backend=backend) * 2.0
+    compiled = torch.compile(f, fullgraph=True, backend='aot_eager')
+    eager, comp = f(lp, graphs), compiled(lp, graphs)
+    assert torch.isfinite(eager) and torch.equal(eager, comp)
+    for a, b in zip(torch.autograd.grad(eager, leaves), torch.autograd.grad(comp, leaves)):
+        assert a.abs().sum() > 0 and torch.equal(a, b)
+    other = _scored(compact_ctc_topology(5), gen) if shared else graphs[1:] + graphs[:1]   # other graph objects: traced again
+    assert torch.equal(compiled(lp, other), f(lp, other)) and not torch.equal(f(lp, other), eager)
+
+def test_a_batchs_graphs_are_packed_once_across_calls(monkeypatch):
+    """The structure of a list of graph objects (or of one shared graph) is packed on its first call and read from a cache
+    after (a new list of the same objects too), kept while its graphs live; the scores are gathered at every call."""
+    gen = torch.Generator().manual_seed(7)
+    g, h = _scored(compact_ctc_topology(4), gen), _scored(ctc_topology(4), gen)
+    first = G.pack_graphs(g, 3)
+    again = G.pack_graphs(g, 3)
+    assert again.layout is first.layout and again.seq_graph is first.seq_graph
+    assert G.pack_graphs([g, h, g], 3).layout is G.pack_graphs([g, h, g], 3).layout is not first.layout
+    packed = []
+    pack = G._pack_layout
+    monkeypatch.setattr(G, '_pack_layout', lambda gs: packed.append(len(gs)) or pack(gs))
+    lp, il = torch.randn(6, 3, 4, generator=gen, dtype=torch.float64).log_softmax(-1), torch.tensor([6, 5, 4])
+    k = _scored(compact_ctc_topology(4), gen)
+    losses = [graph_loss(lp, il, k) for _ in range(3)] + [graph_loss(lp, il, [k, g, k]) for _ in range(3)]
+    assert packed == [1, 2] and all(torch.equal(x, losses[0]) for x in losses[:3])
+    with torch.no_grad(): k.final_scores += 1.0                   # scores are read at every call: each path ends once
+    assert torch.allclose(graph_loss(lp, il, k), losses[0] - 1.0, rtol=0, atol=1e-12)
+    entries = len(G._PACKED)
+    del k, losses
+    import gc; gc.collect()
+    assert len(G._PACKED) == entries - 2                     # (its two entries went with it)
+    with pytest.raises(ValueError, match=r"max_arcs and max_states must be the layout's most arcs and states of a graph \(10, 4\), got \(3, 4\)"):
+        G.graph_logz_op(lp, il, first.arc_scores, first.final_scores, first.layout, first.seq_graph, 3, 4, 'Log', False)

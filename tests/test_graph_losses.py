@@ -41,6 +41,9 @@ def test_mmi_loss_is_numerator_minus_denominator_and_differentiable():
     assert torch.autograd.gradcheck(lambda x: mmi_loss(x.log_softmax(-1), lengths, nums, den), (x,))
     short = mmi_loss(x.log_softmax(-1), torch.tensor([1, 1, 1]), nums, den, reduction='none')
     assert short[0] == math.inf and mmi_loss(x.log_softmax(-1), torch.tensor([1, 1, 1]), nums, den, zero_infinity=True, reduction='none')[0] == 0
+    f = lambda x: mmi_loss(x.log_softmax(-1), lengths, nums, den)       # torch.compile traces it whole: the eager result
+    eager, comp = f(x), torch.compile(f, fullgraph=True, backend='aot_eager')(x)
+    assert torch.equal(eager, comp) and torch.equal(torch.autograd.grad(eager, x)[0], torch.autograd.grad(comp, x)[0])
 
 def test_otc_at_closed_penalties_is_ctc_and_its_arcs_are_counted():
     gen = torch.Generator().manual_seed(2)
