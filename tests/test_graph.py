@@ -483,6 +483,22 @@ def test_torch_compile_fullgraph_gives_the_eager_result(backend, shared):
     other = _scored(compact_ctc_topology(5), gen) if shared else graphs[1:] + graphs[:1]   # other graph objects: traced again
     assert torch.equal(compiled(lp, other), f(lp, other)) and not torch.equal(f(lp, other), eager)
 
+def test_torch_compile_of_graphs_rebuilt_at_every_step_falls_back_to_the_eager_result():
+    """Graphs made anew at every step (numerators from each batch's targets) are new constants: traced again per list,
+    and past dynamo's recompile limit (without fullgraph) run eagerly; every step's loss and gradient are the eager ones."""
+    gen = torch.Generator().manual_seed(8)
+    lp = torch.randn(10, 3, 5, generator=gen, dtype=torch.float64).log_softmax(-1).requires_grad_()
+    il = torch.tensor([10, 8, 7])
+    def f(lp, graphs): return graph_loss(lp, il, graphs, reduction='sum')
+    compiled = torch.compile(f, backend='aot_eager')
+    from torch._dynamo import config
+    with config.patch(recompile_limit=2):
+        for step in range(5):
+            graphs = ctc_graph(torch.randint(1, 5, (3, 3), generator=gen), torch.randint(1, 4, (3,), generator=gen))
+            eager, comp = f(lp, graphs), compiled(lp, graphs)
+            assert torch.equal(eager, comp), step
+            assert torch.equal(torch.autograd.grad(eager, lp)[0], torch.autograd.grad(comp, lp)[0]), step
+
 def test_a_batchs_graphs_are_packed_once_across_calls(monkeypatch):
     """The structure of a list of graph objects (or of one shared graph) is packed on its first call and read from a cache
     after (a new list of the same objects too), kept while its graphs live; the scores are gathered at every call."""
