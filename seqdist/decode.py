@@ -765,11 +765,10 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                     if bound + row[k] < (hs[0] if size == hcap else best - threshold): break
                     if k == blank or excluded[i * C + k]: continue
                     if use_hot:                     # (its own hotword credit, one read where the table holds the
-                        h0 = hot[nd]                # state's row: a token that cannot enter stops here)
-                        if (h0 + 1) * C <= len(hot_gain): gain = hot_gain[h0 * C + k]
+                        h0 = hot[nd]                # state's row: a token that cannot enter stops here; the state
+                        if (h0 + 1) * C <= len(hot_gain): gain = hot_gain[h0 * C + k]       # it moves to: a survivor's)
                         else: h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, hot_moves, C, h0, k); gain = hot_done[h] + hot_partial[h]
                         if words + gain + row[k] < (hs[0] if size == hcap else best - threshold): continue
-                        h = _hot_next(hot_keys, hot_values, hot_shift, hot_fail, hot_moves, C, h0, k)
                     if merge and kind[k] == 1 and (nd == 0 or kind[tok[nd]] == 1): continue   # (a stay, above)
                     tn = _spellable(trie_keys, trie_values, trie_shift, K, trie_lexicon, codes, code_off, trie[nd],
                                     has_word[nd], kind[k], k) if use_lexicon else -2      # (-2: not walked yet)
@@ -777,7 +776,7 @@ def _beam_search_kernel(lp, il, blank, beam, threshold, kind, merge, use_max, wh
                     s = (b_pb[i] if k == tok[nd] else tot) + row[k]
                     if s == -np.inf: continue
                     s += wscore[nd] + (done_score[nd] if use_words and kind[k] != 0 else 0.0)
-                    if use_hot: s += hot_done[h] + hot_partial[h]
+                    if use_hot: s += gain
                     if (use_unk_prefix or use_smear) and kind[k] != 1 and code_off[k + 1] > code_off[k]:   # its word
                         cont = kind[k] == 0 and has_word[nd]
                         if tn == -2: tn = _walk(trie_keys, trie_values, trie_shift, K, trie[nd] if cont else 0, codes, code_off[k], code_off[k + 1])
