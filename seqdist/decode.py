@@ -1706,6 +1706,8 @@ def transducer_nbest_brute_force(encoder_out, length, predict, join, blank, nbes
     return sorted(scored, key=lambda h: -h[0])[:nbest]
 
 # %% ../nbs/11d_transducer_beam.ipynb #tb-helpers
+from .core import fast_exp
+
 def _write(x, rows, new):
     "Write new's rows into x's rows `rows`, in place (the same structure)."
     if isinstance(x, torch.Tensor): x.index_copy_(0, rows, new)
@@ -1768,17 +1770,28 @@ class _Steps:
     def host(self, logits, cap=False):
         "The same as numpy arrays (CPU tensors); an RNN-T's and a multi-blank model's of distinct moves by one loop."
         if self.D or not self.distinct: return tuple(x.numpy() for x in self(logits, cap))
-        sym, other = _blank_moves(logits[..., :self.V].double().log_softmax(-1).numpy(), self.cols, self.moved, self.M)
+        sym, other = _blank_moves(logits.detach().numpy(), self.V, self.cols, self.moved, self.M)
         if len(getattr(self, 'labels', [()])[0]) < len(logits):     # (a label's moves, for as many rows or more)
             self.labels = [np.broadcast_to(x.numpy(), (len(logits), self.M)) for x in (self.label, self.label_cap)]
         return sym, self.labels[cap], self.labels[cap], other, other
 
-@numba.njit(cache=_CACHE, nogil=True)
-def _blank_moves(lp, cols, moved, M):
-    "`_Steps`' sym and other (n, V), (n, M) from log-probabilities (n, V), each blank (cols) moving by one frame count."
-    sym, other = lp.copy(), np.full((lp.shape[0], M), -math.inf)
-    for r in range(lp.shape[0]):
-        for i in range(len(cols)): sym[r, cols[i]], other[r, moved[i]] = -math.inf, lp[r, cols[i]]
+@numba.njit(cache=_CACHE, nogil=True, fastmath={'contract', 'reassoc'})
+def _blank_moves(logits, V, cols, moved, M):
+    """`_Steps`' sym and other (n, V), (n, M) from the joiner's logits (n, V + ...): the first V's log-softmax in float64
+    (x - max - log sum exp(x - max), the sum by `fast_exp` in any order: a loop that vectorises), each blank (cols)
+    moving by one frame count."""
+    n = logits.shape[0]
+    sym, other = np.empty((n, V)), np.full((n, M), -math.inf)
+    for r in range(n):
+        m = -math.inf
+        for k in range(V):
+            v = np.float64(logits[r, k])
+            m = v if v > m else m
+        s = 0.0
+        for k in range(V): s += fast_exp(np.float64(logits[r, k]) - m)
+        ls = math.log(s)
+        for k in range(V): sym[r, k] = (np.float64(logits[r, k]) - m) - ls
+        for i in range(len(cols)): sym[r, cols[i]], other[r, moved[i]] = -math.inf, sym[r, cols[i]]
     return sym, other
 
 _H, _PH, _LAST, _NODE, _PEND, _LS, _HS, _SRC, _PNODE = range(9)   # a hypothesis's integers (its floats: ln P, best, bonus)
@@ -1900,6 +1913,7 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
               (np.zeros((0, 0), np.int64), np.zeros(0), np.zeros(0))
     records = []                                                   # (Qi, frame) of each round: the labels' tree
     order = torch.tensor(list(range(1, M)) + [0], device=dev)      # at the next frame each set is one frame closer
+    order_np = order.cpu().numpy()
     rows = (((batch * M)[:, None, None] + order[None, :, None]) * K + ar).view(-1)
     for t in range(int(lengths.max()) + M - 1):
         if host: ended = (t >= lengths.numpy()) & (Qf.numpy()[:, 0, :, 0] > ninf).any(-1)
@@ -1950,7 +1964,7 @@ def _search(encoder_out, lengths, predict, join, blank, K, max_symbols_per_frame
             # the predictor rows follow their hypotheses
             p = _rows(_cat(pred, pa), Qi[..., _SRC].view(-1))
             pred, state = (p, p) if state is pred and sa is pa else (p, _rows(_cat(state, sa), Qi[..., _SRC].view(-1)))
-        Qf, Qi = (torch.from_numpy(np.roll(x.numpy(), -1, 1)) for x in (Qf, Qi)) if host else (Qf[:, order], Qi[:, order])
+        Qf, Qi = (torch.from_numpy(x.numpy().take(order_np, 1)) for x in (Qf, Qi)) if host else (Qf[:, order], Qi[:, order])
         p = _rows(pred, rows)
         pred, state = (p, p) if state is pred else (p, _rows(state, rows))
     # the tree: each round's (B, S, 9), as they are on the host (no copy), in one transfer from elsewhere
