@@ -75,7 +75,7 @@ def nonfinite_sequences(x, dim, inside=None, above=math.inf):
     next); on a GPU the answer is computed without a host read."""
     if x.requires_grad: x = x.detach()
     if x.numel() == 0: return None
-    if x.device.type == 'cpu' and x.dtype in (torch.float32, torch.float64) and x.numpy().max() < above: return None
+    if on_host(x) and x.dtype in (torch.float32, torch.float64) and x.numpy().max() < above: return None
     full = inside is not None and inside.dim() == x.dim()
     top = x if full else x.amax(-1)                  # (amax keeps a NaN; a full mask is for a last dim it selects)
     bad = ~(top < above)

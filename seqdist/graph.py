@@ -14,7 +14,7 @@ import numba
 import torch
 from .core import semiring, Log, Max, Entropy, KL, CrossEntropy, SEMIRINGS, choose_index, semiring_sum2, fast_exp, fast_exp8, AlignmentPosterior
 from .memory import tensor_cached, empty_large
-from .checks import nonfinite_sequences, either_poisoned
+from .checks import nonfinite_sequences, either_poisoned, on_host
 from .ops import Op, AUTOGRAD, op_namespace, resolve_backend, parallel_for
 
 _CACHE = __name__ != "__main__"
@@ -698,7 +698,8 @@ def pack_graphs(graphs, N):
     st = packed_structure(*graphs)
     gs = [graphs[n] for n in st.first]
     fin = torch.cat([g.final_scores for g in gs])
-    final = torch.full((st.num_states,), -math.inf, dtype=fin.dtype, device=fin.device).index_put((st.finals.to(fin.device),), fin)
+    finals = st.finals if on_host(fin) else tensor_cached(st.finals, fin.device, lambda: st.finals.to(fin.device))    # (once a device)
+    final = torch.full((st.num_states,), -math.inf, dtype=fin.dtype, device=fin.device).index_put((finals,), fin)
     return PackedGraphs(st.layout, st.seq_graph, st.max_arcs, st.max_states, gs, list(st.distinct), torch.cat([g.scores for g in gs]), final)
 
 _PACKED = {}   # a batch's graph ids -> (weak references to its distinct graphs, their structure)
@@ -776,7 +777,8 @@ def _check_graph_inputs(lp, lengths, arc_scores, final_scores, layout, seq_graph
     T, N, C = lp.shape
     if not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool or lengths.shape != (N,):
         raise ValueError(f"input_lengths must be an int tensor of shape ({N},), got {getattr(lengths, 'dtype', type(lengths).__name__)} {tuple(getattr(lengths, 'shape', ()))}")
-    if N and (int(lengths.min()) < 0 or int(lengths.max()) > T):
+    if N and not on_host(lengths): _require_lengths(lengths, T)             # (on a GPU, asserted there: 12b_graph_cuda)
+    elif N and (int(lengths.min()) < 0 or int(lengths.max()) > T):
         raise ValueError(f"input_lengths must be in [0, T] = [0, {T}], got values in [{int(lengths.min())}, {int(lengths.max())}]")
     u = unpack_layout(layout)
     if len(u.lab) and int(u.lab.max()) >= C:
@@ -789,11 +791,11 @@ def _graph_prepare(a, backend, check):
     u = _check_graph_inputs(a.log_probs, a.input_lengths, a.arc_scores, a.final_scores, a.layout, a.seq_graph) if check else unpack_layout(a.layout)
     if check and (a.max_arcs, a.max_states) != (most := (int(np.diff(u.g_arc).max(initial=0)), int(np.diff(u.g_state).max(initial=0)))):
         raise ValueError(f"max_arcs and max_states must be the layout's most arcs and states of a graph {most}, got ({a.max_arcs}, {a.max_states})")
-    lp = a.log_probs.detach()
-    if lp.dtype not in (torch.float32, torch.float64): lp = lp.float()
-    return SimpleNamespace(lp=lp.contiguous(), dtype=a.log_probs.dtype, lengths=a.input_lengths.to('cpu', torch.int64).contiguous(),
-                           w=a.arc_scores.detach().double().contiguous(), fin=a.final_scores.detach().double().contiguous(),
-                           seq_graph=a.seq_graph.to('cpu', torch.int64).contiguous(), u=u, L=_kernel_layout(u),
+    lp = a.log_probs.detach() if a.log_probs.dtype in (torch.float32, torch.float64) else a.log_probs.detach().float()
+    values = _graph_device_values(a, lp.device) if backend == 'cuda' else dict(     # (the CUDA kernel's: on its device, 12b)
+        lengths=a.input_lengths.to('cpu', torch.int64).contiguous(), seq_graph=a.seq_graph.to('cpu', torch.int64).contiguous(),
+        w=a.arc_scores.detach().double().contiguous(), fin=a.final_scores.detach().double().contiguous())
+    return SimpleNamespace(lp=lp.contiguous(), dtype=a.log_probs.dtype, **values, u=u, L=_kernel_layout(u), backend=backend,
                            S=SEMIRINGS[a.semiring], for_backward=a.for_backward, w_dtype=a.arc_scores.dtype, f_dtype=a.final_scores.dtype,
                            layout=a.layout, w_device=a.arc_scores.device, f_device=a.final_scores.device)
 
@@ -902,7 +904,7 @@ def per_sequence_index(u, seq_graph, width, arcs=True):
 
 def _graph_backward_cpu(st, outputs, grads):
     """The forward's posteriors times the upstream gradient g (N,): per (frame, label), and summed per arc and final
-    state (on the posteriors' device: the CPU kernel's or the CUDA kernel's), as the arc and final scores are."""
+    state (the CPU kernel's; the CUDA kernel's: `_graph_backward_cuda`, on its device), as the arc and final scores are."""
     logz, post_lp, post_w, post_f = outputs
     if not st.for_backward: raise RuntimeError(f"{_OPS}::graph_logz: call it with for_backward=True to differentiate log Z")
     u = st.u
@@ -959,10 +961,10 @@ graph_logz_op = Op(f'{_OPS}::graph_logz',
     "(Tensor log_probs, Tensor input_lengths, Tensor arc_scores, Tensor final_scores, Tensor layout, Tensor seq_graph, int max_arcs,"
     " int max_states, str semiring, bool for_backward) -> (Tensor logz, Tensor post_log_probs, Tensor post_arcs, Tensor post_finals)",
     prepare=_graph_prepare, forward={'cpu': _graph_forward_cpu, 'cuda': lambda st: _graph_forward_cuda(st)},
-    backward={'cpu': _graph_backward_cpu, 'cuda': _graph_backward_cpu},      # (_graph_forward_cuda: 12b_graph_cuda's glue)
+    backward={'cpu': _graph_backward_cpu, 'cuda': lambda *a: _graph_backward_cuda(*a)},   # (the 'cuda' ones: 12b_graph_cuda's glue)
     fake=_graph_fake, differentiable=('log_probs', 'arc_scores', 'final_scores'),
     residuals=('post_log_probs', 'post_arcs', 'post_finals'), consumable=('post_log_probs',),
-    poisoned=_graph_poisoned, per_sequence={'logz': 0, 'log_probs': 1})
+    poisoned=lambda st: _graph_poisoned_cuda(st) if st.backend == 'cuda' else _graph_poisoned(st), per_sequence={'logz': 0, 'log_probs': 1})
 
 # %% ../nbs/12_graph.ipynb #gr-api
 def _backend(backend, log_probs):
@@ -1558,6 +1560,7 @@ def _kbest_paths_cpu(st, packed, k, K=None):
 from .kernel import load_kernel
 from .compile_check import resource_budget
 from .ops import max_threads
+from .checks import require, on_host, to_device, nonfinite_sequences, either_poisoned
 
 _graph_kernels = {(dtype, S.name): load_kernel('graph.cu', 'graph_logz', **S.cuda_macros(dtype))
                   for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
@@ -1632,7 +1635,7 @@ def cuda_segment_frames(T, N, S, itemsize):
 def _graph_forward_cuda(st):
     """`_graph_forward_cpu`'s outputs from the CUDA kernel `graph_logz` (emulated on CPU tensors), in one launch: log Z
     (N,) and, `for_backward`, the posteriors (Max: the best path's), per (frame, label) (T, N, C) in the emissions'
-    dtype and per sequence per arc (N, E_max) and final state (N, S_max) in float64, for `_graph_backward_cpu`. Log
+    dtype and per sequence per arc (N, E_max) and final state (N, S_max) in float64, for `_graph_backward_cuda`. Log
     space in the emissions' precision; the forward scores kept every K = `cuda_segment_frames` frames, (N, T // K + 1,
     S_max), and a segment's recomputed in (N, K - 1, S_max) (without the backward: two rows, (N, 2, S_max))."""
     lp = st.lp
@@ -1648,12 +1651,72 @@ def _graph_forward_cuda(st):
     threads = max(1, min(max_threads(GRAPH_THREADS), 32 * math.ceil(max(S_max, U_max, 1) / 32)))
     K = cuda_segment_frames(T, N, S_max, lp.element_size()) if keep else 1
     rows = T // K + 1 if keep else 2                   # (the kernel's R)
-    _graph_kernels[(lp.dtype, st.S.name)]((N,), (threads,), lp=lp, lengths=st.lengths.to(dev), seq_graph=st.seq_graph.to(dev),
-        w=st.w.to(dev, lp.dtype), fin=st.fin.to(dev, lp.dtype), **_graph_cuda_tables(st.layout, dev),
+    _graph_kernels[(lp.dtype, st.S.name)]((N,), (threads,), lp=lp, lengths=st.lengths, seq_graph=st.seq_graph,
+        w=st.w.to(lp.dtype).contiguous(), fin=st.fin.to(lp.dtype).contiguous(), **_graph_cuda_tables(st.layout, dev),
         alpha=lp.new_empty(N, rows, S_max), seg=lp.new_empty(N, K - 1, S_max), beta_buf=lp.new_empty(N, 2, S_max) if keep else lp.new_empty(0),
         logz=logz, post_lp=post[0], post_arcs=post[1], post_finals=post[2], T=T, N=N, C=C, S_max=S_max, E_max=E_max, K=K,
         for_backward=int(keep), use_max=int(st.S is Max))
     return (logz, *post)
+
+def _require_lengths(lengths, T):
+    """`_check_graph_inputs`' check of lengths on a GPU: asserted there (`require`), so that the call does not wait for
+    it; a bad length fails at the next synchronisation, with the message's first line."""
+    def bad():
+        "input_lengths out of [0, T]"
+        return f"input_lengths must be in [0, T] = [0, {T}], got values in [{int(lengths.min())}, {int(lengths.max())}]"
+    require(((lengths >= 0) & (lengths <= T)).all(), on_host(lengths), bad)
+
+def _on_device(x, device):
+    "A structure's tensor (the batch's graph of each sequence, say) on `device`: copied once per tensor and device, then kept."
+    return x if x.device == device else tensor_cached(x, ('on', device), lambda: x.to(device))
+
+def _graph_device_values(a, device):
+    """The CUDA path's per-call values, where its kernel reads them (`_graph_prepare`'s, for backend 'cuda'): the lengths
+    (int64) and the arc and final scores in their dtype (the kernel's cast at the launch) as they come, on `device`
+    (from the host, one pinned copy that does not wait), the batch's graph of each sequence from the structure's copy
+    there: nothing read on the host."""
+    return dict(lengths=to_device(a.input_lengths, device).to(torch.int64).contiguous(), seq_graph=_on_device(a.seq_graph, device),
+                w=to_device(a.arc_scores.detach(), device), fin=to_device(a.final_scores.detach(), device))
+
+def _graph_poisoned_cuda(st):
+    """`_graph_poisoned` on the device, without a host read: the sequences whose frames within their length hold a NaN or
+    a +inf, or whose graph's arc or final scores do (counted per graph by a cumulative sum, read at the graphs' bounds)."""
+    T, dev = st.lp.shape[0], st.lp.device
+    bad_lp = nonfinite_sequences(st.lp, 1, torch.arange(T, device=dev)[:, None, None] < st.lengths[None, :, None])
+    tables = _graph_cuda_tables(st.layout, dev)
+    def per_graph(x, bounds):
+        count = torch.cat([bounds.new_zeros(1), (~torch.isfinite(torch.where(torch.isneginf(x), 0.0, x))).cumsum(0)])
+        return count[bounds[1:]] > count[bounds[:-1]]
+    return either_poisoned(bad_lp, (per_graph(st.w, tables['g_arc']) | per_graph(st.fin, tables['g_state']))[st.seq_graph])
+
+def _scatter_index(st, width, arcs, device):
+    """For rows (N, width) of per-sequence arc (or state) posteriors: the packed index of each entry, the padding's one
+    past the last (a slot that is dropped), flat, on the device; made there once per structure (`per_sequence_index`'s)."""
+    def make():
+        t = _graph_cuda_tables(st.layout, device)
+        first = t['g_arc'] if arcs else t['g_state']
+        count = (first[1:] - first[:-1])[st.seq_graph]
+        cols = torch.arange(width, device=device)[None]
+        return torch.where(cols < count[:, None], first[st.seq_graph][:, None] + cols, first[-1]).flatten()
+    return tensor_cached(st.seq_graph, ('graph scatter', arcs, width, device), make)
+
+def _graph_backward_cuda(st, outputs, grads):
+    """`_graph_backward_cpu` on the device, without a host read: the per-sequence rows of posteriors summed into the
+    packed arc and final scores through an index kept on the device (`_scatter_index`)."""
+    logz, post_lp, post_w, post_f = outputs
+    if not st.for_backward: raise RuntimeError(f"{_OPS}::graph_logz: call it with for_backward=True to differentiate log Z")
+    g = torch.where(torch.isfinite(logz), grads[0], 0).double()
+    out = {}
+    if 'log_probs' in st.grad_wanted:
+        g_lp = g.to(post_lp.dtype)[None, :, None]
+        out['log_probs'] = (post_lp.mul_(g_lp) if st.consume else post_lp * g_lp).to(st.dtype)
+    for name, rows, arcs, size, dtype, device in (('arc_scores', post_w, True, len(st.u.src), st.w_dtype, st.w_device),
+                                                  ('final_scores', post_f, False, int(st.u.g_state[-1]), st.f_dtype, st.f_device)):
+        if name not in st.grad_wanted: continue
+        to = _scatter_index(st, rows.shape[1], arcs, rows.device)
+        summed = torch.zeros(size + 1, dtype=torch.float64, device=rows.device).index_add_(0, to, (rows * g[:, None]).flatten())
+        out[name] = summed[:size].to(device=device, dtype=dtype)
+    return out
 
 # %% ../nbs/12c_graph_losses.ipynb #gl-topo
 def ctc_topology(C, blank=0):

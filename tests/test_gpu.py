@@ -380,15 +380,17 @@ def _crf_divergence_case(size, dtype, device, seed=0):
 
 def _graph_case(size, dtype, device, seed=0):
     """graph_loss (op graph_logz) over CTC graphs (long: more states than a block's 256 threads) and a random graph with
-    epsilon arcs: on a GPU the CUDA kernel graph_logz."""
-    from seqdist.graph import graph_loss, random_graph, ctc_graph
+    epsilon arcs, their arc and final scores learnable and on the lengths' device: on a GPU the CUDA kernel graph_logz."""
+    from seqdist.graph import Graph, graph_loss, random_graph, ctc_graph
     T, N, C, L = dict(small=(60, 4, 8, 12), long=(700, 3, 8, 300))[size]
     g = _gen(seed)
     lp = torch.randn(T, N, C, generator=g, dtype=torch.float64).log_softmax(2).to(device, dtype)
     targets = torch.randint(1, C, (N - 1, L), generator=g)
     targets[0, 1] = targets[0, 0]                                                      # a repeated label
     tl = torch.randint(L // 2, L + 1, (N - 1,), generator=g)
-    graphs = ctc_graph(targets, tl) + [random_graph(10, 30, C, generator=_gen(seed + 1))]
+    graphs = [Graph(x.src, x.dst, x.labels, x.scores.to(device).requires_grad_(), x.start, x.finals,
+                    x.final_scores.to(device).requires_grad_(), num_states=x.num_states)
+              for x in ctc_graph(targets, tl) + [random_graph(10, 30, C, generator=_gen(seed + 1))]]
     il = torch.randint(T - T // 5, T + 1, (N,), generator=g).to(device)
     S, E = max(x.num_states for x in graphs), max(x.num_arcs for x in graphs)
     return Case('graph_loss', lp, lambda x: (graph_loss(x, il, graphs, reduction='sum', zero_infinity=True),),
@@ -403,8 +405,7 @@ FAMILIES = {'ctc': _ctc_case, 'forced_align': _forced_align_case, 'ctc_simple': 
             'tdt_divergence': _tdt_divergence_case,
             'crf_divergence': _crf_divergence_case, 'graph': _graph_case}
 REFERENCE_ON_GPU = set()   # families whose GPU path is the PyTorch reference (its host reads and Python loop not sync-free): none now
-HOST_SIDE = {'graph'}      # families whose call does host work on the inputs (the graph lattice packs its graphs and checks
-                           # its lengths on the host at each call): not sync-free, not capturable yet
+HOST_SIDE = set()          # families whose call does host work on the inputs (not sync-free, not capturable): none now
 TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
 def _outputs(case, x=None):

@@ -3,8 +3,9 @@ its gradients w.r.t. the emissions, arc and final scores equal the CPU kernel's 
 with epsilon arcs, ragged batches, infeasible sequences, CTC graphs (= F.ctc_loss), the Max semiring (its gradient the
 best path), the looping path (more states than threads), repeatability and one launch a step; GraphLattice's questions
 on the CUDA path (the posteriors' from the kernel, the walks' on the CPU kernels) = the CPU path's, emulated here and on
-CUDA tensors under `make gpu-check`."""
-import math
+CUDA tensors under `make gpu-check`; run as on a GPU, a warm call reads nothing back from the device and copies nothing
+to it, and checks its lengths there."""
+import math, sys
 import pytest
 import torch
 import torch.nn.functional as F
@@ -310,3 +311,123 @@ def test_gpu_graph_lattice_questions_on_cuda_tensors_equal_the_cpu_path(dtype, b
                                          G.GraphLattice(lq.to(device), there[1], there[0], backend=backend))
         assert launches == {k: {'graph_logz': n} if n else {} for k, n in _LAUNCHES.items()}
         _assert_same_answers(got, want, dtype, device)
+
+class _DeviceModel(torch.overrides.TorchFunctionMode):
+    """What a call would wait for the GPU for, were the CUDA path's device tensors on one (here on the CPU, emulated):
+    the tensors `on_device` (the call's inputs, the tables cached on the device) and every tensor a torch function makes
+    from one, or with a `device=`, count as on the device; recorded are a host read of one (`item`, `bool`, `int`,
+    `tolist`, `numpy`, ...), a copy of one to the host (`cpu()`, `.to('cpu')`), and a move of a host tensor to a device
+    at the call (`.to(device)`, `copy_`, `torch.tensor(..., device=)`: pageable, it waits too). The emulator's launch is
+    not watched (a GPU launches instead), and a `.to(d)` of a device tensor is taken to stay on the device unless d is
+    spelled 'cpu' (the emulator's device is the CPU: the model cannot tell a device from the host otherwise)."""
+    READS = {'item', '__bool__', '__int__', '__float__', '__index__', '__complex__', 'tolist', 'numpy', '__array__', '__format__', '__repr__'}
+
+    def __init__(self, on_device):
+        super().__init__()
+        self.ids, self.keep, self.syncs, self.paused = set(), [], [], False
+        self.mark(on_device)
+
+    def mark(self, xs):
+        "Count the tensors in xs (nested lists, tuples, dicts) as on the device."
+        if isinstance(xs, torch.Tensor): self.ids.add(id(xs)); self.keep.append(xs)
+        elif isinstance(xs, dict): self.mark(list(xs.values()))
+        elif isinstance(xs, (list, tuple)):
+            for x in xs: self.mark(x)
+
+    def where(self):
+        "The seqdist line that made the call."
+        f = sys._getframe(2)
+        while f is not None and '/seqdist/' not in f.f_code.co_filename.replace('\\', '/'): f = f.f_back
+        return f"{f.f_code.co_name}:{f.f_lineno}" if f is not None else "?"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused: return out
+        name = getattr(func, '__name__', str(func))
+        tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        on = any(id(x) in self.ids for x in tensors)
+        device = kwargs.get('device', next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        if on and (name in self.READS or name == 'cpu' or (name == 'to' and isinstance(device, str) and device.startswith('cpu'))):
+            self.syncs.append(f"{name} of a device tensor ({self.where()})")
+            return out
+        if name == 'copy_' and len(args) > 1 and (id(args[0]) in self.ids) != (id(args[1]) in self.ids):
+            self.syncs.append(f"copy_ between the host and the device ({self.where()})")
+        elif not on and device is not None and name in ('to', 'cuda', 'tensor', 'as_tensor', 'from_numpy'):
+            self.syncs.append(f"{name} of a host tensor to a device ({self.where()})")
+        if on or device is not None: self.mark(out)
+        return out
+
+def test_a_warm_cuda_call_reads_nothing_back_from_the_device(monkeypatch):
+    """graph_loss's forward and backward with backend='cuda', its lengths and the graphs' scores on the device (as
+    tests/test_gpu.py's graph case puts them), as a GPU would run them (`on_host` False: checks asserted on the device):
+    once warm, no host read of a device value and no copy at the call (`_DeviceModel`); the CUDA kernel's tables and
+    the batch's structure stay on the device between calls."""
+    import seqdist.checks, seqdist.kernel, seqdist.memory, seqdist.ops
+    lp, lengths, gs, which = _batch(0, torch.float32, N=4)
+    lengths[0] = 3                                                     # (no length 0: the CPU shortcut aside, the same)
+    gs = [Graph(g.src, g.dst, g.labels, g.scores.clone().requires_grad_(), g.start, g.finals, g.final_scores.clone().requires_grad_(),
+                num_states=g.num_states) for g in gs]                 # (learnable: their gradients' path watched too)
+    graphs = [gs[i] for i in which]
+    x = lp.clone().requires_grad_()
+    def call():
+        loss = graph_loss(x, lengths, graphs, reduction='sum', backend='cuda')
+        return loss
+    for module in (G, seqdist.checks): monkeypatch.setattr(module, 'on_host', lambda *xs: False, raising=False)
+    call().backward()                                                  # warm: the kernel built, the structure packed
+    model = _DeviceModel([x, lengths, *(t for g in gs for t in (g.scores, g.final_scores)),
+                          *(v for _, _, entry in list(seqdist.memory._TENSOR_CACHE.values()) for v in entry.values())])
+    launch = seqdist.kernel._launch_emulator
+    def launch_unwatched(*args):
+        model.paused = True
+        try: return launch(*args)
+        finally: model.paused = False
+    monkeypatch.setattr(seqdist.kernel, '_launch_emulator', launch_unwatched)
+    backward = seqdist.ops._Eager.backward
+    def backward_watched(ctx, *grads):
+        model.mark(grads)                                              # (autograd's, from the device's loss)
+        with model: return backward(ctx, *grads)
+    monkeypatch.setattr(seqdist.ops._Eager, 'backward', staticmethod(backward_watched))
+    for t in (x, *(t for g in gs for t in (g.scores, g.final_scores))): t.grad = None
+    with model: loss = call()
+    loss.backward()
+    assert model.syncs == [], '; '.join(model.syncs)
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (x, *(t for g in gs for t in (g.scores, g.final_scores))))
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+@pytest.mark.parametrize('bad', [[9, 10, 3, 0], [9, -1, 3, 0]])
+def test_lengths_out_of_range_give_a_named_value_error_on_cpu_tensors(backend, bad):
+    lp, lengths, gs, which = _batch(1, torch.float64)
+    with pytest.raises(ValueError, match=r"input_lengths must be in \[0, T\] = \[0, 9\], got values in \[-?\d+, \d+\]"):
+        graph_loss(lp, torch.tensor(bad), [gs[i] for i in which], backend=backend)
+
+def test_lengths_out_of_range_on_a_device_are_asserted_there(monkeypatch):
+    "As on a GPU (`on_host` False): no host read, the device's assertion (here the CPU's, at once) names the check."
+    lp, lengths, gs, which = _batch(1, torch.float64)
+    monkeypatch.setattr(G, 'on_host', lambda *xs: False)
+    graph_loss(lp, lengths, [gs[i] for i in which], backend='cuda')                  # (in range: no assertion)
+    with pytest.raises(RuntimeError, match=r"input_lengths out of \[0, T\]"):
+        graph_loss(lp, torch.tensor([9, 10, 3, 0]), [gs[i] for i in which], backend='cuda')
+
+@pytest.mark.parametrize('on_device', [False, True])
+def test_a_nan_or_inf_in_a_graphs_scores_poisons_its_sequences_alone(monkeypatch, on_device):
+    """A NaN arc score in one graph and a +inf final score in another: NaN log Z and gradients for the sequences of
+    those graphs, the others untouched; the CUDA path's check, on the device (and as a GPU runs it), as the CPU's."""
+    import seqdist.checks
+    if on_device:
+        for module in (G, seqdist.checks): monkeypatch.setattr(module, 'on_host', lambda *xs: False)
+    lp, lengths, gs, which = _batch(2, torch.float64, N=6)
+    lengths[:] = 9
+    w, f = gs[0].scores.clone(), gs[2].final_scores.clone()
+    w[1], f[0] = math.nan, math.inf
+    gs = [Graph(gs[0].src, gs[0].dst, gs[0].labels, w, gs[0].start, gs[0].finals, gs[0].final_scores, num_states=gs[0].num_states),
+          gs[1], Graph(gs[2].src, gs[2].dst, gs[2].labels, gs[2].scores, gs[2].start, gs[2].finals, f, num_states=gs[2].num_states)]
+    which = [0, 1, 2, 1, 0, 1]
+    out = {}
+    for backend in ('cpu', 'cuda'):
+        x = lp.clone().requires_grad_()
+        z = graph_logz(x, lengths, [gs[i] for i in which], backend=backend)
+        out[backend] = z.detach(), torch.autograd.grad(torch.where(z == -math.inf, 0, z).sum(), x)[0]
+    torch.testing.assert_close(out['cuda'], out['cpu'], equal_nan=True, **TOL[torch.float64])
+    assert out['cuda'][0].isnan().tolist() == [True, False, True, False, True, False]
+    assert out['cuda'][1].isnan().any(-1).any(0).tolist() == [True, False, True, False, True, False]
