@@ -1690,19 +1690,27 @@ def _graph_poisoned_cuda(st):
     return either_poisoned(bad_lp, (per_graph(st.w, tables['g_arc']) | per_graph(st.fin, tables['g_state']))[st.seq_graph])
 
 def _scatter_index(st, width, arcs, device):
-    """For rows (N, width) of per-sequence arc (or state) posteriors: the packed index of each entry, the padding's one
-    past the last (a slot that is dropped), flat, on the device; made there once per structure (`per_sequence_index`'s)."""
+    """For rows (G, width) of per-graph arc (or state) values: the packed index of each entry, the padding's one past
+    the last (a slot that is dropped), flat, on the device; made there once per layout. Each real entry has its own
+    index: a scatter by it adds one value to each, in any order alike (bitwise repeatable)."""
     def make():
         t = _graph_cuda_tables(st.layout, device)
         first = t['g_arc'] if arcs else t['g_state']
-        count = (first[1:] - first[:-1])[st.seq_graph]
         cols = torch.arange(width, device=device)[None]
-        return torch.where(cols < count[:, None], first[st.seq_graph][:, None] + cols, first[-1]).flatten()
-    return tensor_cached(st.seq_graph, ('graph scatter', arcs, width, device), make)
+        return torch.where(cols < (first[1:] - first[:-1])[:, None], first[:-1, None] + cols, first[-1]).flatten()
+    return tensor_cached(st.layout, ('graph scatter', arcs, width, device), make)
+
+def _per_graph(st, rows):
+    """Rows (N, width) of per-sequence values summed per graph (G, width), by a product with the (G, N) indicator of
+    each graph's sequences: a fixed order of additions (a scatter over the sequences would add a shared graph's rows by
+    float atomics, in an order that changes from run to run)."""
+    G = len(st.u.g_start)
+    of = tensor_cached(st.seq_graph, ('graph indicator', G), lambda: (st.seq_graph[None] == torch.arange(G, device=st.seq_graph.device)[:, None]))
+    return of.to(rows.dtype) @ rows
 
 def _graph_backward_cuda(st, outputs, grads):
-    """`_graph_backward_cpu` on the device, without a host read: the per-sequence rows of posteriors summed into the
-    packed arc and final scores through an index kept on the device (`_scatter_index`)."""
+    """`_graph_backward_cpu` on the device, without a host read: the per-sequence rows of posteriors summed per graph
+    (`_per_graph`), then into the packed arc and final scores through an index kept on the device (`_scatter_index`)."""
     logz, post_lp, post_w, post_f = outputs
     if not st.for_backward: raise RuntimeError(f"{_OPS}::graph_logz: call it with for_backward=True to differentiate log Z")
     g = torch.where(torch.isfinite(logz), grads[0], 0).double()
@@ -1714,7 +1722,7 @@ def _graph_backward_cuda(st, outputs, grads):
                                                   ('final_scores', post_f, False, int(st.u.g_state[-1]), st.f_dtype, st.f_device)):
         if name not in st.grad_wanted: continue
         to = _scatter_index(st, rows.shape[1], arcs, rows.device)
-        summed = torch.zeros(size + 1, dtype=torch.float64, device=rows.device).index_add_(0, to, (rows * g[:, None]).flatten())
+        summed = torch.zeros(size + 1, dtype=torch.float64, device=rows.device).index_add_(0, to, _per_graph(st, rows * g[:, None]).flatten())
         out[name] = summed[:size].to(device=device, dtype=dtype)
     return out
 
