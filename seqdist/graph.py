@@ -534,7 +534,9 @@ def _scaled_level(t, prev, row, p, Sg, s0, start, i0, iD, in_src, in_W, in_slot,
         row[:] = 0.0
         for d in range(iD):
             o = i0 + d * Sg
-            for v in range(Sg): row[v] += prev[in_src[o + v]] * (in_W[o + v] * p[in_slot[o + v]])
+            src_d, w_d, slot_d = in_src[o:o + Sg], in_W[o:o + Sg], in_slot[o:o + Sg]   # (sliced: `o + v` may be negative to
+            # the compiler, and numba's wraparound of such an index, a select per element, kept these loops scalar)
+            for v in range(Sg): row[v] += prev[src_d[v]] * (w_d[v] * p[slot_d[v]])
         for r in range(r0, r1): row[rem_in[r, 0]] += prev[rem_in[r, 1]] * (rem_in_W[r] * p[rem_in[r, 2]])
     else:
         row[:] = 0.0
@@ -573,14 +575,14 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
         if not graph_ok[gi]: continue
         K = 1 if (T + 1) * Sg * 8 <= budget else int(math.sqrt(T)) + 1   # (frames a kept row stands for)
         P, shift = np.empty((max(T, 1), max(U, 1))), np.empty(max(T, 1))
-        fine, dead = True, False
+        fine, dead, labs = True, False, glab[u0:u0 + U]
         for t in range(T):                                   # the emissions of the graph's labels, relative to the best
-            m = -np.inf
-            for u in range(U): m = max(m, lp[t, n, glab[u0 + u]])
+            m, x_t = -np.inf, lp[t, n]
+            for u in range(U): m = max(m, x_t[labs[u]])
             if m == -np.inf: dead = True; break                # no label the graph reads can be read at t
             shift[t] = m
             p = P[t]
-            for u in range(U): p[u] = lp[t, n, glab[u0 + u]] - m
+            for u in range(U): p[u] = x_t[labs[u]] - m
             far = False
             for u in range(U):                               # (fast_exp: a loop that vectorises)
                 x = p[u]
@@ -644,20 +646,23 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
                 k_emit = np.exp(A[t - 1] + shift[t - 1] + w_shift[gi] + B - Z)
                 for d in range(oD):
                     o, e = o0 + d * Sg, d * Sg
+                    w_d, slot_d, dst_d, q_d, gw_d = out_W[o:o + Sg], out_slot[o:o + Sg], out_dst[o:o + Sg], q[e:e + Sg], gw[e:e + Sg]
                     for u in range(Sg):
-                        x = out_W[o + u] * p[out_slot[o + u]] * beta[out_dst[o + u]]
+                        x = w_d[u] * p[slot_d[u]] * beta[dst_d[u]]
                         nxt[u] += x
                         y = prev[u] * k_emit * x
-                        q[e + u] = y
-                        gw[e + u] += y
+                        q_d[u] = y
+                        gw_d[u] += y
                 g_row = grad_lp[t - 1, n]
                 g_row[:] = 0.0                                 # (the buffer comes uninitialised)
                 if 4 * U <= oD * Sg:                           # few labels, many arcs: four accumulators, so that the
                     acc4[:, :] = 0.0                           # same label twice in a row (a lattice's blanks) waits on
-                    for j in range(oD * Sg): acc4[j & 3, out_slot[o0 + j]] += q[j]                          # no store
-                    for k in range(U): g_row[glab[u0 + k]] += acc4[0, k] + acc4[1, k] + acc4[2, k] + acc4[3, k]
+                    slots = out_slot[o0:o0 + oD * Sg]
+                    for j in range(oD * Sg): acc4[j & 3, slots[j]] += q[j]                                  # no store
+                    for k in range(U): g_row[labs[k]] += acc4[0, k] + acc4[1, k] + acc4[2, k] + acc4[3, k]
                 else:
-                    for j in range(oD * Sg): g_row[out_lab[o0 + j]] += q[j]
+                    labels_o = out_lab[o0:o0 + oD * Sg]
+                    for j in range(oD * Sg): g_row[labels_o[j]] += q[j]
                 for r in range(rem_out_ptr[gi], rem_out_ptr[gi + 1]):
                     u = rem_out[r, 0]
                     x = rem_out_W[r] * p[rem_out[r, 2]] * beta[rem_out[r, 1]]
@@ -668,7 +673,8 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
             else:
                 for d in range(oD):
                     o = o0 + d * Sg
-                    for u in range(Sg): nxt[u] += out_W[o + u] * p[out_slot[o + u]] * beta[out_dst[o + u]]
+                    w_d, slot_d, dst_d = out_W[o:o + Sg], out_slot[o:o + Sg], out_dst[o:o + Sg]
+                    for u in range(Sg): nxt[u] += w_d[u] * p[slot_d[u]] * beta[dst_d[u]]
                 for r in range(rem_out_ptr[gi], rem_out_ptr[gi + 1]):
                     nxt[rem_out[r, 0]] += rem_out_W[r] * p[rem_out[r, 2]] * beta[rem_out[r, 1]]
             B += shift[t - 1] + w_shift[gi]
