@@ -77,7 +77,9 @@ __device__ void forward_frame(const FLOAT* prev, FLOAT* cur, const FLOAT* __rest
 //    the arcs that read it (bylab, in a fixed order: no atomics) into post_lp (T, N, C), the epsilon arcs' by the thread
 //    of their source (a level at a time), the final states' into post_finals (N, S_max). Max: one thread walks the best
 //    path back (the first epsilon arc, else the first emitting arc, whose score makes the state's: the same sums in the
-//    same order as the forward's, so the comparison is exact) and adds 1 on each of its arcs, labels and its final state.
+//    same order as the forward's, so the comparison is exact) and adds 1 on each of its arcs, labels and its final state;
+//    with P > 0 it also writes the path, its arcs (numbered within the graph) first to last, into paths[n] (N, P), -1
+//    after them (a row the caller filled with -1 stays so where no path fits).
 // The epsilon arcs into a state are summed in eps_arcs' order, and those out of it in the reverse, whatever the levels:
 // the CPU kernel's order, so the result does not depend on the block's size (nor on K: a row is the same sums).
 extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
@@ -92,8 +94,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
     const long long* __restrict__ fw_ptr, const long long* __restrict__ fw_arcs, const long long* __restrict__ bw_lvl,
     const long long* __restrict__ bw_state, const long long* __restrict__ bw_ptr, const long long* __restrict__ bw_arcs,
     FLOAT* __restrict__ alpha, FLOAT* __restrict__ seg, FLOAT* __restrict__ beta_buf, FLOAT* __restrict__ logz,
-    FLOAT* __restrict__ post_lp, double* __restrict__ post_arcs, double* __restrict__ post_finals, int T, int N, int C,
-    int S_max, int E_max, int K, int for_backward, int use_max)
+    FLOAT* __restrict__ post_lp, double* __restrict__ post_arcs, double* __restrict__ post_finals, long long* __restrict__ paths,
+    int T, int N, int C, int S_max, int E_max, int K, int P, int for_backward, int use_max)
 {
     const int n = blockIdx.x;
     const i64 g = seq_graph[n], s0 = g_state[g], e0 = eps_ptr[g], e1 = eps_ptr[g + 1];
@@ -134,7 +136,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
     if (use_max) {
         const bool walker = threadIdx.x == 0;
         if (K == 1 && !walker) return;                            // (every frame kept: K == 1 for the whole block)
-        i64 v = 0;
+        long long* path = paths + (i64)n * P;                     // the arcs found, last first, from the row's end
+        i64 v = 0, m = 0;
         if (walker) {
             for (int u = 1; u < S; u++) if (MUL(AT[u], fin[s0 + u]) > MUL(AT[v], fin[s0 + v])) v = u;
             post_finals[(i64)n * S_max + v] = 1.0;
@@ -152,6 +155,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
                     const i64 e = eps_arcs[k];
                     if (dst[e] - s0 == v && MUL(at[src[e] - s0], w[e]) == at[v]) {
                         post_arcs[(i64)n * E_max + e - a0] += 1.0; v = src[e] - s0; moved = true;
+                        if (m < P) path[P - 1 - m++] = e - a0;
                         break;
                     }
                 }
@@ -164,9 +168,14 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
                     post_arcs[(i64)n * E_max + e - a0] += 1.0;
                     post_lp[(t - 1) * frame + n * C + lab[e]] += (FLOAT)1;
                     v = src[e] - s0;
+                    if (m < P) path[P - 1 - m++] = e - a0;
                     break;
                 }
             }
+        }
+        if (walker) {                                             // the path to the row's front, first arc first
+            for (i64 i = 0; i < m; i++) path[i] = path[P - m + i];
+            for (i64 i = m; i < P; i++) path[i] = -1;
         }
         return;
     }

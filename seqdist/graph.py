@@ -1053,8 +1053,9 @@ class GraphLattice(AlignmentPosterior):
     entropy, kl and cross_entropy are expectations of the path score under the posteriors (the gradient of log Z: a
     path's score is a sum over its arcs), so they cost one forward and backward pass of the kernel of the emissions'
     device (the CPU kernel, or on a GPU the CUDA kernel, one launch); the reference computes them by the Entropy, KL and
-    CrossEntropy semirings instead. The walks (argmax, sample, topk) run the CPU kernels: on a GPU, on one host copy
-    of the emissions (a call waits for the GPU once), the paths copied back."""
+    CrossEntropy semirings instead. argmax takes the kernel of the emissions' device (the CUDA kernel's Max pass writes
+    the best path); the other walks (sample, topk) run the CPU kernels: on a GPU, on one host copy of the emissions (a
+    call waits for the GPU once), the paths copied back."""
     def __init__(self, log_probs, input_lengths, graphs, *, backend='auto'):
         self.log_probs, self.input_lengths = log_probs, torch.as_tensor(input_lengths)
         N = log_probs.shape[1] if isinstance(log_probs, torch.Tensor) and log_probs.dim() == 3 else None
@@ -1196,11 +1197,19 @@ class GraphLattice(AlignmentPosterior):
 
     @property
     def argmax(self):
-        """The best path of each sequence (N, P) (`viterbi`); all -1 where no path fits. The CPU's Viterbi kernel (on a
-        GPU: on one host copy of the emissions, the paths copied back)."""
+        """The best path of each sequence (N, P) (`viterbi`); all -1 where no path fits. The CPU's Viterbi kernel, or on
+        a GPU the CUDA kernel's Max pass, whose walk back writes the path on the device (the same walk, in the
+        emissions' precision)."""
         if self.backend == 'reference':
             return self._walks(lambda x, n: x.argmax(), Max)
-        return viterbi_paths(self._state(self._host(), 'Max')).to(self.log_probs.device)
+        if self.backend == 'cuda':
+            st = self._state(self.log_probs.detach(), 'Max', for_backward=True, backend='cuda')
+            T, N, _ = st.lp.shape
+            P = T + (T + 1) * st.u.eps_depth
+            paths = torch.full((N, max(P, 1)), -1, dtype=torch.int64, device=st.lp.device)
+            _graph_forward_cuda(st, paths)
+            return paths[:, :P]
+        return viterbi_paths(self._state(self._host(), 'Max'))
 
     def _walks(self, choose, S):
         T = self.log_probs.shape[0]
@@ -1637,12 +1646,13 @@ def cuda_segment_frames(T, N, S, itemsize):
     S scores of `itemsize` bytes fit CUDA_FORWARD_BYTES, else about sqrt(T) (and each segment recomputed once)."""
     return 1 if N * (T + 1) * S * itemsize <= CUDA_FORWARD_BYTES else math.isqrt(T) + 1
 
-def _graph_forward_cuda(st):
+def _graph_forward_cuda(st, paths=None):
     """`_graph_forward_cpu`'s outputs from the CUDA kernel `graph_logz` (emulated on CPU tensors), in one launch: log Z
     (N,) and, `for_backward`, the posteriors (Max: the best path's), per (frame, label) (T, N, C) in the emissions'
     dtype and per sequence per arc (N, E_max) and final state (N, S_max) in float64, for `_graph_backward`. Log
     space in the emissions' precision; the forward scores kept every K = `cuda_segment_frames` frames, (N, T // K + 1,
-    S_max), and a segment's recomputed in (N, K - 1, S_max) (without the backward: two rows, (N, 2, S_max))."""
+    S_max), and a segment's recomputed in (N, K - 1, S_max) (without the backward: two rows, (N, 2, S_max)). With
+    `paths` (N, P) int64 on the device, filled with -1 (Max, `for_backward`): the best path's arcs written there too."""
     lp = st.lp
     T, N, C = lp.shape
     dev, u = lp.device, st.u
@@ -1660,6 +1670,7 @@ def _graph_forward_cuda(st):
         w=st.w.to(lp.dtype).contiguous(), fin=st.fin.to(lp.dtype).contiguous(), **_graph_cuda_tables(st.layout, dev),
         alpha=lp.new_empty(N, rows, S_max), seg=lp.new_empty(N, K - 1, S_max), beta_buf=lp.new_empty(N, 2, S_max) if keep else lp.new_empty(0),
         logz=logz, post_lp=post[0], post_arcs=post[1], post_finals=post[2], T=T, N=N, C=C, S_max=S_max, E_max=E_max, K=K,
+        paths=lp.new_empty(0, dtype=torch.int64) if paths is None else paths, P=0 if paths is None else paths.shape[1],
         for_backward=int(keep), use_max=int(st.S is Max))
     return (logz, *post)
 

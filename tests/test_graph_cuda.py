@@ -213,8 +213,8 @@ def test_the_budget_keeps_every_sqrt_t_th_frame_and_allocates_that_much(monkeypa
         graph_logz(lp, lengths, [gs[i] for i in which], backend='cuda')
         assert shapes == [((5, 2, S), (5, 0, S))]
 
-# GraphLattice's questions on the CUDA path: log Z, the posteriors and the expectations from the CUDA kernel (one launch
-# a lattice), the walks (argmax, sample, topk) on the CPU kernels from one host copy of the emissions.
+# GraphLattice's questions on the CUDA path: log Z, the posteriors, the expectations and the best path from the CUDA
+# kernel (one launch a lattice), the other walks (sample, topk) on the CPU kernels from one host copy of the emissions.
 LATTICE_TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9),
                # float32: the CUDA kernel sums in float32, the CPU kernel in float64; an expectation (entropy, cross
                # entropy, KL) adds T C posteriors (each within about 1e-6) times scores, log Z's of |50| or so
@@ -264,14 +264,14 @@ def _no_reference(monkeypatch):
     for name in ('graph_forward_reference', 'walk_back_reference', 'kbest_paths_reference', '_reference_logz'):
         monkeypatch.setattr(G, name, refused)
 
-_LAUNCHES = dict(log_partition=1, marginals=1, arc_marginals=1, entropy=1, cross_entropy=2, kl=2, argmax=0, sample=0, topk=0)
+_LAUNCHES = dict(log_partition=1, marginals=1, arc_marginals=1, entropy=1, cross_entropy=2, kl=2, argmax=1, sample=0, topk=0)
 
 @pytest.mark.parametrize('shared', [True, False], ids=['shared', 'per-sequence'])
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_graph_lattice_questions_through_the_emulated_kernel_equal_the_cpu_path(dtype, shared, monkeypatch):
-    """backend='cuda' on CPU tensors (the emulator): log Z and the posteriors' questions from the CUDA kernel, one launch
-    a lattice (cross entropy and KL: p's forward and backward, q's forward), in the emissions' precision; the walks on
-    the CPU kernels, no launch; every answer the CPU path's (paths exactly), with lengths 0 and an infeasible sequence."""
+    """backend='cuda' on CPU tensors (the emulator): log Z, the posteriors' questions and argmax from the CUDA kernel, one
+    launch a lattice (cross entropy and KL: p's forward and backward, q's forward), in the emissions' precision; sample
+    and topk on the CPU kernels, no launch; every answer the CPU path's (paths exactly), with lengths 0 and an infeasible sequence."""
     _no_reference(monkeypatch)
     for seed in (1, 9):                                   # (9: epsilon chains two deep)
         lp, lq, lengths, graphs = _lattice_case(seed, dtype, shared)
@@ -286,6 +286,22 @@ def test_graph_lattice_questions_through_the_emulated_kernel_equal_the_cpu_path(
         assert torch.isneginf(got['log_prob'][:, 3]).all()                               # (no path: -inf, not NaN)
         _assert_same_answers(got, want, dtype, 'cpu')
 
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_argmax_through_the_emulated_kernel_with_checkpoints_gives_the_cpu_paths(dtype, monkeypatch):
+    """GraphLattice.argmax with backend='cuda': the kernel's Max walk writes the path (the arcs first to last, -1 after
+    them; all -1 where no path fits) in one launch, the CPU Viterbi kernel's paths exactly, also where the forward
+    scores are kept every sqrt(T) frames and the walk recomputes a segment at a time (CUDA_FORWARD_BYTES 0)."""
+    _no_reference(monkeypatch)
+    for seed in (1, 9):                                   # (9: epsilon chains two deep)
+        lp, _, lengths, graphs = _lattice_case(seed, dtype, shared=False)
+        want = G.GraphLattice(lp, lengths, graphs, backend='cpu').argmax
+        assert (want[3] == -1).all() and (want[0] >= 0).sum() <= 2           # (infeasible; length 0: epsilon arcs alone)
+        for kept in (G.CUDA_FORWARD_BYTES, 0):
+            monkeypatch.setattr(G, 'CUDA_FORWARD_BYTES', kept)
+            assert G.cuda_segment_frames(9, 5, 8, 8) == (1 if kept else 4)
+            with count_launches() as n: got = G.GraphLattice(lp, lengths, graphs, backend='cuda').argmax
+            assert dict(n) == {'graph_logz': 1} and torch.equal(got, want), (seed, kept)
+
 def _graphs_on(graphs, device):
     "The graphs with their arc and final scores on `device` (one object for each distinct one)."
     moved = {}
@@ -298,8 +314,8 @@ def _graphs_on(graphs, device):
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_gpu_graph_lattice_questions_on_cuda_tensors_equal_the_cpu_path(dtype, backend, monkeypatch, device='cuda'):
     """On CUDA tensors, backend 'auto' and 'cuda': every answer on the GPU and the CPU path's (paths exactly; the
-    gradients of the k best's and log_prob's scores too), log Z and the posteriors' questions by the CUDA kernel (one
-    launch a lattice), the walks by the CPU kernels on a host copy, never the reference; shared and per-sequence
+    gradients of the k best's and log_prob's scores too), log Z, the posteriors' questions and argmax by the CUDA kernel
+    (one launch a lattice), sample and topk by the CPU kernels on a host copy, never the reference; shared and per-sequence
     graphs, lengths 0 and an infeasible sequence; the graphs' scores and the lengths on the CPU ('auto') or the GPU."""
     _no_reference(monkeypatch)
     for seed, shared in ((1, True), (9, False), (9, True), (1, False)):
