@@ -1064,8 +1064,14 @@ class GraphLattice(AlignmentPosterior):
         self.packed = pack_graphs(graphs, N)
         _check_graph_inputs(log_probs, self.input_lengths, self.packed.arc_scores, self.packed.final_scores, self.packed.layout,
                             self.packed.seq_graph)
-        self._lengths = self.input_lengths.to('cpu', torch.int64)                      # (the kernels' lengths: host ints)
+        self._host_lengths = None
         super().__init__(log_probs, input_lengths, graphs, backend=self.backend)
+
+    @property
+    def _lengths(self):
+        "The lengths as the CPU kernels read them (host int64): from a GPU, one copy, at the first question that needs it."
+        if self._host_lengths is None: self._host_lengths = self.input_lengths.to('cpu', torch.int64)
+        return self._host_lengths
 
     def _logz(self, log_probs, semiring='Log'):
         pk = self.packed
@@ -1082,7 +1088,8 @@ class GraphLattice(AlignmentPosterior):
     def _state(self, log_probs, semiring='Log', for_backward=False, backend='cpu'):
         "The op's prepared state for `backend` (the CPU kernels by default) on these emissions, the graphs' scores on their device."
         pk, dev = self.packed, log_probs.device
-        return _graph_prepare(SimpleNamespace(log_probs=log_probs, input_lengths=self._lengths, arc_scores=pk.arc_scores.detach().to(dev),
+        lengths = self.input_lengths if backend == 'cuda' else self._lengths     # (the CUDA path's: where they are)
+        return _graph_prepare(SimpleNamespace(log_probs=log_probs, input_lengths=lengths, arc_scores=pk.arc_scores.detach().to(dev),
                                               final_scores=pk.final_scores.detach().to(dev), layout=pk.layout, seq_graph=pk.seq_graph,
                                               semiring=semiring, for_backward=for_backward), backend, False)
 

@@ -410,6 +410,35 @@ def test_a_warm_cuda_call_reads_nothing_back_from_the_device(monkeypatch):
     assert model.syncs == [], '; '.join(model.syncs)
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (x, *(t for g in gs for t in (g.scores, g.final_scores))))
 
+def test_graph_lattice_argmax_and_marginals_on_the_device_read_nothing_back(monkeypatch):
+    """GraphLattice on the CUDA path with its emissions, lengths and graphs' scores on the device, as a GPU would run it
+    (`on_host` False): once warm, building the lattice and asking argmax and the marginals read nothing back from the
+    device and copy nothing to it (`_DeviceModel`): the lengths stay where they are (the CPU kernels' host copy is made
+    only for the walks that need it), the path is written on the device."""
+    import seqdist.checks, seqdist.kernel, seqdist.memory
+    lp, lengths, gs, which = _batch(0, torch.float32, N=4)
+    lengths[0] = 3
+    gs = [Graph(g.src, g.dst, g.labels, g.scores.clone(), g.start, g.finals, g.final_scores.clone(), num_states=g.num_states)
+          for g in gs]
+    graphs = [gs[i] for i in which]
+    def ask():
+        p = G.GraphLattice(lp, lengths, graphs, backend='cuda')
+        return p.argmax, p.marginals
+    want = ask()
+    for module in (G, seqdist.checks): monkeypatch.setattr(module, 'on_host', lambda *xs: False, raising=False)
+    ask()                                                              # warm: the kernel built, the structure packed
+    model = _DeviceModel([lp, lengths, *(t for g in gs for t in (g.scores, g.final_scores)),
+                          *(v for _, _, entry in list(seqdist.memory._TENSOR_CACHE.values()) for v in entry.values())])
+    launch = seqdist.kernel._launch_emulator
+    def launch_unwatched(*args):
+        model.paused = True
+        try: return launch(*args)
+        finally: model.paused = False
+    monkeypatch.setattr(seqdist.kernel, '_launch_emulator', launch_unwatched)
+    with model: got = ask()
+    assert model.syncs == [], '; '.join(model.syncs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
 @pytest.mark.parametrize('backend', ['cpu', 'cuda'])
 @pytest.mark.parametrize('bad', [[9, 10, 3, 0], [9, -1, 3, 0]])
 def test_lengths_out_of_range_give_a_named_value_error_on_cpu_tensors(backend, bad):
