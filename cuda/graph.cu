@@ -66,6 +66,47 @@ __device__ void forward_frame(const FLOAT* prev, FLOAT* cur, const FLOAT* __rest
     epsilon_forward(cur, l0, l1, fw_lvl, fw_state, fw_ptr, fw_arcs, src, w, s0);
 }
 
+// A sampling walk's step at frame t from state v (the CPU's `_graph_sample_cpu`): its candidates' log weights, in double.
+// kind 0: the final states (alpha_T (x) fin); 1: what the frame read (`pre`, index 0) or an epsilon arc of the graph
+// into v (index 1 + k: eps_arcs[e0 + k]; none unless into v); 2: the emitting arcs into v (in_arcs[j0 + i]) from the
+// frame before. A score at or below NO_PATH is none (-inf).
+struct WalkStep { const FLOAT* at; const FLOAT* before; const FLOAT* Lt; i64 v, s0, e0, j0; double pre; };
+
+__device__ double walk_weight(const WalkStep& c, int kind, i64 i, const FLOAT* __restrict__ fin, const i64* __restrict__ src,
+                              const i64* __restrict__ dst, const i64* __restrict__ lab, const FLOAT* __restrict__ w,
+                              const i64* __restrict__ eps_arcs, const i64* __restrict__ in_arcs) {
+    FLOAT x;
+    if (kind == 0) x = MUL(c.at[i], fin[c.s0 + i]);
+    else if (kind == 1) {
+        if (i == 0) return c.pre;
+        const i64 e = eps_arcs[c.e0 + i - 1];
+        if (dst[e] - c.s0 != c.v) return -INFINITY;
+        x = MUL(c.at[src[e] - c.s0], w[e]);
+    } else {
+        const i64 e = in_arcs[c.j0 + i];
+        x = MUL(MUL(c.before[src[e] - c.s0], w[e]), c.Lt[lab[e]]);
+    }
+    return x > NO_PATH ? (double)x : -INFINITY;
+}
+
+// The candidate (of n) whose cumulative weight first exceeds u times the total, as `choose_index` and the CPU's `_draw`
+// choose (the last that counts, if rounding leaves u times the total out of reach): three passes over the weights.
+__device__ i64 walk_draw(const WalkStep& c, int kind, i64 n, double u, const FLOAT* __restrict__ fin, const i64* __restrict__ src,
+                         const i64* __restrict__ dst, const i64* __restrict__ lab, const FLOAT* __restrict__ w,
+                         const i64* __restrict__ eps_arcs, const i64* __restrict__ in_arcs) {
+#define WEIGHT(i) walk_weight(c, kind, (i), fin, src, dst, lab, w, eps_arcs, in_arcs)
+    double m = -INFINITY, tot = 0.0, acc = 0.0;
+    for (i64 i = 0; i < n; i++) m = max2(m, WEIGHT(i));
+    for (i64 i = 0; i < n; i++) { const double x = WEIGHT(i); if (x > -INFINITY) tot += exp(x - m); }
+    i64 last = 0;
+    for (i64 i = 0; i < n; i++) {
+        const double x = WEIGHT(i);
+        if (x > -INFINITY) { acc += exp(x - m); last = i; if (acc > u * tot) return i; }
+    }
+    return last;
+#undef WEIGHT
+}
+
 // One block per sequence n, threads over the states of its graph (strided when there are more states than threads).
 // 1. forward: alpha[t] (its graph's S_g scores after t frames and their epsilon arcs) for t = 0 .. T_n, kept as
 //    `alpha_row` says in alpha (N, T / K + 1, S_max) and seg (N, K - 1, S_max) (without the backward:
@@ -79,7 +120,10 @@ __device__ void forward_frame(const FLOAT* prev, FLOAT* cur, const FLOAT* __rest
 //    path back (the first epsilon arc, else the first emitting arc, whose score makes the state's: the same sums in the
 //    same order as the forward's, so the comparison is exact) and adds 1 on each of its arcs, labels and its final state;
 //    with P > 0 it also writes the path, its arcs (numbered within the graph) first to last, into paths[n] (N, P), -1
-//    after them (a row the caller filled with -1 stays so where no path fits).
+//    after them (a row the caller filled with -1 stays so where no path fits). Log with SAMPLES and draws > 0: no posteriors, but
+//    `draws` samples of the paths instead (forward filtering, backward sampling, the CPU's `_graph_sample_cpu`): thread
+//    d's draws d, d + blockDim.x, ... walk back together a frame at a time (their state in walk (N, draws, 3)), each
+//    step drawn by the next of its uniforms (draws, N, n_uniforms), the paths written as Max's into (draws, N, P).
 // The epsilon arcs into a state are summed in eps_arcs' order, and those out of it in the reverse, whatever the levels:
 // the CPU kernel's order, so the result does not depend on the block's size (nor on K: a row is the same sums).
 extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
@@ -95,7 +139,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
     const long long* __restrict__ bw_state, const long long* __restrict__ bw_ptr, const long long* __restrict__ bw_arcs,
     FLOAT* __restrict__ alpha, FLOAT* __restrict__ seg, FLOAT* __restrict__ beta_buf, FLOAT* __restrict__ logz,
     FLOAT* __restrict__ post_lp, double* __restrict__ post_arcs, double* __restrict__ post_finals, long long* __restrict__ paths,
-    int T, int N, int C, int S_max, int E_max, int K, int P, int for_backward, int use_max)
+    const double* __restrict__ uniforms, long long* __restrict__ walk, int T, int N, int C, int S_max, int E_max, int K, int P,
+    int draws, int n_uniforms, int for_backward, int use_max)
 {
     const int n = blockIdx.x;
     const i64 g = seq_graph[n], s0 = g_state[g], e0 = eps_ptr[g], e1 = eps_ptr[g + 1];
@@ -178,6 +223,67 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
             for (i64 i = m; i < P; i++) path[i] = -1;
         }
         return;
+    }
+
+    // 2. samples (Log, draws > 0; the instantiation with SAMPLES 1 alone, so that the loss's carries no walk's registers):
+    // each thread's draws walk back, the whole block refilling the segments
+    if (SAMPLES && draws > 0) {
+#define DRAW(c, kind, n, u) walk_draw((c), (kind), (n), (u), fin, src, dst, lab, w, eps_arcs, in_arcs)
+        for (int d = threadIdx.x; d < draws; d += blockDim.x) {      // the final state: the first uniform
+            const WalkStep c = {AT, AT, L, 0, s0, e0, 0, 0.0};
+            i64* wk = walk + ((i64)n * draws + d) * 3;               // the draw's state, uniforms used, arcs found
+            wk[0] = DRAW(c, 0, S, uniforms[((i64)d * N + n) * n_uniforms]); wk[1] = 1; wk[2] = 0;
+        }
+        for (int t = Tn; t >= 0; t--) {
+            if (SEGMENT_ENDS_AT(t)) {
+                __syncthreads();                                  // (every draw has left the segment after this one)
+                RECOMPUTE((t - 1) / K);
+            }
+            const FLOAT* at = ROW(t);
+            const FLOAT* before = t > 0 ? ROW(t - 1) : at;
+            const FLOAT* Lt = L + (i64)max(t - 1, 0) * frame;
+            for (int d = threadIdx.x; d < draws; d += blockDim.x) {
+                i64* wk = walk + ((i64)n * draws + d) * 3;
+                const double* ud = uniforms + ((i64)d * N + n) * n_uniforms;
+                long long* path = paths + ((i64)d * N + n) * P;
+                i64 v = wk[0], used = wk[1], m = wk[2];
+                for (;;) {                                            // epsilon arcs into v, or what the frame read
+                    double pre = s0 + v == g_start[g] ? 0.0 : -INFINITY;
+                    if (t > 0) {
+                        FLOAT acc = ZERO;
+                        for (i64 j = in_ptr[s0 + v]; j < in_ptr[s0 + v + 1]; j++) {
+                            const i64 e = in_arcs[j];
+                            acc = SUM(acc, MUL(MUL(before[src[e] - s0], w[e]), Lt[lab[e]]));
+                        }
+                        pre = acc > NO_PATH ? (double)acc : -INFINITY;
+                    }
+                    const WalkStep c = {at, before, Lt, v, s0, e0, 0, pre};
+                    const i64 pick = DRAW(c, 1, e1 - e0 + 1, ud[used < n_uniforms ? used : n_uniforms - 1]);
+                    used++;
+                    if (pick == 0) break;
+                    const i64 e = eps_arcs[e0 + pick - 1];
+                    if (m < P) path[P - 1 - m++] = e - a0;
+                    v = src[e] - s0;
+                }
+                if (t > 0) {                                          // then the emitting arc into v
+                    const WalkStep c = {at, before, Lt, v, s0, e0, in_ptr[s0 + v], 0.0};
+                    const i64 e = in_arcs[in_ptr[s0 + v] + DRAW(c, 2, in_ptr[s0 + v + 1] - in_ptr[s0 + v],
+                                                                 ud[used < n_uniforms ? used : n_uniforms - 1])];
+                    used++;
+                    if (m < P) path[P - 1 - m++] = e - a0;
+                    v = src[e] - s0;
+                }
+                wk[0] = v; wk[1] = used; wk[2] = m;
+            }
+        }
+        for (int d = threadIdx.x; d < draws; d += blockDim.x) {      // each path to its row's front, first arc first
+            long long* path = paths + ((i64)d * N + n) * P;
+            const i64 m = walk[((i64)n * draws + d) * 3 + 2];
+            for (i64 i = 0; i < m; i++) path[i] = path[P - m + i];
+            for (i64 i = m; i < P; i++) path[i] = -1;
+        }
+        return;
+#undef DRAW
     }
 
     // 2. the posteriors: Log, the backward pass

@@ -1053,8 +1053,8 @@ class GraphLattice(AlignmentPosterior):
     entropy, kl and cross_entropy are expectations of the path score under the posteriors (the gradient of log Z: a
     path's score is a sum over its arcs), so they cost one forward and backward pass of the kernel of the emissions'
     device (the CPU kernel, or on a GPU the CUDA kernel, one launch); the reference computes them by the Entropy, KL and
-    CrossEntropy semirings instead. argmax takes the kernel of the emissions' device (the CUDA kernel's Max pass writes
-    the best path); the other walks (sample, topk) run the CPU kernels: on a GPU, on one host copy of the emissions (a
+    CrossEntropy semirings instead. argmax and sample take the kernel of the emissions' device (the CUDA kernel's
+    walks write their paths on the device); topk runs the CPU kernel: on a GPU, on one host copy of the emissions (a
     call waits for the GPU once), the paths copied back."""
     def __init__(self, log_probs, input_lengths, graphs, *, backend='auto'):
         self.log_probs, self.input_lengths = log_probs, torch.as_tensor(input_lengths)
@@ -1232,26 +1232,32 @@ class GraphLattice(AlignmentPosterior):
 
     def sample(self, sample_shape=(), generator=None):
         """Exact samples of paths (*sample_shape, N, P) (forward filtering, backward sampling: on the CPU the numba
-        walk `_graph_sample_cpu`, all draws at once, also for CUDA tensors, on one host copy of the emissions, the paths
-        copied back; the reference's walk with backend='reference', `choose_index` at each step); all -1 where no path
+        walk `_graph_sample_cpu`, all draws at once; on a GPU the CUDA kernel's, a thread a draw, the paths written on
+        the device; the reference's walk with backend='reference', `choose_index` at each step); all -1 where no path
         fits. The uniforms come from `generator` on its device (the CPU's by default): a CPU generator seeded alike
-        gives the same paths on either device."""
+        gives the same paths on either device (but where a uniform falls within rounding of a boundary between two
+        choices: the CUDA kernel sums in the emissions' precision)."""
         shape = torch.Size(sample_shape)
         n = max(1, shape.numel())
         if self.backend == 'reference':
             x = torch.stack([self._walks(lambda x, i: choose_index(x, torch.rand((), generator=generator, dtype=torch.float64).to(x.dtype)), Log)
                              for _ in range(n)])
         else:
-            st = self._state(self._host(torch.float64))
+            st = self._state(self._host(torch.float64)) if self.backend == 'cpu' else \
+                 self._state(self.log_probs.detach(), for_backward=True, backend='cuda')
             T, N, _ = st.lp.shape
             P = path_length_batch(self.graphs, T)
             u = torch.rand(n, N, 2 * P + 2, generator=generator, dtype=torch.float64,          # (at most P + T + 1 steps a walk)
-                           device=generator.device if generator is not None else 'cpu').cpu()
-            paths = torch.empty(n, N, max(P, 1), dtype=torch.int64)
-            parallel_for(_graph_sample_cpu, N, st.lp.numpy(), st.lengths.numpy(), st.w.numpy(), st.fin.numpy(), st.seq_graph.numpy(),
-                         st.L, segment_frames(T, max(g.num_states for g in self.graphs)), u.numpy(), paths.numpy(),
-                         work=n * T * N * max(1, len(st.u.src)))
-            x = paths[..., :P].to(self.log_probs.device)
+                           device=generator.device if generator is not None else 'cpu')
+            if self.backend == 'cuda':
+                paths = torch.full((n, N, max(P, 1)), -1, dtype=torch.int64, device=st.lp.device)
+                _graph_forward_cuda(st, paths, to_device(u, st.lp.device))
+            else:
+                u, paths = u.cpu(), torch.empty(n, N, max(P, 1), dtype=torch.int64)
+                parallel_for(_graph_sample_cpu, N, st.lp.numpy(), st.lengths.numpy(), st.w.numpy(), st.fin.numpy(), st.seq_graph.numpy(),
+                             st.L, segment_frames(T, max(g.num_states for g in self.graphs)), u.numpy(), paths.numpy(),
+                             work=n * T * N * max(1, len(st.u.src)))
+            x = paths[..., :P]
         return x.reshape(*shape, *x.shape[1:])
 
     def topk(self, k):
@@ -1583,8 +1589,8 @@ from .compile_check import resource_budget
 from .ops import max_threads
 from .checks import require, on_host, to_device, nonfinite_sequences, either_poisoned
 
-_graph_kernels = {(dtype, S.name): load_kernel('graph.cu', 'graph_logz', **S.cuda_macros(dtype))
-                  for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
+_graph_kernels = {(dtype, S.name, samples): load_kernel('graph.cu', 'graph_logz', **S.cuda_macros(dtype), SAMPLES=int(samples))
+                  for dtype in (torch.float32, torch.float64) for S, samples in ((Log, False), (Max, False), (Log, True))}
 GRAPH_THREADS = 256   # at most, per block (fewer inside `launch_limits`)
 resource_budget(list(_graph_kernels.values()), block=GRAPH_THREADS, min_threads=2 * GRAPH_THREADS,
                 why="a latency-bound recursion, one block per sequence (a batch gives an SM a block or two): "
@@ -1653,32 +1659,35 @@ def cuda_segment_frames(T, N, S, itemsize):
     S scores of `itemsize` bytes fit CUDA_FORWARD_BYTES, else about sqrt(T) (and each segment recomputed once)."""
     return 1 if N * (T + 1) * S * itemsize <= CUDA_FORWARD_BYTES else math.isqrt(T) + 1
 
-def _graph_forward_cuda(st, paths=None):
+def _graph_forward_cuda(st, paths=None, uniforms=None):
     """`_graph_forward_cpu`'s outputs from the CUDA kernel `graph_logz` (emulated on CPU tensors), in one launch: log Z
     (N,) and, `for_backward`, the posteriors (Max: the best path's), per (frame, label) (T, N, C) in the emissions'
     dtype and per sequence per arc (N, E_max) and final state (N, S_max) in float64, for `_graph_backward`. Log
     space in the emissions' precision; the forward scores kept every K = `cuda_segment_frames` frames, (N, T // K + 1,
     S_max), and a segment's recomputed in (N, K - 1, S_max) (without the backward: two rows, (N, 2, S_max)). With
-    `paths` (N, P) int64 on the device, filled with -1 (Max, `for_backward`): the best path's arcs written there too."""
+    `paths` (N, P) int64 on the device, filled with -1 (Max, `for_backward`): the best path's arcs written there too.
+    With `uniforms` (draws, N, U) float64 on the device as well (Log, `for_backward`): `draws` samples of the paths
+    into `paths` (draws, N, P) instead of the posteriors (empty then)."""
     lp = st.lp
     T, N, C = lp.shape
     dev, u = lp.device, st.u
     S_max, E_max = int(np.diff(u.g_state).max(initial=0)), int(np.diff(u.g_arc).max(initial=0))
-    keep = st.for_backward
+    keep, draws = st.for_backward, 0 if uniforms is None else uniforms.shape[0]
     logz = lp.new_empty(N)
     post = ((lp.new_zeros(T, N, C), lp.new_zeros(N, E_max, dtype=torch.float64), lp.new_zeros(N, S_max, dtype=torch.float64))
-            if keep else (lp.new_zeros(0, 0, 0), lp.new_zeros(0, 0, dtype=torch.float64), lp.new_zeros(0, 0, dtype=torch.float64)))
+            if keep and not draws else (lp.new_zeros(0, 0, 0), lp.new_zeros(0, 0, dtype=torch.float64), lp.new_zeros(0, 0, dtype=torch.float64)))
     if N == 0: return (logz, *post)
     U_max = int(np.diff(u.glab_ptr).max(initial=0))
-    threads = max(1, min(max_threads(GRAPH_THREADS), 32 * math.ceil(max(S_max, U_max, 1) / 32)))
+    threads = max(1, min(max_threads(GRAPH_THREADS), 32 * math.ceil(max(S_max, U_max, draws, 1) / 32)))
     K = cuda_segment_frames(T, N, S_max, lp.element_size()) if keep else 1
     rows = T // K + 1 if keep else 2                   # (the kernel's R)
-    _graph_kernels[(lp.dtype, st.S.name)]((N,), (threads,), lp=lp, lengths=st.lengths, seq_graph=st.seq_graph,
+    _graph_kernels[(lp.dtype, st.S.name, draws > 0)]((N,), (threads,), lp=lp, lengths=st.lengths, seq_graph=st.seq_graph,
         w=st.w.to(lp.dtype).contiguous(), fin=st.fin.to(lp.dtype).contiguous(), **_graph_cuda_tables(st.layout, dev),
-        alpha=lp.new_empty(N, rows, S_max), seg=lp.new_empty(N, K - 1, S_max), beta_buf=lp.new_empty(N, 2, S_max) if keep else lp.new_empty(0),
+        alpha=lp.new_empty(N, rows, S_max), seg=lp.new_empty(N, K - 1, S_max), beta_buf=lp.new_empty(N, 2, S_max) if keep and not draws else lp.new_empty(0),
         logz=logz, post_lp=post[0], post_arcs=post[1], post_finals=post[2], T=T, N=N, C=C, S_max=S_max, E_max=E_max, K=K,
-        paths=lp.new_empty(0, dtype=torch.int64) if paths is None else paths, P=0 if paths is None else paths.shape[1],
-        for_backward=int(keep), use_max=int(st.S is Max))
+        paths=lp.new_empty(0, dtype=torch.int64) if paths is None else paths, P=0 if paths is None else paths.shape[-1],
+        uniforms=lp.new_empty(0, dtype=torch.float64) if uniforms is None else uniforms, walk=lp.new_empty(N, draws, 3, dtype=torch.int64),
+        draws=draws, n_uniforms=0 if uniforms is None else uniforms.shape[2], for_backward=int(keep), use_max=int(st.S is Max))
     return (logz, *post)
 
 def _require_lengths(lengths, T):

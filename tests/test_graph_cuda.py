@@ -194,11 +194,11 @@ def test_the_budget_keeps_every_sqrt_t_th_frame_and_allocates_that_much(monkeypa
     assert G.cuda_segment_frames(500, 32, 2_000, 4) == 1                   # 128 MB: every frame
     assert G.cuda_segment_frames(500, 32, 20_000, 4) == 23                 # 1.28 GB: 21 + 1 checkpoints, 22 rows scratch
     shapes = []
-    kernel = G._graph_kernels[(torch.float64, 'Log')]
+    kernel = G._graph_kernels[(torch.float64, 'Log', False)]
     def recording(grid, block, *, alpha, seg, **named):
         shapes.append((tuple(alpha.shape), tuple(seg.shape)))
         return kernel(grid, block, alpha=alpha, seg=seg, **named)
-    monkeypatch.setitem(G._graph_kernels, (torch.float64, 'Log'), recording)
+    monkeypatch.setitem(G._graph_kernels, (torch.float64, 'Log', False), recording)
     lp, lengths, gs, which = _ragged(4, torch.float64, shared=True)          # T = 11, N = 5
     S = gs[0].num_states
     for budget, K in ((G.CUDA_FORWARD_BYTES, 1), (5 * 12 * S * 8, 1), (5 * 12 * S * 8 - 1, 4), (0, 4)):
@@ -213,8 +213,8 @@ def test_the_budget_keeps_every_sqrt_t_th_frame_and_allocates_that_much(monkeypa
         graph_logz(lp, lengths, [gs[i] for i in which], backend='cuda')
         assert shapes == [((5, 2, S), (5, 0, S))]
 
-# GraphLattice's questions on the CUDA path: log Z, the posteriors, the expectations and the best path from the CUDA
-# kernel (one launch a lattice), the other walks (sample, topk) on the CPU kernels from one host copy of the emissions.
+# GraphLattice's questions on the CUDA path: log Z, the posteriors, the expectations, the best path and the samples from
+# the CUDA kernel (one launch a lattice), the k best on the CPU kernel from one host copy of the emissions.
 LATTICE_TOL = {torch.float64: dict(rtol=1e-9, atol=1e-9),
                # float32: the CUDA kernel sums in float32, the CPU kernel in float64; an expectation (entropy, cross
                # entropy, KL) adds T C posteriors (each within about 1e-6) times scores, log Z's of |50| or so
@@ -264,14 +264,14 @@ def _no_reference(monkeypatch):
     for name in ('graph_forward_reference', 'walk_back_reference', 'kbest_paths_reference', '_reference_logz'):
         monkeypatch.setattr(G, name, refused)
 
-_LAUNCHES = dict(log_partition=1, marginals=1, arc_marginals=1, entropy=1, cross_entropy=2, kl=2, argmax=1, sample=0, topk=0)
+_LAUNCHES = dict(log_partition=1, marginals=1, arc_marginals=1, entropy=1, cross_entropy=2, kl=2, argmax=1, sample=1, topk=0)
 
 @pytest.mark.parametrize('shared', [True, False], ids=['shared', 'per-sequence'])
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_graph_lattice_questions_through_the_emulated_kernel_equal_the_cpu_path(dtype, shared, monkeypatch):
-    """backend='cuda' on CPU tensors (the emulator): log Z, the posteriors' questions and argmax from the CUDA kernel, one
-    launch a lattice (cross entropy and KL: p's forward and backward, q's forward), in the emissions' precision; sample
-    and topk on the CPU kernels, no launch; every answer the CPU path's (paths exactly), with lengths 0 and an infeasible sequence."""
+    """backend='cuda' on CPU tensors (the emulator): log Z, the posteriors' questions, argmax and sample from the CUDA
+    kernel, one launch a lattice (cross entropy and KL: p's forward and backward, q's forward), in the emissions'
+    precision; topk on the CPU kernel, no launch; every answer the CPU path's (paths exactly), with lengths 0 and an infeasible sequence."""
     _no_reference(monkeypatch)
     for seed in (1, 9):                                   # (9: epsilon chains two deep)
         lp, lq, lengths, graphs = _lattice_case(seed, dtype, shared)
@@ -302,6 +302,23 @@ def test_argmax_through_the_emulated_kernel_with_checkpoints_gives_the_cpu_paths
             with count_launches() as n: got = G.GraphLattice(lp, lengths, graphs, backend='cuda').argmax
             assert dict(n) == {'graph_logz': 1} and torch.equal(got, want), (seed, kept)
 
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_samples_through_the_emulated_kernel_with_checkpoints_and_more_draws_than_threads_give_the_cpu_paths(dtype, monkeypatch):
+    """GraphLattice.sample with backend='cuda': the kernel's Log pass walks the draws back (a thread a draw, several a
+    thread past the block's size) in one launch, and gives the CPU kernel's paths for the same generator's uniforms,
+    also where the forward scores are kept every sqrt(T) frames (CUDA_FORWARD_BYTES 0); all -1 where no path fits."""
+    _no_reference(monkeypatch)
+    monkeypatch.setattr(G, 'GRAPH_THREADS', 32)                          # (300 draws: up to ten a thread)
+    for seed in (1, 9):
+        lp, _, lengths, graphs = _lattice_case(seed, dtype, shared=False)
+        want = G.GraphLattice(lp, lengths, graphs, backend='cpu').sample((3, 100), generator=torch.Generator().manual_seed(seed))
+        assert (want[:, :, 3] == -1).all() and len({tuple(x.tolist()) for x in want.flatten(0, 1).flatten(0, 1)}) > 5   # (varied)
+        for kept in (G.CUDA_FORWARD_BYTES, 0):
+            monkeypatch.setattr(G, 'CUDA_FORWARD_BYTES', kept)
+            with count_launches() as n:
+                got = G.GraphLattice(lp, lengths, graphs, backend='cuda').sample((3, 100), generator=torch.Generator().manual_seed(seed))
+            assert dict(n) == {'graph_logz': 1} and torch.equal(got, want), (seed, kept)
+
 def _graphs_on(graphs, device):
     "The graphs with their arc and final scores on `device` (one object for each distinct one)."
     moved = {}
@@ -314,8 +331,8 @@ def _graphs_on(graphs, device):
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_gpu_graph_lattice_questions_on_cuda_tensors_equal_the_cpu_path(dtype, backend, monkeypatch, device='cuda'):
     """On CUDA tensors, backend 'auto' and 'cuda': every answer on the GPU and the CPU path's (paths exactly; the
-    gradients of the k best's and log_prob's scores too), log Z, the posteriors' questions and argmax by the CUDA kernel
-    (one launch a lattice), sample and topk by the CPU kernels on a host copy, never the reference; shared and per-sequence
+    gradients of the k best's and log_prob's scores too), log Z, the posteriors' questions, argmax and sample by the CUDA
+    kernel (one launch a lattice), topk by the CPU kernel on a host copy, never the reference; shared and per-sequence
     graphs, lengths 0 and an infeasible sequence; the graphs' scores and the lengths on the CPU ('auto') or the GPU."""
     _no_reference(monkeypatch)
     for seed, shared in ((1, True), (9, False), (9, True), (1, False)):
