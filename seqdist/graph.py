@@ -696,7 +696,12 @@ PackedGraphs = namedtuple('PackedGraphs', 'layout seq_graph max_arcs max_states 
 
 def pack_graphs(graphs, N):
     """One graph for the batch, or a list of N (some may be one object), as the kernels read them (`PackedGraphs`): the
-    structure (`packed_structure`), and the arc (E,) and final scores (S,) (-inf: not final) concatenated, differentiably."""
+    structure (`packed_structure`), and the arc (E,) and final scores (S,) (-inf: not final) concatenated, differentiably.
+    A `PackedGraphs` already (of N sequences) is taken as it is: what `torch.compile` takes as an input of the compiled
+    function where a batch's graphs change at every step (numerators), its structure then tensors and sizes like any other."""
+    if isinstance(graphs, PackedGraphs):
+        if len(graphs.distinct) != N: raise ValueError(f"graphs must be packed for N = {N} sequences, got {len(graphs.distinct)}")
+        return graphs
     if isinstance(graphs, Graph): graphs = [graphs] * N
     if not isinstance(graphs, (list, tuple)) or not all(isinstance(g, Graph) for g in graphs):
         raise TypeError(f"graphs must be a Graph or a list of {N} Graphs, got {type(graphs).__name__}")
@@ -956,8 +961,8 @@ def _graph_fake(a, backend):
     return (a.log_probs.new_empty(N), lp(T, N, C) if keep else lp(0, 0, 0), f64(N, E) if keep else f64(0, 0), f64(N, S) if keep else f64(0, 0))
 
 graph_logz_op = Op(f'{_OPS}::graph_logz',
-    "(Tensor log_probs, Tensor input_lengths, Tensor arc_scores, Tensor final_scores, Tensor layout, Tensor seq_graph, int max_arcs,"
-    " int max_states, str semiring, bool for_backward) -> (Tensor logz, Tensor post_log_probs, Tensor post_arcs, Tensor post_finals)",
+    "(Tensor log_probs, Tensor input_lengths, Tensor arc_scores, Tensor final_scores, Tensor layout, Tensor seq_graph, SymInt max_arcs,"
+    " SymInt max_states, str semiring, bool for_backward) -> (Tensor logz, Tensor post_log_probs, Tensor post_arcs, Tensor post_finals)",
     prepare=_graph_prepare, forward={'cpu': _graph_forward_cpu, 'cuda': lambda st: _graph_forward_cuda(st)},   # (12b's glue)
     backward={'cpu': _graph_backward, 'cuda': _graph_backward},
     fake=_graph_fake, differentiable=('log_probs', 'arc_scores', 'final_scores'),
@@ -982,7 +987,7 @@ def graph_logz(log_probs, input_lengths, graphs, semiring='Log', backend='auto')
     pk = pack_graphs(graphs, log_probs.shape[1])
     if backend == 'reference':
         _check_graph_inputs(log_probs, input_lengths, pk.arc_scores, pk.final_scores, pk.layout, pk.seq_graph)
-        return _reference_logz(log_probs, input_lengths, graphs if isinstance(graphs, (list, tuple)) else [graphs] * log_probs.shape[1], SEMIRINGS[semiring])
+        return _reference_logz(log_probs, input_lengths, [pk.graphs[i] for i in pk.distinct], SEMIRINGS[semiring])
     for_backward = torch.is_grad_enabled() and any(x.requires_grad for x in (log_probs, pk.arc_scores, pk.final_scores))
     return graph_logz_op(log_probs, input_lengths, pk.arc_scores, pk.final_scores, pk.layout, pk.seq_graph, pk.max_arcs, pk.max_states,
                          semiring, for_backward, backend=backend)[0]
@@ -1009,11 +1014,14 @@ def graph_loss(log_probs, input_lengths, graphs, reduction='mean', zero_infinity
 from .checks import Arg, TensorArg, LengthArg, ChoiceArg, BoolArg, declared
 
 class GraphsArg(Arg):
-    "One Graph for every sequence, or a list of N (`N`: the dimension's name); the labels it reads must be below C."
+    "One Graph for every sequence, a list of N (`N`: the dimension's name) or their `pack_graphs`; labels below C."
     def __init__(self, n='N'): self.n, self.optional = n, False
     def check(self, name, v, dims):
         N = dims.get(self.n)
         if isinstance(v, Graph): return
+        if isinstance(v, PackedGraphs):
+            if N is not None and len(v.distinct) != N: raise ValueError(f"{name} must be packed for N = {N} sequences, got {len(v.distinct)}")
+            return
         if not isinstance(v, (list, tuple)): raise TypeError(f"{name} must be a Graph or a list of Graphs, got {type(v).__name__}")
         if N is not None and len(v) != N: raise ValueError(f"{name} must be one Graph or a list of N = {N}, got {len(v)}")
         for i, g in enumerate(v):
@@ -1059,7 +1067,8 @@ class GraphLattice(AlignmentPosterior):
     def __init__(self, log_probs, input_lengths, graphs, *, backend='auto'):
         self.log_probs, self.input_lengths = log_probs, torch.as_tensor(input_lengths)
         N = log_probs.shape[1] if isinstance(log_probs, torch.Tensor) and log_probs.dim() == 3 else None
-        self.graphs = graphs if isinstance(graphs, (list, tuple)) else [graphs] * (N or 0)
+        self.graphs = list(graphs) if isinstance(graphs, (list, tuple)) else [graphs.graphs[i] for i in graphs.distinct] \
+                      if isinstance(graphs, PackedGraphs) else [graphs] * (N or 0)
         self.backend = _backend(backend, log_probs) if isinstance(log_probs, torch.Tensor) else backend
         self.packed = pack_graphs(graphs, N)
         _check_graph_inputs(log_probs, self.input_lengths, self.packed.arc_scores, self.packed.final_scores, self.packed.layout,

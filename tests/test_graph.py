@@ -499,6 +499,29 @@ def test_torch_compile_of_graphs_rebuilt_at_every_step_falls_back_to_the_eager_r
             assert torch.equal(eager, comp), step
             assert torch.equal(torch.autograd.grad(eager, lp)[0], torch.autograd.grad(comp, lp)[0]), step
 
+def test_torch_compile_fullgraph_of_graphs_packed_outside_serves_every_step():
+    """Graphs made anew at every step, packed outside the compiled function (`pack_graphs`) and passed packed: their
+    structure is an input (tensors, sizes and the SymInt most arcs and states made dynamic), so fullgraph=True compiles
+    a few times at first and then serves every step, where the graphs themselves would need a compilation per list;
+    each step's loss and gradients (emissions; the graphs' learnable scores) are the eager ones, graph_loss and mmi_loss."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    gen = torch.Generator().manual_seed(8)
+    lp = torch.randn(12, 3, 5, generator=gen, dtype=torch.float64).log_softmax(-1).requires_grad_()
+    il = torch.tensor([12, 8, 7])
+    den = _scored(compact_ctc_topology(5), gen)
+    def f(lp, packed): return graph_loss(lp, il, packed, reduction='sum') + G.mmi_loss(lp, il, packed, den, reduction='sum')
+    counter = CompileCounterWithBackend('aot_eager')
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    for step in range(12):
+        graphs = [_scored(g, gen) for g in ctc_graph(torch.randint(1, 5, (3, 4), generator=gen), torch.randint(1, 5, (3,), generator=gen))]
+        packed = G.pack_graphs(graphs, 3)
+        leaves = [lp, den.scores] + [g.scores for g in graphs]
+        eager, comp = f(lp, packed), compiled(lp, packed)
+        assert torch.isfinite(eager) and torch.equal(eager, comp), step
+        for a, b in zip(torch.autograd.grad(eager, leaves), torch.autograd.grad(comp, leaves)): assert torch.equal(a, b), step
+    assert counter.frame_count <= 3
+    with pytest.raises(ValueError, match='packed for N = 2 sequences, got 3'): graph_loss(lp[:, :2], il[:2], packed)
+
 def test_a_batchs_graphs_are_packed_once_across_calls(monkeypatch):
     """The structure of a list of graph objects (or of one shared graph) is packed on its first call and read from a cache
     after (a new list of the same objects too), kept while its graphs live; the scores are gathered at every call."""
