@@ -169,9 +169,12 @@ def _forward_scaled(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, e
         lo, hi = _band(t, T, n_states)
         a[t, lo] = 0.0; a[t, lo + 1] = 0.0
         c = 0.0
-        for s in range(lo, hi + 1):             # one pass: recursion, rescaling, next scale
-            v = (a[t - 1, s + 2] + a[t - 1, s + 1] + skipf[s] * a[t - 1, s]) * (emit[t, slot[s]] * inv)
-            a[t, s + 2] = v
+        # (sliced: with `lo` a runtime value, `s + 2` may be a negative index to the compiler, and numba's wraparound of
+        # one per read kept the loop slow)
+        p0, p1, p2, sk, sl, et, o = a[t - 1, lo + 2:], a[t - 1, lo + 1:], a[t - 1, lo:], skipf[lo:], slot[lo:], emit[t], a[t, lo + 2:]
+        for j in range(hi + 1 - lo):            # one pass: recursion, rescaling, next scale (state lo + j)
+            v = (p0[j] + p1[j] + sk[j] * p2[j]) * (et[sl[j]] * inv)
+            o[j] = v
             c = max(c, v)
         if hi + 3 < n_states + 2: a[t, hi + 3] = 0.0   # the next frame reads up to two states past the band
         if hi + 4 < n_states + 2: a[t, hi + 4] = 0.0
@@ -265,13 +268,16 @@ def _backward_scaled(n, T, n_states, ext, slot, skipf, alpha, emit, g, grad, bet
         lo, hi = _band(t - 1, T, n_states)
         b_prev[lo] = 0.0; b_prev[lo + 1] = 0.0
         c = 0.0
-        for s in range(lo, hi + 1):
-            v = emit[t, slot[s]] * b[s + 2] + emit[t, slot[s + 1]] * b[s + 3] + skipf[s + 2] * emit[t, slot[s + 2]] * b[s + 4]
-            b_prev[s + 2] = v; c = max(c, v)
+        # (sliced, as in `_forward_scaled`: indices `s + 2` with a runtime `lo` get numba's wraparound)
+        et, s0, s1, s2, k2 = emit[t], slot[lo:], slot[lo + 1:], slot[lo + 2:], skipf[lo + 2:]
+        b0, b1, b2, o = b[lo + 2:], b[lo + 3:], b[lo + 4:], b_prev[lo + 2:]
+        for j in range(hi + 1 - lo):            # state lo + j
+            v = et[s0[j]] * b0[j] + et[s1[j]] * b1[j] + k2[j] * et[s2[j]] * b2[j]
+            o[j] = v; c = max(c, v)
         if c == 0.0: return False
         log_scale += np.log(c)
         inv = 1.0 / c
-        for s in range(lo, hi + 1): b_prev[s + 2] *= inv
+        for j in range(hi + 1 - lo): o[j] *= inv
         b_prev[hi + 3] = 0.0; b_prev[hi + 4] = 0.0
         b, b_prev = b_prev, b
     z = emit[0, slot[0]] * b[2] + (emit[0, slot[1]] * b[3] if n_states > 1 else 0.0)
