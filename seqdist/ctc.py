@@ -1283,13 +1283,17 @@ def _ctc_entropy_fast_cpu(lp, ext, input_lengths, target_lengths, blank, g, grad
             lo, hi = _band(t, T, S)
             A[t, lo] = 0.0; A[t, lo + 1] = 0.0; R[t, lo] = 0.0; R[t, lo + 1] = 0.0
             c = 0.0
-            for s in range(lo, hi + 1):
-                u_ = A[t - 1, s + 2] + A[t - 1, s + 1] + skipf[s] * A[t - 1, s]
-                v_ = R[t - 1, s + 2] + R[t - 1, s + 1] + skipf[s] * R[t - 1, s]
-                e = emit[t, slot[s]] * inv
+            # (sliced: with `lo` a runtime value, `s + 2` may be a negative index to the compiler, and numba's
+            # wraparound of each read kept the loop slow, as `_forward_scaled`'s)
+            A0, A1, A2, R0, R1, R2 = A[t - 1, lo + 2:], A[t - 1, lo + 1:], A[t - 1, lo:], R[t - 1, lo + 2:], R[t - 1, lo + 1:], R[t - 1, lo:]
+            sk, sl, et, mt, oA, oR = skipf[lo:], slot[lo:], emit[t], msc[t], A[t, lo + 2:], R[t, lo + 2:]
+            for j in range(hi + 1 - lo):            # state lo + j
+                u_ = A0[j] + A1[j] + sk[j] * A2[j]
+                v_ = R0[j] + R1[j] + sk[j] * R2[j]
+                e = et[sl[j]] * inv
                 a = u_ * e
-                A[t, s + 2] = a
-                R[t, s + 2] = (v_ + u_ * msc[t, slot[s]]) * e
+                oA[j] = a
+                oR[j] = (v_ + u_ * mt[sl[j]]) * e
                 c = max(c, a)
             if hi + 3 < S + 2: A[t, hi + 3] = 0.0; R[t, hi + 3] = 0.0
             if hi + 4 < S + 2: A[t, hi + 4] = 0.0; R[t, hi + 4] = 0.0
@@ -1318,10 +1322,11 @@ def _ctc_entropy_fast_cpu(lp, ext, input_lengths, target_lengths, blank, g, grad
                     gl[slot[s]] += r * bb - a * bb * ez
             else:
                 lo1, hi1 = _band(t + 1, T, S)
-                for s in range(lo1, hi1 + 1):       # frame t + 1 times its emissions (and the last frame's scale);
-                    e = emit[t + 1, slot[s]] * inv  # frame t reads its states lo .. hi + 2, lo >= lo1 - 2 and hi <= hi1:
-                    eb[s + 2] = e * b1[s + 2]       # the two on each side of its band are 0
-                    es[s + 2] = e * (s1[s + 2] + b1[s + 2] * msc[t + 1, slot[s]])
+                et, mt, sl, bb, ss, ebv, esv = emit[t + 1], msc[t + 1], slot[lo1:], b1[lo1 + 2:], s1[lo1 + 2:], eb[lo1 + 2:], es[lo1 + 2:]
+                for j in range(hi1 + 1 - lo1):      # frame t + 1 times its emissions (and the last frame's scale);
+                    e = et[sl[j]] * inv             # frame t reads its states lo .. hi + 2, lo >= lo1 - 2 and hi <= hi1:
+                    ebv[j] = e * bb[j]              # the two on each side of its band are 0 (state lo1 + j; sliced, as
+                    esv[j] = e * (ss[j] + bb[j] * mt[sl[j]])    # the forward's rows)
                 eb[lo1] = 0.0; eb[lo1 + 1] = 0.0; es[lo1] = 0.0; es[lo1 + 1] = 0.0
                 eb[hi1 + 3] = 0.0; eb[hi1 + 4] = 0.0; es[hi1 + 3] = 0.0; es[hi1 + 4] = 0.0
                 for s in range(lo, hi + 1):
