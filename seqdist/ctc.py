@@ -216,12 +216,14 @@ def _viterbi(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit, ba
     for t in range(1, T):
         lo, hi = _band(t, T, n_states)
         a[t, lo] = -np.inf; a[t, lo + 1] = -np.inf
-        for s in range(lo, hi + 1):
-            v, b = a[t - 1, s + 2], 0
-            if a[t - 1, s + 1] > v: v, b = a[t - 1, s + 1], 1
-            if skipf[s] != 0.0 and a[t - 1, s] > v: v, b = a[t - 1, s], 2
-            a[t, s + 2] = v + emit[t, slot[s]]
-            back[t, s] = b
+        # (sliced, as in `_forward_scaled`: indices `s + 2` with a runtime `lo` get numba's wraparound)
+        p0, p1, p2, sk, sl, et, o, bk = a[t - 1, lo + 2:], a[t - 1, lo + 1:], a[t - 1, lo:], skipf[lo:], slot[lo:], emit[t], a[t, lo + 2:], back[t, lo:]
+        for j in range(hi + 1 - lo):            # state lo + j
+            v, b = p0[j], 0
+            if p1[j] > v: v, b = p1[j], 1
+            if sk[j] != 0.0 and p2[j] > v: v, b = p2[j], 2
+            o[j] = v + et[sl[j]]
+            bk[j] = b
         a[t, hi + 3] = -np.inf; a[t, hi + 4] = -np.inf
     z, s = a[T - 1, n_states + 1], n_states - 1
     if n_states > 1 and a[T - 1, n_states] > z: z, s = a[T - 1, n_states], n_states - 2
