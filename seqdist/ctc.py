@@ -169,9 +169,12 @@ def _forward_scaled(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, e
         lo, hi = _band(t, T, n_states)
         a[t, lo] = 0.0; a[t, lo + 1] = 0.0
         c = 0.0
-        for s in range(lo, hi + 1):             # one pass: recursion, rescaling, next scale
-            v = (a[t - 1, s + 2] + a[t - 1, s + 1] + skipf[s] * a[t - 1, s]) * (emit[t, slot[s]] * inv)
-            a[t, s + 2] = v
+        # (sliced: with `lo` a runtime value, `s + 2` may be a negative index to the compiler, and numba's wraparound of
+        # one per read kept the loop slow)
+        p0, p1, p2, sk, sl, et, o = a[t - 1, lo + 2:], a[t - 1, lo + 1:], a[t - 1, lo:], skipf[lo:], slot[lo:], emit[t], a[t, lo + 2:]
+        for j in range(hi + 1 - lo):            # one pass: recursion, rescaling, next scale (state lo + j)
+            v = (p0[j] + p1[j] + sk[j] * p2[j]) * (et[sl[j]] * inv)
+            o[j] = v
             c = max(c, v)
         if hi + 3 < n_states + 2: a[t, hi + 3] = 0.0   # the next frame reads up to two states past the band
         if hi + 4 < n_states + 2: a[t, hi + 4] = 0.0
@@ -213,12 +216,14 @@ def _viterbi(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit, ba
     for t in range(1, T):
         lo, hi = _band(t, T, n_states)
         a[t, lo] = -np.inf; a[t, lo + 1] = -np.inf
-        for s in range(lo, hi + 1):
-            v, b = a[t - 1, s + 2], 0
-            if a[t - 1, s + 1] > v: v, b = a[t - 1, s + 1], 1
-            if skipf[s] != 0.0 and a[t - 1, s] > v: v, b = a[t - 1, s], 2
-            a[t, s + 2] = v + emit[t, slot[s]]
-            back[t, s] = b
+        # (sliced, as in `_forward_scaled`: indices `s + 2` with a runtime `lo` get numba's wraparound)
+        p0, p1, p2, sk, sl, et, o, bk = a[t - 1, lo + 2:], a[t - 1, lo + 1:], a[t - 1, lo:], skipf[lo:], slot[lo:], emit[t], a[t, lo + 2:], back[t, lo:]
+        for j in range(hi + 1 - lo):            # state lo + j
+            v, b = p0[j], 0
+            if p1[j] > v: v, b = p1[j], 1
+            if sk[j] != 0.0 and p2[j] > v: v, b = p2[j], 2
+            o[j] = v + et[sl[j]]
+            bk[j] = b
         a[t, hi + 3] = -np.inf; a[t, hi + 4] = -np.inf
     z, s = a[T - 1, n_states + 1], n_states - 1
     if n_states > 1 and a[T - 1, n_states] > z: z, s = a[T - 1, n_states], n_states - 2
@@ -265,13 +270,16 @@ def _backward_scaled(n, T, n_states, ext, slot, skipf, alpha, emit, g, grad, bet
         lo, hi = _band(t - 1, T, n_states)
         b_prev[lo] = 0.0; b_prev[lo + 1] = 0.0
         c = 0.0
-        for s in range(lo, hi + 1):
-            v = emit[t, slot[s]] * b[s + 2] + emit[t, slot[s + 1]] * b[s + 3] + skipf[s + 2] * emit[t, slot[s + 2]] * b[s + 4]
-            b_prev[s + 2] = v; c = max(c, v)
+        # (sliced, as in `_forward_scaled`: indices `s + 2` with a runtime `lo` get numba's wraparound)
+        et, s0, s1, s2, k2 = emit[t], slot[lo:], slot[lo + 1:], slot[lo + 2:], skipf[lo + 2:]
+        b0, b1, b2, o = b[lo + 2:], b[lo + 3:], b[lo + 4:], b_prev[lo + 2:]
+        for j in range(hi + 1 - lo):            # state lo + j
+            v = et[s0[j]] * b0[j] + et[s1[j]] * b1[j] + k2[j] * et[s2[j]] * b2[j]
+            o[j] = v; c = max(c, v)
         if c == 0.0: return False
         log_scale += np.log(c)
         inv = 1.0 / c
-        for s in range(lo, hi + 1): b_prev[s + 2] *= inv
+        for j in range(hi + 1 - lo): o[j] *= inv
         b_prev[hi + 3] = 0.0; b_prev[hi + 4] = 0.0
         b, b_prev = b_prev, b
     z = emit[0, slot[0]] * b[2] + (emit[0, slot[1]] * b[3] if n_states > 1 else 0.0)
@@ -1097,7 +1105,8 @@ def _alg_row(alg, precise, p, q, h, skipneg, ep, eq, lo, hi, op, oq, oh, step):
 @numba.njit(inline='always')
 def _emissions(lp, t, n, ext, lo, hi, e):
     "e[s] = lp[t, n, ext[s]] for the states lo..hi (a gather: its own loop, so that the recursion's vectorises)."
-    for s in range(lo, hi + 1): e[s] = lp[t, n, ext[s]]
+    x, l, y = lp[t, n], ext[lo:], e[lo:]        # (views from lo, as in `_alg_row`: a runtime lo's wraparound cost 7%)
+    for j in range(hi + 1 - lo): y[j] = x[l[j]]
 
 @numba.njit(cache=_CACHE, error_model='numpy')
 def _alg_alpha(alg, precise, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, E):
@@ -1158,9 +1167,11 @@ def _alg_beta_grad(alg, precise, lp, lq, n, T, n_states, ext, skipneg, P, Q, H, 
                 mq = (fast_exp(lmq) if precise else fast_exp8(lmq)) if lmq > -np.inf else 0.0
                 gpv[s] = (mp * (lmp - lmq + fH[s] + bH[s] - total)) if mp > 0.0 else 0.0
                 gqv[s] = mq - mp
-        for s in range(lo, hi + 1): grad_p[t, n, ext[s]] += g * gp[s]     # (labels repeat: not vectorised)
+        gpt, l = grad_p[t, n], ext[lo:]                     # (labels repeat: not vectorised; views from lo all the same)
+        for j in range(hi + 1 - lo): gpt[l[j]] += g * gpv[j]
         if alg == ALG_KL:
-            for s in range(lo, hi + 1): grad_q[t, n, ext[s]] += g * gq[s]
+            gqt = grad_q[t, n]
+            for j in range(hi + 1 - lo): gqt[l[j]] += g * gqv[j]
         if t == 0: break
         _emissions(lp, t, n, ext, lo, hi, ep)               # frame t times its emissions, for frame t - 1
         if alg == ALG_KL: _emissions(lq, t, n, ext, lo, hi, eq)
@@ -1277,13 +1288,17 @@ def _ctc_entropy_fast_cpu(lp, ext, input_lengths, target_lengths, blank, g, grad
             lo, hi = _band(t, T, S)
             A[t, lo] = 0.0; A[t, lo + 1] = 0.0; R[t, lo] = 0.0; R[t, lo + 1] = 0.0
             c = 0.0
-            for s in range(lo, hi + 1):
-                u_ = A[t - 1, s + 2] + A[t - 1, s + 1] + skipf[s] * A[t - 1, s]
-                v_ = R[t - 1, s + 2] + R[t - 1, s + 1] + skipf[s] * R[t - 1, s]
-                e = emit[t, slot[s]] * inv
+            # (sliced: with `lo` a runtime value, `s + 2` may be a negative index to the compiler, and numba's
+            # wraparound of each read kept the loop slow, as `_forward_scaled`'s)
+            A0, A1, A2, R0, R1, R2 = A[t - 1, lo + 2:], A[t - 1, lo + 1:], A[t - 1, lo:], R[t - 1, lo + 2:], R[t - 1, lo + 1:], R[t - 1, lo:]
+            sk, sl, et, mt, oA, oR = skipf[lo:], slot[lo:], emit[t], msc[t], A[t, lo + 2:], R[t, lo + 2:]
+            for j in range(hi + 1 - lo):            # state lo + j
+                u_ = A0[j] + A1[j] + sk[j] * A2[j]
+                v_ = R0[j] + R1[j] + sk[j] * R2[j]
+                e = et[sl[j]] * inv
                 a = u_ * e
-                A[t, s + 2] = a
-                R[t, s + 2] = (v_ + u_ * msc[t, slot[s]]) * e
+                oA[j] = a
+                oR[j] = (v_ + u_ * mt[sl[j]]) * e
                 c = max(c, a)
             if hi + 3 < S + 2: A[t, hi + 3] = 0.0; R[t, hi + 3] = 0.0
             if hi + 4 < S + 2: A[t, hi + 4] = 0.0; R[t, hi + 4] = 0.0
@@ -1312,10 +1327,11 @@ def _ctc_entropy_fast_cpu(lp, ext, input_lengths, target_lengths, blank, g, grad
                     gl[slot[s]] += r * bb - a * bb * ez
             else:
                 lo1, hi1 = _band(t + 1, T, S)
-                for s in range(lo1, hi1 + 1):       # frame t + 1 times its emissions (and the last frame's scale);
-                    e = emit[t + 1, slot[s]] * inv  # frame t reads its states lo .. hi + 2, lo >= lo1 - 2 and hi <= hi1:
-                    eb[s + 2] = e * b1[s + 2]       # the two on each side of its band are 0
-                    es[s + 2] = e * (s1[s + 2] + b1[s + 2] * msc[t + 1, slot[s]])
+                et, mt, sl, bb, ss, ebv, esv = emit[t + 1], msc[t + 1], slot[lo1:], b1[lo1 + 2:], s1[lo1 + 2:], eb[lo1 + 2:], es[lo1 + 2:]
+                for j in range(hi1 + 1 - lo1):      # frame t + 1 times its emissions (and the last frame's scale);
+                    e = et[sl[j]] * inv             # frame t reads its states lo .. hi + 2, lo >= lo1 - 2 and hi <= hi1:
+                    ebv[j] = e * bb[j]              # the two on each side of its band are 0 (state lo1 + j; sliced, as
+                    esv[j] = e * (ss[j] + bb[j] * mt[sl[j]])    # the forward's rows)
                 eb[lo1] = 0.0; eb[lo1 + 1] = 0.0; es[lo1] = 0.0; es[lo1 + 1] = 0.0
                 eb[hi1 + 3] = 0.0; eb[hi1 + 4] = 0.0; es[hi1 + 3] = 0.0; es[hi1 + 4] = 0.0
                 for s in range(lo, hi + 1):
