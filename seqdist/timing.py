@@ -139,12 +139,14 @@ def question_rows(cases, shape, device='cpu', warmup=2, reps=7):
 # %% ../nbs/01c_timing.ipynb #fd35f480
 def markdown_table(rows):
     "The benchmark rows as a markdown table (with the peak extra memory of both where the rows have it)."
-    mem = any('anchor_mb' in r for r in rows)
+    mem = any('anchor_mb' in r or 'ours_mb' in r for r in rows)
     lines = ["| op | shape | anchor | anchor ms | ours ms | speed-up |" + (" anchor MB | ours MB |" if mem else "") + " check |",
              "|---|---|---|---|---|---|" + ("---|---|" if mem else "") + "---|"]
     for r in rows:
-        mb = lambda k: f"{r[k]:.0f}" if r.get(k) == r.get(k) and k in r else '–'   # (missing or NaN: not measured)
-        extra = f" {mb('anchor_mb')} | {mb('ours_mb')} |" if mem else ""
-        lines.append(f"| {r['op']} | {r['shape']} | {r['anchor']} | {r['anchor_ms']:.2f} | {r['ours_ms']:.2f} | "
-                     f"{r['ratio']:.2f}x |{extra} {r['check']} |")
+        num = lambda k, fmt: format(r[k], fmt) if k in r and r[k] == r[k] else '–'   # (missing or NaN: not measured)
+        extra = f" {num('anchor_mb', '.0f')} | {num('ours_mb', '.0f')} |" if mem else ""
+        ratio = f"{r['ratio']:.2f}x" if r['ratio'] == r['ratio'] else '–'            # (no anchor)
+        check = r['check'].replace('|', '\\|')                                      # (a | of its text would end the cell)
+        lines.append(f"| {r['op']} | {r['shape']} | {r['anchor']} | {num('anchor_ms', '.2f')} | {r['ours_ms']:.2f} | "
+                     f"{ratio} |{extra} {check} |")
     return '\n'.join(lines)
