@@ -276,6 +276,16 @@ def graph_rows(device, quick):
     rows.append(_timed_row('GraphLattice entropy (ratio: log Z fwd+bwd / entropy)', f"N={N} T={T} C={C} L={L // 2}-{L}",
                            'graph_logz fwd+bwd', lambda: torch.autograd.grad(graph_logz(x, il, graphs).sum(), x),
                            lambda: GraphLattice(lp, il, graphs).entropy(), device, quick))
+    # the walks on the device (the CUDA kernel's Max and sampling passes, 2026-11-29): argmax against the CPU kernel on
+    # a host copy (what a GPU ran before), 8 samples against log Z's forward
+    rows.append(_timed_row('GraphLattice argmax on the GPU (ratio: the CPU kernel on a host copy / GPU)', f"N={N} T={T} C={C} L={L // 2}-{L}",
+                           'GraphLattice(lp.cpu()).argmax', lambda: GraphLattice(lp.cpu(), il, graphs).argmax,
+                           lambda: GraphLattice(lp, il, graphs).argmax, device, quick,
+                           check=f"the CPU kernel's paths: {torch.equal(GraphLattice(lp.cpu(), il, graphs).argmax, GraphLattice(lp, il, graphs).argmax.cpu())}"))
+    with torch.no_grad():
+        rows.append(_timed_row('GraphLattice 8 samples (ratio: log Z forward / 8 samples)', f"N={N} T={T} C={C} L={L // 2}-{L}",
+                               'graph_logz forward', lambda: graph_logz(lp, il, graphs),
+                               lambda: GraphLattice(lp, il, graphs).sample((8,)), device, quick))
     return rows
 
 
