@@ -89,6 +89,12 @@ __device__ double walk_weight(const WalkStep& c, int kind, i64 i, const FLOAT* _
     return x > NO_PATH ? (double)x : -INFINITY;
 }
 
+// A walk's m arcs, written last first from the end of its row of P, moved to the row's front (first arc first), -1 after.
+__device__ void path_to_front(long long* path, i64 m, int P) {
+    for (i64 i = 0; i < m; i++) path[i] = path[P - m + i];
+    for (i64 i = m; i < P; i++) path[i] = -1;
+}
+
 // The candidate (of n) whose cumulative weight first exceeds u times the total, as `choose_index` and the CPU's `_draw`
 // choose (the last that counts, if rounding leaves u times the total out of reach): three passes over the weights.
 __device__ i64 walk_draw(const WalkStep& c, int kind, i64 n, double u, const FLOAT* __restrict__ fin, const i64* __restrict__ src,
@@ -218,10 +224,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
                 }
             }
         }
-        if (walker) {                                             // the path to the row's front, first arc first
-            for (i64 i = 0; i < m; i++) path[i] = path[P - m + i];
-            for (i64 i = m; i < P; i++) path[i] = -1;
-        }
+        if (walker) path_to_front(path, m, P);
         return;
     }
 
@@ -276,12 +279,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) graph_logz(
                 wk[0] = v; wk[1] = used; wk[2] = m;
             }
         }
-        for (int d = threadIdx.x; d < draws; d += blockDim.x) {      // each path to its row's front, first arc first
-            long long* path = paths + ((i64)d * N + n) * P;
-            const i64 m = walk[((i64)n * draws + d) * 3 + 2];
-            for (i64 i = 0; i < m; i++) path[i] = path[P - m + i];
-            for (i64 i = m; i < P; i++) path[i] = -1;
-        }
+        for (int d = threadIdx.x; d < draws; d += blockDim.x)
+            path_to_front(paths + ((i64)d * N + n) * P, walk[((i64)n * draws + d) * 3 + 2], P);
         return;
 #undef DRAW
     }

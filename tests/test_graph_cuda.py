@@ -391,12 +391,25 @@ class _DeviceModel(torch.overrides.TorchFunctionMode):
         if on or device is not None: self.mark(out)
         return out
 
+def _watched_device(monkeypatch, on_device):
+    """A `_DeviceModel` of the tensors `on_device` and of those cached on the device by a warm call, with the emulator's
+    launches unwatched (a GPU launches instead)."""
+    import seqdist.kernel, seqdist.memory
+    model = _DeviceModel([*on_device, *(v for _, _, entry in list(seqdist.memory._TENSOR_CACHE.values()) for v in entry.values())])
+    launch = seqdist.kernel._launch_emulator
+    def launch_unwatched(*args):
+        model.paused = True
+        try: return launch(*args)
+        finally: model.paused = False
+    monkeypatch.setattr(seqdist.kernel, '_launch_emulator', launch_unwatched)
+    return model
+
 def test_a_warm_cuda_call_reads_nothing_back_from_the_device(monkeypatch):
     """graph_loss's forward and backward with backend='cuda', its lengths and the graphs' scores on the device (as
     tests/test_gpu.py's graph case puts them), as a GPU would run them (`on_host` False: checks asserted on the device):
     once warm, no host read of a device value and no copy at the call (`_DeviceModel`); the CUDA kernel's tables and
     the batch's structure stay on the device between calls."""
-    import seqdist.checks, seqdist.kernel, seqdist.memory, seqdist.ops
+    import seqdist.checks, seqdist.ops
     lp, lengths, gs, which = _batch(0, torch.float32, N=4)
     lengths[0] = 3                                                     # (no length 0: the CPU shortcut aside, the same)
     gs = [Graph(g.src, g.dst, g.labels, g.scores.clone().requires_grad_(), g.start, g.finals, g.final_scores.clone().requires_grad_(),
@@ -408,14 +421,7 @@ def test_a_warm_cuda_call_reads_nothing_back_from_the_device(monkeypatch):
         return loss
     for module in (G, seqdist.checks): monkeypatch.setattr(module, 'on_host', lambda *xs: False, raising=False)
     call().backward()                                                  # warm: the kernel built, the structure packed
-    model = _DeviceModel([x, lengths, *(t for g in gs for t in (g.scores, g.final_scores)),
-                          *(v for _, _, entry in list(seqdist.memory._TENSOR_CACHE.values()) for v in entry.values())])
-    launch = seqdist.kernel._launch_emulator
-    def launch_unwatched(*args):
-        model.paused = True
-        try: return launch(*args)
-        finally: model.paused = False
-    monkeypatch.setattr(seqdist.kernel, '_launch_emulator', launch_unwatched)
+    model = _watched_device(monkeypatch, [x, lengths, *(t for g in gs for t in (g.scores, g.final_scores))])
     backward = seqdist.ops._Eager.backward
     def backward_watched(ctx, *grads):
         model.mark(grads)                                              # (autograd's, from the device's loss)
@@ -432,7 +438,7 @@ def test_graph_lattice_argmax_and_marginals_on_the_device_read_nothing_back(monk
     (`on_host` False): once warm, building the lattice and asking argmax and the marginals read nothing back from the
     device and copy nothing to it (`_DeviceModel`): the lengths stay where they are (the CPU kernels' host copy is made
     only for the walks that need it), the path is written on the device."""
-    import seqdist.checks, seqdist.kernel, seqdist.memory
+    import seqdist.checks
     lp, lengths, gs, which = _batch(0, torch.float32, N=4)
     lengths[0] = 3
     gs = [Graph(g.src, g.dst, g.labels, g.scores.clone(), g.start, g.finals, g.final_scores.clone(), num_states=g.num_states)
@@ -444,14 +450,7 @@ def test_graph_lattice_argmax_and_marginals_on_the_device_read_nothing_back(monk
     want = ask()
     for module in (G, seqdist.checks): monkeypatch.setattr(module, 'on_host', lambda *xs: False, raising=False)
     ask()                                                              # warm: the kernel built, the structure packed
-    model = _DeviceModel([lp, lengths, *(t for g in gs for t in (g.scores, g.final_scores)),
-                          *(v for _, _, entry in list(seqdist.memory._TENSOR_CACHE.values()) for v in entry.values())])
-    launch = seqdist.kernel._launch_emulator
-    def launch_unwatched(*args):
-        model.paused = True
-        try: return launch(*args)
-        finally: model.paused = False
-    monkeypatch.setattr(seqdist.kernel, '_launch_emulator', launch_unwatched)
+    model = _watched_device(monkeypatch, [lp, lengths, *(t for g in gs for t in (g.scores, g.final_scores))])
     with model: got = ask()
     assert model.syncs == [], '; '.join(model.syncs)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
