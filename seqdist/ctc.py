@@ -169,8 +169,7 @@ def _forward_scaled(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, e
         lo, hi = _band(t, T, n_states)
         a[t, lo] = 0.0; a[t, lo + 1] = 0.0
         c = 0.0
-        # (sliced: with `lo` a runtime value, `s + 2` may be a negative index to the compiler, and numba's wraparound of
-        # one per read kept the loop slow)
+        # (sliced: `s + 2` with a runtime `lo` may be negative to the compiler, and numba's wraparound kept the loop slow)
         p0, p1, p2, sk, sl, et, o = a[t - 1, lo + 2:], a[t - 1, lo + 1:], a[t - 1, lo:], skipf[lo:], slot[lo:], emit[t], a[t, lo + 2:]
         for j in range(hi + 1 - lo):            # one pass: recursion, rescaling, next scale (state lo + j)
             v = (p0[j] + p1[j] + sk[j] * p2[j]) * (et[sl[j]] * inv)
@@ -216,9 +215,8 @@ def _viterbi(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit, ba
     for t in range(1, T):
         lo, hi = _band(t, T, n_states)
         a[t, lo] = -np.inf; a[t, lo + 1] = -np.inf
-        # (sliced, as in `_forward_scaled`: indices `s + 2` with a runtime `lo` get numba's wraparound)
         p0, p1, p2, sk, sl, et, o, bk = a[t - 1, lo + 2:], a[t - 1, lo + 1:], a[t - 1, lo:], skipf[lo:], slot[lo:], emit[t], a[t, lo + 2:], back[t, lo:]
-        for j in range(hi + 1 - lo):            # state lo + j
+        for j in range(hi + 1 - lo):            # state lo + j (sliced, as `_forward_scaled`'s rows)
             v, b = p0[j], 0
             if p1[j] > v: v, b = p1[j], 1
             if sk[j] != 0.0 and p2[j] > v: v, b = p2[j], 2
@@ -270,10 +268,9 @@ def _backward_scaled(n, T, n_states, ext, slot, skipf, alpha, emit, g, grad, bet
         lo, hi = _band(t - 1, T, n_states)
         b_prev[lo] = 0.0; b_prev[lo + 1] = 0.0
         c = 0.0
-        # (sliced, as in `_forward_scaled`: indices `s + 2` with a runtime `lo` get numba's wraparound)
         et, s0, s1, s2, k2 = emit[t], slot[lo:], slot[lo + 1:], slot[lo + 2:], skipf[lo + 2:]
         b0, b1, b2, o = b[lo + 2:], b[lo + 3:], b[lo + 4:], b_prev[lo + 2:]
-        for j in range(hi + 1 - lo):            # state lo + j
+        for j in range(hi + 1 - lo):            # state lo + j (sliced, as `_forward_scaled`'s rows)
             v = et[s0[j]] * b0[j] + et[s1[j]] * b1[j] + k2[j] * et[s2[j]] * b2[j]
             o[j] = v; c = max(c, v)
         if c == 0.0: return False
@@ -1288,8 +1285,7 @@ def _ctc_entropy_fast_cpu(lp, ext, input_lengths, target_lengths, blank, g, grad
             lo, hi = _band(t, T, S)
             A[t, lo] = 0.0; A[t, lo + 1] = 0.0; R[t, lo] = 0.0; R[t, lo + 1] = 0.0
             c = 0.0
-            # (sliced: with `lo` a runtime value, `s + 2` may be a negative index to the compiler, and numba's
-            # wraparound of each read kept the loop slow, as `_forward_scaled`'s)
+            # (sliced, as `_forward_scaled`'s rows: `s + 2` with a runtime `lo` gets numba's wraparound)
             A0, A1, A2, R0, R1, R2 = A[t - 1, lo + 2:], A[t - 1, lo + 1:], A[t - 1, lo:], R[t - 1, lo + 2:], R[t - 1, lo + 1:], R[t - 1, lo:]
             sk, sl, et, mt, oA, oR = skipf[lo:], slot[lo:], emit[t], msc[t], A[t, lo + 2:], R[t, lo + 2:]
             for j in range(hi + 1 - lo):            # state lo + j

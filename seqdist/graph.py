@@ -534,8 +534,8 @@ def _scaled_level(t, prev, row, p, Sg, s0, start, i0, iD, in_src, in_W, in_slot,
         row[:] = 0.0
         for d in range(iD):
             o = i0 + d * Sg
-            src_d, w_d, slot_d = in_src[o:o + Sg], in_W[o:o + Sg], in_slot[o:o + Sg]   # (sliced: `o + v` may be negative to
-            # the compiler, and numba's wraparound of such an index, a select per element, kept these loops scalar)
+            src_d, w_d, slot_d = in_src[o:o + Sg], in_W[o:o + Sg], in_slot[o:o + Sg]   # (sliced: numba's wraparound of `o + v`,
+            # which may be negative to the compiler, kept these loops scalar)
             for v in range(Sg): row[v] += prev[src_d[v]] * (w_d[v] * p[slot_d[v]])
         for r in range(r0, r1): row[rem_in[r, 0]] += prev[rem_in[r, 1]] * (rem_in_W[r] * p[rem_in[r, 2]])
     else:
@@ -657,12 +657,10 @@ def _graph_scaled_cpu(lp, lengths, seq_graph, g_state, g_start, g_arc, eps_ptr, 
                 g_row[:] = 0.0                                 # (the buffer comes uninitialised)
                 if 4 * U <= oD * Sg:                           # few labels, many arcs: four accumulators, so that the
                     acc4[:, :] = 0.0                           # same label twice in a row (a lattice's blanks) waits on
-                    slots = out_slot[o0:o0 + oD * Sg]
-                    for j in range(oD * Sg): acc4[j & 3, slots[j]] += q[j]                                  # no store
+                    for j in range(oD * Sg): acc4[j & 3, out_slot[o0 + j]] += q[j]                          # no store
                     for k in range(U): g_row[labs[k]] += acc4[0, k] + acc4[1, k] + acc4[2, k] + acc4[3, k]
                 else:
-                    labels_o = out_lab[o0:o0 + oD * Sg]
-                    for j in range(oD * Sg): g_row[labels_o[j]] += q[j]
+                    for j in range(oD * Sg): g_row[out_lab[o0 + j]] += q[j]
                 for r in range(rem_out_ptr[gi], rem_out_ptr[gi + 1]):
                     u = rem_out[r, 0]
                     x = rem_out_W[r] * p[rem_out[r, 2]] * beta[rem_out[r, 1]]
@@ -696,12 +694,11 @@ PackedGraphs = namedtuple('PackedGraphs', 'layout seq_graph max_arcs max_states 
 
 def pack_graphs(graphs, N):
     """One graph for the batch, or a list of N (some may be one object), as the kernels read them (`PackedGraphs`): the
-    structure (`packed_structure`), and the arc (E,) and final scores (S,) (-inf: not final) concatenated, differentiably.
-    A `PackedGraphs` already (of N sequences) is taken as it is: what `torch.compile` takes as an input of the compiled
-    function where a batch's graphs change at every step (numerators), its structure then tensors and sizes like any other."""
-    if isinstance(graphs, PackedGraphs):
-        if len(graphs.distinct) != N: raise ValueError(f"graphs must be packed for N = {N} sequences, got {len(graphs.distinct)}")
-        return graphs
+    structure (`packed_structure`), and the arc (E,) and final scores (S,) (-inf: not final) concatenated, differentiably;
+    a `PackedGraphs` of N sequences as it is (a compiled function's input: see the op's prose)."""
+    if isinstance(graphs, PackedGraphs) and len(graphs.distinct) != N:
+        raise ValueError(f"graphs must be packed for N = {N} sequences, got {len(graphs.distinct)}")
+    if isinstance(graphs, PackedGraphs): return graphs
     if isinstance(graphs, Graph): graphs = [graphs] * N
     if not isinstance(graphs, (list, tuple)) or not all(isinstance(g, Graph) for g in graphs):
         raise TypeError(f"graphs must be a Graph or a list of {N} Graphs, got {type(graphs).__name__}")
