@@ -355,34 +355,6 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, delay, use_max, g, g
         if write_grad and z != -np.inf:
             _backward_log(n, T, n_states, ext[n], slot, skipf, alpha, emit, g[n], grad, beta, by_state)
 
-@numba.njit(inline='always')
-def _no_path_to_walk(ext_n, T, L, best, n):
-    "True, with best[n] set, when sequence n has no path (-inf; its states left as they are) or no frame (0)."
-    if T < _frames_needed(ext_n, L):
-        best[n] = -np.inf
-        return True
-    if T == 0:
-        best[n] = 0.0
-        return True
-    return False
-
-@numba.njit(nogil=True, cache=_CACHE)
-def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states, best, lo, hi):
-    """The best path's state at each frame, states[n, t] (left as is past the input length), and its score best[n], for
-    the sequences lo <= n < hi."""
-    T_max, N, C = lp.shape
-    for n in range(lo, hi):
-        T, L = input_lengths[n], target_lengths[n]
-        n_states = 2 * L + 1
-        if _no_path_to_walk(ext[n], T, L, best, n): continue
-        U, slot, labels, offset, skipf = _lattice(ext[n], L, blank, C, 0.0)
-        alpha, emit, back = np.empty((T, n_states + 4)), np.empty((T, U)), np.empty((T, n_states), np.int8)
-        z, s = _viterbi(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit, back)
-        best[n] = z
-        if z == -np.inf: continue
-        for t in range(T - 1, -1, -1):
-            states[n, t] = s
-            if t > 0: s -= back[t, s]
 
 # %% ../nbs/02_ctc.ipynb #d112fcf8
 _LAUNCH_BOUND = {torch.float32: 1024, torch.float64: 512}   # ctc_alpha_beta's largest block: float64 needs 128 registers
@@ -779,6 +751,38 @@ def viterbi_alignments(logits, targets, input_lengths, target_lengths):
 def soft_alignments(logits, targets, input_lengths, target_lengths, beta=1.0):
     "seqdist 0.0.3: state posteriors (T, N, 2L+1) at inverse temperature `beta` (beta -> inf gives the Viterbi path)."
     return posteriors((logits.detach() * beta).log_softmax(2), targets, input_lengths, target_lengths, 0, Log, by_state=True)
+
+# %% ../nbs/02a_ctc_align.ipynb #ctc-viterbi-states
+# the best path's states, walked back along the Max recursion's back-pointers (`_viterbi`, 02_ctc)
+@numba.njit(inline='always')
+def _no_path_to_walk(ext_n, T, L, best, n):
+    "True, with best[n] set, when sequence n has no path (-inf; its states left as they are) or no frame (0)."
+    if T < _frames_needed(ext_n, L):
+        best[n] = -np.inf
+        return True
+    if T == 0:
+        best[n] = 0.0
+        return True
+    return False
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _viterbi_states_cpu(lp, ext, input_lengths, target_lengths, blank, states, best, lo, hi):
+    """The best path's state at each frame, states[n, t] (left as is past the input length), and its score best[n], for
+    the sequences lo <= n < hi."""
+    T_max, N, C = lp.shape
+    for n in range(lo, hi):
+        T, L = input_lengths[n], target_lengths[n]
+        n_states = 2 * L + 1
+        if _no_path_to_walk(ext[n], T, L, best, n): continue
+        U, slot, labels, offset, skipf = _lattice(ext[n], L, blank, C, 0.0)
+        alpha, emit, back = np.empty((T, n_states + 4)), np.empty((T, U)), np.empty((T, n_states), np.int8)
+        z, s = _viterbi(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit, back)
+        best[n] = z
+        if z == -np.inf: continue
+        for t in range(T - 1, -1, -1):
+            states[n, t] = s
+            if t > 0: s -= back[t, s]
+
 
 # %% ../nbs/02a_ctc_align.ipynb #24619e13
 def refuse_nan_paths(lp, ext, input_lengths, what):
