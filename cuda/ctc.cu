@@ -139,19 +139,34 @@ extern "C" __global__ void ctc_posteriors(
     }
 }
 
-// The gradient of the labels, in the backward pass: grad[t, n, c] = scale[t, n] * (exp(lp[t, n, c]) (with torch_grad,
-// PyTorch's convention) + minus_posteriors[t, n, c] (of the labels, if given)), and 0 where scale is 0 (frames past an
-// input length, whose padding may hold anything, NaN included). One thread per element: one pass over (T, N, C),
-// where PyTorch ops (exp, add, mul) take three.
+// A frame's factor in the gradient (`_frame_scales`, PyTorch's semantics): minus the loss's gradient grad_logz[n] in
+// the frames t < input_lengths[n]; NaN where logZ is NaN (the scores hold one: never zeroed) or infinite (no path),
+// unless zero_infinity (then 0); 0 past the input length. Computed where it is used: no (T, N) tensor, no PyTorch op.
+__device__ __forceinline__ FLOAT frame_scale(const FLOAT* grad_logz, const FLOAT* logz, const long long* input_lengths,
+                                             int t, int n, int zero_infinity)
+{
+    if (t >= input_lengths[n]) return (FLOAT)0;
+    const FLOAT z = logz[n], nan = (FLOAT)INFINITY - (FLOAT)INFINITY;
+    if (z != z) return nan;
+    if (z == (FLOAT)INFINITY || z == -(FLOAT)INFINITY) return zero_infinity ? (FLOAT)0 : nan;
+    return -grad_logz[n];
+}
+
+// The gradient of the labels, in the backward pass: grad[t, n, c] = scale * (exp(lp[t, n, c]) (with torch_grad,
+// PyTorch's convention) + minus_posteriors[t, n, c] (of the labels, if given)), scale the frame's `frame_scale`, and 0
+// where scale is 0 (frames past an input length, whose padding may hold anything, NaN included). One thread per
+// element: one pass over (T, N, C), where PyTorch ops (exp, add, mul) take three.
 extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* __restrict__ minus_posteriors,
-                                    const FLOAT* __restrict__ scale, FLOAT* __restrict__ grad, long long rows, int C,
-                                    int torch_grad)
+                                    const FLOAT* __restrict__ grad_logz, const FLOAT* __restrict__ logz,
+                                    const long long* __restrict__ input_lengths, FLOAT* __restrict__ grad, long long rows,
+                                    int N, int C, int torch_grad, int zero_infinity)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * C) return;
+    const long long row = i / C;
+    const FLOAT s = frame_scale(grad_logz, logz, input_lengths, (int)(row / N), (int)(row % N), zero_infinity);
     FLOAT v = torch_grad ? exp(lp[i]) : (FLOAT)0;
     if (minus_posteriors) v += minus_posteriors[i];
-    const FLOAT s = scale[i / C];
     grad[i] = s == (FLOAT)0 ? (FLOAT)0 : s * v;
 }
 
@@ -176,23 +191,53 @@ extern "C" __global__ void ctc_poison(const FLOAT* __restrict__ lp, const long l
     if (threadIdx.x == 0 && found) logz[n] = (FLOAT)INFINITY - (FLOAT)INFINITY;     // NaN
 }
 
-// out[t, n, label of s] += scale[t, n] * minus_posteriors[t, n, s] for the states s of each valid frame (the labels'
-// share of the states' posteriors), in state order: one thread per (t, n), so the sum is deterministic, where
-// scatter_add_ on a GPU adds with atomics in any order (every blank state adds into one element).
+// out[t, n, label of s] += scale * minus_posteriors[t, n, s] for the states s of each valid frame (the labels' share
+// of the states' posteriors; scale the frame's `frame_scale`), in state order: one thread per (t, n), so the sum is
+// deterministic, where scatter_add_ on a GPU adds with atomics in any order (every blank state adds into one element).
 extern "C" __global__ void ctc_states_to_labels(
     const FLOAT* __restrict__ minus_posteriors, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
-    const long long* __restrict__ target_lengths, const FLOAT* __restrict__ scale, FLOAT* __restrict__ out,
-    int T_max, int N, int C, int S_max)
+    const long long* __restrict__ target_lengths, const FLOAT* __restrict__ grad_logz, const FLOAT* __restrict__ logz,
+    FLOAT* __restrict__ out, int T_max, int N, int C, int S_max, int zero_infinity)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_max * N) return;
     const int t = (int)(i / N), n = (int)(i % N);
     if (t >= input_lengths[n]) return;
     const int S = 2 * (int)target_lengths[n] + 1;
+    const FLOAT scale = frame_scale(grad_logz, logz, input_lengths, t, n, zero_infinity);
     const FLOAT* p = minus_posteriors + i * S_max;
     const long long* e = ext + (long long)n * S_max;
     FLOAT* o = out + i * C;
-    for (int s = 0; s < S; s++) o[e[s]] += scale[i] * p[s];
+    for (int s = 0; s < S; s++) o[e[s]] += scale * p[s];
+}
+
+// The CUDA backend's `padded_targets` and `interleave_blanks` in one launch (they took ~25 PyTorch ops, each a launch):
+// ext[n, s] (N, W), the blank at even s and past the target's length, label (s - 1) / 2 at odd s, read from a padded
+// row (width > 0: targets (N, width)) or from the concatenated targets (width 0: sequence n's at starts[n], `total` in
+// all). With `check`'s bits, the checks whose values live on the device (1: the lengths, `check_target_lengths`; 2: the
+// labels, `check_labels`) write ok[k] = 0 where check k fails (every writer writes 0: no race). A thread an element.
+extern "C" __global__ void ctc_prepare(
+    const long long* __restrict__ targets, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, const long long* __restrict__ starts, long long* __restrict__ ext,
+    bool* __restrict__ ok, int N, int W, int T, int C, int blank, int width, long long total, int check)
+{
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)N * W) return;
+    const int n = (int)(i / W), s = (int)(i % W), u = (s - 1) / 2;
+    const long long L = target_lengths[n], at = width > 0 ? (long long)n * width + u : (s % 2 ? starts[n] + u : 0);
+    long long label = blank;
+    if (s % 2 == 1 && u < L && (width > 0 ? u < width : at >= 0 && at < total)) {   // (else a length check fails)
+        label = targets[at];
+        if ((check & 2) && (label < 0 || label >= C || label == blank)) ok[4] = false;
+    }
+    ext[i] = label;
+    if ((check & 1) && s == 0) {
+        const long long il = input_lengths[n];
+        if (il < 0 || il > T) ok[0] = false;
+        if (L < 0) ok[1] = false;
+        if (width > 0 && L > width) ok[2] = false;
+        if (width == 0 && n == N - 1 && starts[n] + L != total) ok[3] = false;
+    }
 }
 
 // The best path's state at each frame (forced alignment), at any length: the max recursion keeping for each (frame,

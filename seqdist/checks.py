@@ -37,16 +37,17 @@ def count_checks():
     try: yield counts
     finally: _check_counts.remove(counts)
 
-def check_labels(y, keep, n, blank, host, n_name='C'):
+def check_labels(y, keep, n, blank, host, n_name='C', ok=None):
     """`require` that the labels y where `keep` holds are in [0, n) and not `blank` (the targets of a lattice loss);
-    `host` as for `require`."""
+    `host` as for `require`. With `ok` (a bool tensor on the device, which a kernel wrote as it read the labels), the
+    device asserts it instead of computing the condition."""
     def message():
         "target labels out of range or equal to blank"
         labels = y[keep]
         out = labels[(labels < 0) | (labels >= n)]
         if out.numel(): return f"targets must hold labels in [0, {n_name}) = [0, {n}), got {out[:5].tolist()}"
         return f"targets contain the blank label {blank} within their target_lengths"
-    require((~keep | ((y >= 0) & (y < n) & (y != blank))).all(), host, message)
+    require((~keep | ((y >= 0) & (y < n) & (y != blank))).all() if ok is None else ok, host and ok is None, message)
 
 def refuse_nan(nan_any, host, what, name, bad_scores='NaN or +inf'):
     """`require` that no sequence's scores hold a NaN or a +inf: `nan_any` (N,) is True where sequence n's (within its

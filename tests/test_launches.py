@@ -38,8 +38,8 @@ def test_ctc_budget(variant, monkeypatch):
     lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
                                    torch.tensor([5, 3, 4]))
     launches, ops = budget(lambda: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, 0.0, backend='cuda'))
-    assert launches == {'ctc_alpha_beta': 1, 'ctc_poison': 1, 'ctc_posteriors': 1}
-    assert ops.total <= 36 + ('split' in variant), ops.ops   # (split: beta's buffer besides; lengths and labels on the
+    assert launches == {'ctc_prepare': 1, 'ctc_alpha_beta': 1, 'ctc_poison': 1, 'ctc_posteriors': 1}
+    assert ops.total <= 24 + ('split' in variant), ops.ops   # (split: beta's buffer besides; lengths and labels on the
                                                              # CPU are checked there: host reads, no GPU wait)
 
 def test_ctc_with_lengths_on_the_gpu_reads_nothing_on_the_host(monkeypatch):
@@ -60,6 +60,61 @@ def test_ctc_with_lengths_on_the_gpu_reads_nothing_on_the_host(monkeypatch):
         args = dict(lp=lp, tg=tg, il=il, tl=tl) | bad
         with pytest.raises(RuntimeError, match=message):       # on a GPU: a device-side assertion, at the next sync
             compute(args['lp'], args['tg'], args['il'], args['tl'], 'cuda')
+
+@pytest.mark.parametrize('on_device', [False, True])
+@pytest.mark.parametrize('concatenated', [False, True])
+def test_ctc_prepare_is_padded_targets_then_interleave_blanks(concatenated, on_device, monkeypatch):
+    """The CUDA backend's one launch (`extended_targets_cuda`: `ctc_prepare`) gives what the CPU backend's ops give
+    (`interleave_blanks(padded_targets(...))`), padding of garbage labels replaced by the blank, for padded and
+    concatenated targets, lengths and labels on the host or (`on_host` False) on the device, also widened to a
+    padded width (the state posteriors'); lengths on the host go to the device in one copy, unchanged."""
+    import seqdist.ctc as ctc
+    if on_device: monkeypatch.setattr(ctc, 'on_host', lambda *xs: False)
+    torch.manual_seed(0)
+    T, N, C, S = 12, 5, 7, 8
+    lp = torch.randn(T, N, C).log_softmax(2)
+    tl = torch.tensor([6, 0, 3, 5, 1])
+    padded = torch.randint(0, C - 1, (N, S))                          # (blank C - 1)
+    padded[torch.arange(S)[None] >= tl[:, None]] = -7                   # garbage in the padding: not read
+    tg = torch.cat([padded[n, :tl[n]] for n in range(N)]) if concatenated else padded
+    il = torch.tensor([12, 9, 0, 11, 12])
+    for width in (0, 9):
+        ext, il_d, tl_d = ctc.extended_targets_cuda(lp, tg, il, tl, C - 1, True, width)
+        want = ctc.interleave_blanks(ctc.padded_targets(lp, tg, il, tl, C - 1), C - 1)
+        want = torch.nn.functional.pad(want, (0, ext.shape[1] - want.shape[1]), value=C - 1)
+        assert ext.shape[1] == 2 * max(width, S if on_device and not concatenated else int(tl.max())) + 1   # (device: no max read)
+        assert torch.equal(ext, want) and torch.equal(il_d, il) and torch.equal(tl_d, tl)
+
+@pytest.mark.parametrize('concatenated', [False, True])
+def test_ctc_prepare_asserts_each_bad_value_on_the_device(concatenated, monkeypatch):
+    """Lengths and labels on the device (`on_host` False) are checked by `ctc_prepare` as it reads them, and each
+    check asserted by name (on a GPU: a device-side assertion, at the next synchronisation; no host read), the checks
+    the CPU makes on host values: input_lengths in [0, T], target_lengths >= 0 and within the padded width or summing
+    to the concatenated targets, labels in [0, C) and not the blank."""
+    import seqdist.ctc as ctc
+    from seqdist.checks import count_checks
+    monkeypatch.setattr(ctc, 'on_host', lambda *xs: False)
+    torch.manual_seed(0)
+    T, N, C = 20, 3, 6
+    lp = torch.randn(T, N, C).log_softmax(2)
+    tg, il, tl = torch.randint(1, C, (N, 5)), torch.full((N,), T), torch.tensor([5, 3, 4])
+    def call(tg, il, tl):
+        tg = torch.cat([tg[n, :max(int(tl[n]), 0)] for n in range(N)]) if concatenated else tg
+        return ctc.extended_targets_cuda(lp, tg, il, tl, 0)
+    with count_checks() as checks: call(tg, il, tl)
+    assert sum(checks.values()) == 4 and all(v == 1 for v in checks.values()), checks
+    bad_labels = tg.clone(); bad_labels[1, 2] = C
+    cases = [(dict(il=il.clone().index_fill_(0, torch.tensor([2]), T + 1)), "input_lengths out of"),
+             (dict(il=il.clone().index_fill_(0, torch.tensor([0]), -1)), "input_lengths out of"),
+             (dict(tg=bad_labels), "labels out of range"), (dict(tg=tg * 0), "equal to blank")]
+    cases += [(dict(tl=tl - 4), "negative target_lengths")] if not concatenated else []
+    cases += [(dict(tl=tl + 1), "longer than the padded targets")] if not concatenated else []
+    for bad, message in cases:
+        args = dict(tg=tg, il=il, tl=tl) | bad
+        with pytest.raises(RuntimeError, match=message): call(**args)
+    if concatenated:                                                  # one label more than the lengths sum to
+        with pytest.raises(RuntimeError, match="do not sum"):
+            ctc.extended_targets_cuda(lp, torch.cat([tg[n, :int(tl[n])] for n in range(N)] + [tg[0, :1]]), il, tl, 0)
 
 def test_sparse_budget_no_host_reads_once_warm():
     torch.manual_seed(0)

@@ -65,8 +65,10 @@ def launch_rows(device, quick):
     from seqdist.ctc import _ctc_kernels
     from seqdist.core import Log
     k = _ctc_kernels[(torch.float32, Log)]['ctc_grad']
-    lp, grad, scale = (torch.zeros(4, 8, device=device) for _ in range(3))
-    launch = lambda: k((1,), (32,), lp=lp, minus_posteriors=None, scale=scale, grad=grad, rows=4, C=8, torch_grad=1)
+    lp, grad, g, logz = (torch.zeros(*shape, device=device) for shape in ((4, 8), (4, 8), (1,), (1,)))
+    il = torch.full((1,), 4, device=device)
+    launch = lambda: k((1,), (32,), lp=lp, minus_posteriors=None, grad_logz=g, logz=logz, input_lengths=il, grad=grad,
+                       rows=4, N=1, C=8, torch_grad=1, zero_infinity=0)
     n = 200 if quick else 2000
     def per_launch(fn):
         fn(); _sync(device)
@@ -79,8 +81,8 @@ def launch_rows(device, quick):
     if torch.device(device).type == 'cuda':
         import cupy
         fn = next(iter(k._compiled.values()))['fn']
-        args = (np.uint64(lp.data_ptr()), np.uint64(0), np.uint64(scale.data_ptr()), np.uint64(grad.data_ptr()),
-                np.int64(4), np.int32(8), np.int32(1))
+        args = (np.uint64(lp.data_ptr()), np.uint64(0), np.uint64(g.data_ptr()), np.uint64(logz.data_ptr()),
+                np.uint64(il.data_ptr()), np.uint64(grad.data_ptr()), np.int64(4), np.int32(1), np.int32(8), np.int32(1), np.int32(0))
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
         rows.append(dict(rows[0], ours_ms=per_launch(lambda: fn((1,), (32,), args, stream=stream)) / 1e3,
                          check='CuPy Function call, arguments marshalled once'))
