@@ -6,7 +6,7 @@
 __all__ = ['GPU_LIMITS', 'MAX_BLOCK_DIMS', 'MAX_THREADS_PER_BLOCK', 'MAX_GRID_DIMS', 'MAX_SHARED_MEM_PER_BLOCK', 'EMULATOR_MAX_SHARED_MEM', 'KERNELS', 'FLOAT_DTYPES', 'cuda_dir', 'find_source', 'Param', 'kernel_params', 'count_launches', 'Kernel', 'KernelModule', 'load_kernel', 'load_cupy_func', 'load_cupy_module', 'dtype_kernels', 'algebra_kernels']
 
 # %% ../nbs/01_utils.ipynb #19eb5c4c
-import collections, ctypes, os, re
+import collections, ctypes, keyword, os, re
 from contextlib import contextmanager
 from pathlib import Path
 import numpy as np
@@ -134,23 +134,50 @@ def _param_specs(params):
         specs.append((p.pointer, _C_TYPES[p.ctype][2], nptype, bounds))
     return specs
 
-def _marshal(kernel, args, device):
-    """`_marshal_checked` without its cost (it runs before every launch, so it is host time on a GPU): a loop over
-    precomputed parameter specs for well-formed arguments; anything else goes to the checked version, which names
-    the problem."""
-    specs = kernel.specs
-    if len(args) != len(specs): return _marshal_checked(kernel, args, device)
-    values = []
-    for (pointer, dtypes, nptype, bounds), a in zip(specs, args):
+_NULL = np.uint64(0)     # a None pointer, as CuPy takes it
+
+def _pointers(values):
+    "Marshalled values as CuPy launches them: each tensor's address (None: 0), the scalars as they are."
+    return tuple(np.uint64(v.data_ptr()) if isinstance(v, torch.Tensor) else _NULL if v is None else v for v in values)
+
+def _fast_marshal(kernel, pointers_on='cuda'):
+    """`_marshal_checked` for well-formed arguments without its cost, which is host time before every launch on a GPU:
+    a function generated once per kernel (as `collections.namedtuple` generates its class), its parameters the
+    kernel's, so Python binds a launch's arguments by position or by name, one test per argument unrolled. It returns
+    (device, values): the tensors' device, and the values to launch with (on a GPU their addresses: `_pointers`); None
+    for anything else (wrong types, devices, layouts, out-of-range ints), which `_marshal_checked` then names. None
+    where a parameter's name is not a Python name. (`pointers_on`: the device type given addresses; tests set 'cpu'.)"""
+    names = kernel.param_names
+    if any(keyword.iskeyword(p) or p.startswith('_') for p in names) or len(set(names)) != len(names): return None
+    env, tests, values, pointers = dict(_Tensor=torch.Tensor, _u64=np.uint64, _NULL=_NULL, _cpu=torch.device('cpu')), [], [], []
+    for i, (p, (pointer, dtypes, nptype, bounds)) in enumerate(zip(names, kernel.specs)):
         if pointer:
-            if a is None or (isinstance(a, torch.Tensor) and a.device == device
-                             and (dtypes is None or a.dtype in dtypes) and a.is_contiguous()):
-                values.append(a); continue
-        elif bounds is None:
-            if type(a) in (int, float): values.append(nptype(a)); continue
-        elif type(a) is int and bounds[0] <= a <= bounds[1]: values.append(nptype(a)); continue
-        return _marshal_checked(kernel, args, device)
-    return values
+            dtype = '' if dtypes is None else f" and {p}.dtype is _dtypes{i}" if len(dtypes) == 1 else f" and {p}.dtype in _dtypes{i}"
+            env[f'_dtypes{i}'] = dtypes[0] if dtypes is not None and len(dtypes) == 1 else dtypes   # (dtypes are singletons)
+            tests.append(f"if {p} is not None and not (type({p}) is _Tensor and {p}.device == _device{dtype} and {p}.is_contiguous()): return None")
+            values.append(p)
+            pointers.append(f"_u64({p}.data_ptr()) if {p} is not None else _NULL")
+        else:
+            env[f'_c{i}'] = nptype
+            tests.append(f"if not (type({p}) is int or type({p}) is float): return None" if bounds is None else
+                         f"if not (type({p}) is int and {bounds[0]} <= {p} <= {bounds[1]}): return None")
+            values.append(f"_c{i}({p})"); pointers.append(f"_c{i}({p})")
+    tensor_params = [p for p, (pointer, *_) in zip(names, kernel.specs) if pointer]
+    pick = ''.join(f"{p} if {p} is not None else " for p in tensor_params) + "None"
+    source = (f"def marshal({', '.join(names)}):\n"
+              f"    _first = {pick}\n"
+              f"    if _first is not None and type(_first) is not _Tensor: return None\n"
+              f"    _device = _cpu if _first is None else _first.device\n"
+              + ''.join(f"    {t}\n" for t in tests) +
+              f"    if _device.type == {pointers_on!r}: return _device, ({', '.join(pointers)}{',' if len(pointers) == 1 else ''})\n"
+              f"    return _device, [{', '.join(values)}]\n")
+    exec(source, env)
+    return env['marshal']
+
+def _marshal(kernel, args, device):
+    "The values to launch `kernel` with, from its arguments `args` on `device` (tensors stay tensors): checked, fast when well formed."
+    got = kernel.fast_marshal(*args) if kernel.fast_marshal is not None and len(args) == len(kernel.specs) else None
+    return got[1] if got is not None and got[0] == device and device.type != 'cuda' else _marshal_checked(kernel, args, device)
 
 def _marshal_checked(kernel, args, device):
     "Check `args` against the kernel's parameters; tensors stay tensors, scalars become numpy scalars of the C type."
@@ -204,6 +231,7 @@ class Kernel:
         self.path, self.name = find_source(fname), name
         self.macros = {k: str(v) for k, v in {**(macros or {}), **more_macros}.items()}
         self._params, self._specs, self._names, self._source, self._compiled = None, None, None, None, {}  # built at first use
+        self._fast = False                                                                          # (None: there is none)
         key = (str(self.path), name, tuple(self.macros.items()))
         if hasattr(KERNELS.get(key), 'budget'): self.budget = KERNELS[key].budget   # declared for the instantiation
         KERNELS[key] = self
@@ -242,11 +270,25 @@ class Kernel:
         if self._names is None: self._names = tuple(p.name for p in self.params)
         return self._names
 
+    @property
+    def fast_marshal(self):
+        "`_fast_marshal`'s function for this kernel (None where there is none), generated at the first launch."
+        if self._fast is False: self._fast = _fast_marshal(self)
+        return self._fast
+
     def __call__(self, grid, block, args=None, *, shared_mem=0, **named):
-        if args is None or named: args = self._args_by_name(args, named)
-        grid, block, args = _dims(grid, 'grid', self.name), _dims(block, 'block', self.name), tuple(args)
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device('cpu'))
-        values = _marshal(self, args, device)
+        fast, got = self.fast_marshal, None
+        if fast is not None:
+            try: got = fast(*args) if args is not None and not named else fast(**named) if args is None else None
+            except TypeError: pass              # a missing or unknown name, or a wrong count: the checked path says which
+        if got is None:                         # anything not well formed: checked, and named where it is wrong
+            if args is None or named: args = self._args_by_name(args, named)
+            args = tuple(args)
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device('cpu'))
+            values = _marshal_checked(self, args, device)
+            if device.type == 'cuda': values = _pointers(values)
+        else: device, values = got
+        grid, block = _dims(grid, 'grid', self.name), _dims(block, 'block', self.name)
         for counts in _launch_counts: counts[self.name] += 1
         if device.type == 'cuda': return _launch_cupy(self, device, grid, block, values, shared_mem)
         if device.type == 'cpu':
@@ -325,9 +367,10 @@ _raw_stream = getattr(torch._C, '_cuda_getCurrentRawStream', None)    # what tor
 def _current_stream(idx):
     return _RawStream(_raw_stream(idx) if _raw_stream is not None else torch.cuda.current_stream(idx).cuda_stream)
 
-def _launch_cupy(kernel, device, grid, block, values, shared_mem):
-    """Launch on PyTorch's current stream of the tensors' device. What does not change between launches (the compiled
-    function, its thread and shared-memory limits) is looked up once per kernel and device: each launch is host time."""
+def _launch_cupy(kernel, device, grid, block, args, shared_mem):
+    """Launch with `args` (`_pointers`: the tensors' addresses) on PyTorch's current stream of the tensors' device.
+    What does not change between launches (the compiled function, its thread and shared-memory limits) is looked up
+    once per kernel and device, and a launch within every limit is tested in one line: each launch is host time."""
     cupy = _import_cupy()
     idx = device.index if device.index is not None else torch.cuda.current_device()
     with cupy.cuda.Device(idx):
@@ -342,11 +385,12 @@ def _launch_cupy(kernel, device, grid, block, values, shared_mem):
             entry = kernel._compiled[idx] = dict(fn=fn, max_threads=fn.max_threads_per_block, dynamic=48 * 1024,
                                                  max_shared=_device_props[idx]['sharedMemPerBlockOptin'] - fn.shared_size_bytes)
         fn = entry['fn']
-        if block[0] * block[1] * block[2] > entry['max_threads']:
-            raise ValueError(f"kernel {kernel.name}: block={block} has more threads than the {entry['max_threads']} "
-                             f"this kernel can run per block on device {idx}")
-        _check_launch(kernel.name, grid, block, shared_mem, entry['max_shared'])
+        if not (block[0] * block[1] * block[2] <= entry['max_threads'] and block[2] <= MAX_BLOCK_DIMS[2]
+                and grid[0] <= MAX_GRID_DIMS[0] and grid[1] <= MAX_GRID_DIMS[1] and grid[2] <= MAX_GRID_DIMS[2]
+                and type(shared_mem) is int and 0 <= shared_mem <= entry['max_shared']):   # (else: which limit, by name)
+            if block[0] * block[1] * block[2] > entry['max_threads']:
+                raise ValueError(f"kernel {kernel.name}: block={block} has more threads than the {entry['max_threads']} "
+                                 f"this kernel can run per block on device {idx}")
+            _check_launch(kernel.name, grid, block, shared_mem, entry['max_shared'])
         if shared_mem > entry['dynamic']: fn.max_dynamic_shared_size_bytes = entry['dynamic'] = shared_mem
-        args = tuple(np.uint64(v.data_ptr()) if isinstance(v, torch.Tensor) else np.uint64(0) if v is None else v
-                     for v in values)
         fn(grid, block, args, shared_mem=shared_mem, stream=_current_stream(idx))

@@ -78,7 +78,7 @@ from .kernel import *
 from .compile_check import *
 # the private names that the tests and earlier code reach through seqdist.utils
 from .memory import _LARGE, _BufferPool, _Lease, _TENSOR_CACHE
-from .kernel import _C_TYPES, _dims, _check_launch, _param_specs, _marshal, _marshal_checked
+from .kernel import _C_TYPES, _dims, _check_launch, _param_specs, _marshal, _marshal_checked, _fast_marshal, _pointers
 from .kernel import _import_cupy, _RawStream, _current_stream, _launch_cupy
 from .emulator import _emulator, _launch_emulator
 from .compile_check import _short_macros

@@ -135,7 +135,7 @@ def test_cupy_launch_path_with_a_fake_cupy(monkeypatch):
     monkeypatch.setattr(U, '_current_stream', lambda idx: U._RawStream(1234 + idx))
     k = load_kernel(KDIR / 'lattice_scan.cu', 'lattice_forward', **Log.cuda_macros(torch.float64))
     scores, alpha = torch.randn(3, 8, dtype=torch.float64), torch.empty(4, 8, dtype=torch.float64)
-    values = U._marshal(k, (scores, alpha, 3, 8), scores.device)
+    values = U._pointers(U._marshal(k, (scores, alpha, 3, 8), scores.device))
     gpu = torch.device('cuda', 1)
     for shared in (0, 64 * 1024, 64 * 1024, 100 * 1024):
         U._launch_cupy(k, gpu, (1, 1, 1), (32, 1, 1), values, shared)
@@ -147,3 +147,40 @@ def test_cupy_launch_path_with_a_fake_cupy(monkeypatch):
         U._launch_cupy(k, gpu, (1, 1, 1), (32, 1, 1), values, 228 * 1024)
     with pytest.raises(ValueError, match="more threads than the 1024"):
         U._launch_cupy(k, gpu, (1, 1, 1), (64, 32, 1), values, 0)
+
+def test_the_generated_marshaller_gives_what_the_checked_one_gives():
+    """`_fast_marshal`'s function (generated once per kernel, run before every launch) gives `_marshal_checked`'s
+    values for well-formed arguments, by position and by name, and on a GPU (here `pointers_on='cpu'`) their
+    addresses as CuPy takes them (`_pointers`); anything else it leaves to the checked path (None), which names it."""
+    import seqdist.kernel as U
+    x, out = torch.randn(2, 8), torch.empty(2)
+    k = lattice
+    scores, alpha = torch.randn(3, 8, dtype=torch.float64), torch.empty(4, 8, dtype=torch.float64)
+    fast = U._fast_marshal(k)
+    for got in (fast(scores, alpha, 3, 8), fast(**dict(zip(k.param_names, (scores, alpha, 3, 8))))):
+        device, values = got
+        want = U._marshal_checked(k, (scores, alpha, 3, 8), scores.device)
+        assert device == scores.device and len(values) == len(want)
+        assert all(a is b if isinstance(b, torch.Tensor) else (type(a) is type(b) and a == b) for a, b in zip(values, want))
+    device, pointers = U._fast_marshal(k, pointers_on='cpu')(scores, None, 3, 8)
+    assert pointers == U._pointers(U._marshal_checked(k, (scores, None, 3, 8), scores.device))
+    assert pointers[0] == scores.data_ptr() and pointers[1] == 0 and type(pointers[2]) is type(want[2])
+    for bad in ((scores.float(), alpha, 3, 8), (scores.t(), alpha, 3, 8), (scores, alpha.to('meta'), 3, 8),
+                (scores, alpha, 2**31, 8), (scores, alpha, 3.0, 8), (scores, alpha, True, 8), (scores, [1.0], 3, 8),
+                (torch.nn.Parameter(scores), alpha, 3, 8)):
+        assert fast(*bad) is None                                     # the checked path decides (and names what is wrong)
+    p = torch.nn.Parameter(scores.clone())                            # (a Parameter is well formed: checked, accepted)
+    assert U._marshal(k, (p, alpha, 3, 8), p.device)[0] is p
+
+def test_a_kernel_whose_parameter_is_a_python_keyword_launches_by_position_and_name(tmp_path):
+    import seqdist.kernel as U
+    src = tmp_path / 'kw.cu'
+    src.write_text('extern "C" __global__ void twice(const float* in, float* out, int n) {\n'
+                   '    int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) out[i] = 2 * in[i]; }\n')
+    k = load_kernel(src, 'twice')
+    assert k.fast_marshal is None
+    x, out = torch.arange(5.0), torch.empty(5)
+    k((1,), (32,), (x, out, 5))
+    assert torch.equal(out, 2 * x)
+    k((1,), (32,), **{'in': x + 1, 'out': out, 'n': 5})
+    assert torch.equal(out, 2 * x + 2)
