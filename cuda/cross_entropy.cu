@@ -40,7 +40,7 @@ __device__ __forceinline__ void ce_block_reduce(FLOAT& m, FLOAT& s, FLOAT& sx, F
 extern "C" __global__ void ce_forward(const IN_T* __restrict__ x, const long long* __restrict__ target,
                                       const FLOAT* __restrict__ weight, int has_weight, long long ignore_index,
                                       FLOAT eps, FLOAT cap, FLOAT W, FLOAT* __restrict__ lse, FLOAT* __restrict__ ce,
-                                      int M, int C) {
+                                      int M, int C, bool* __restrict__ ok) {
     __shared__ FLOAT red[96];
     for (int row = blockIdx.x; row < M; row += gridDim.x) {
         const IN_T* r = x + (long long)row * C;
@@ -56,7 +56,10 @@ extern "C" __global__ void ce_forward(const IN_T* __restrict__ x, const long lon
             const FLOAT z = m + log(s);
             const long long t = target[row];
             FLOAT loss = 0;
-            if (t != ignore_index) {
+            if (t != ignore_index && (t < 0 || t >= C)) {       // a class out of range: NaN, and with `ok` the check's
+                loss = (FLOAT)INFINITY - (FLOAT)INFINITY;      // flag (asserted on the device: `_check_targets`)
+                if (ok) ok[0] = false;
+            } else if (t != ignore_index) {
                 const FLOAT wt = has_weight ? weight[t] : (FLOAT)1;
                 loss = (1 - eps) * wt * (z - ce_capped(LOAD(r[t]), cap));
                 if (eps > 0) loss += eps / C * (W * z - sx);
@@ -67,18 +70,22 @@ extern "C" __global__ void ce_forward(const IN_T* __restrict__ x, const long lon
     }
 }
 
-// grad = d/dx of sum_i (g_ce[i] ce[i] + g_lse[i] lse[i] + zc[i] lse[i]^2); grad may alias x.
-extern "C" __global__ void ce_backward(const IN_T* x, const long long* __restrict__ target,
+// grad = d/dx of sum_i (g_ce[i] ce[i] + g_lse[i] lse[i] + zc[i] lse[i]^2) (zc null: 0; g_step 0: g_ce a reduction's
+// gradient, one value for every row, read as it is rather than copied out to M); grad may alias x. A target out of
+// range (which the forward flagged) reads no weight. Bounded to 32 registers in float (8 blocks of 256 resident: a
+// streaming pass needs its loads in flight; 33 left 6), 51 in double (5 blocks: 8 would spill).
+#define CE_BACKWARD_MIN_BLOCKS (sizeof(FLOAT) == 4 ? 8 : 5)
+extern "C" __global__ void __launch_bounds__(256, CE_BACKWARD_MIN_BLOCKS) ce_backward(const IN_T* x, const long long* __restrict__ target,
                                        const FLOAT* __restrict__ weight, int has_weight, long long ignore_index,
                                        FLOAT eps, FLOAT cap, FLOAT W, const FLOAT* __restrict__ lse,
                                        const FLOAT* __restrict__ g_ce, const FLOAT* __restrict__ g_lse,
-                                       const FLOAT* __restrict__ zc, IN_T* grad, int M, int C) {
+                                       const FLOAT* __restrict__ zc, IN_T* grad, int M, int C, long long g_step) {
     for (int row = blockIdx.x; row < M; row += gridDim.x) {
         const long long t = target[row];
-        const bool ign = t == ignore_index;
-        const FLOAT z = lse[row], wt = ign ? (FLOAT)0 : (has_weight ? weight[t] : (FLOAT)1);
-        const FLOAT g = ign ? (FLOAT)0 : g_ce[row];
-        const FLOAT a = g * ((1 - eps) * wt + eps / C * W) + g_lse[row] + 2 * zc[row] * z, b = g * eps / C;
+        const bool ign = t == ignore_index, out = t < 0 || t >= C;
+        const FLOAT z = lse[row], wt = ign || out ? (FLOAT)0 : (has_weight ? weight[t] : (FLOAT)1);
+        const FLOAT g = ign ? (FLOAT)0 : g_ce[g_step ? row : 0];
+        const FLOAT a = g * ((1 - eps) * wt + eps / C * W) + g_lse[row] + (zc ? 2 * zc[row] * z : (FLOAT)0), b = g * eps / C;
         const IN_T* r = x + (long long)row * C;
         IN_T* gr = grad + (long long)row * C;
         for (int c = threadIdx.x; c < C; c += blockDim.x) {

@@ -209,7 +209,7 @@ def _row_options(weight, C, ignore_index, eps, cap, dt, device, backend):
     """What all the rows of a call share, made once per call: the class weights (None or (C,)) and, for the kernels,
     the same in the arithmetic dtype `dt` (and, for CUDA, their sum W, which label smoothing needs), ignore_index,
     label smoothing `eps` and the soft-cap `cap` (0: none)."""
-    o = SimpleNamespace(weight=weight, ignore_index=ignore_index, eps=eps, cap=cap, dt=dt)
+    o = SimpleNamespace(weight=weight, ignore_index=ignore_index, eps=eps, cap=cap, dt=dt, check_targets=False)
     if backend == 'cpu': o.w = _weight_arg(weight, dt, 'cpu').numpy()
     elif backend == 'cuda':
         o.w = _weight_arg(weight, dt, device)
@@ -263,26 +263,31 @@ def _as_kernel_input(x):
     return x.contiguous(), _ce_kernels[x.dtype], _STORAGE[x.dtype][4]
 
 def _rows_cuda(x, target, o):
-    "(ce, lse) of the rows x (M, C), the CUDA kernel (emulated for CPU tensors)."
+    """(ce, lse) of the rows x (M, C), the CUDA kernel (emulated for CPU tensors); with `o.check_targets`, the kernel
+    checks the targets as it reads them (`_check_targets`' assertion on its flag: no PyTorch ops over them)."""
     M, C = x.shape
     xk, k, view = _as_kernel_input(x)
     ce, lse = torch.empty(M, dtype=o.dt, device=x.device), torch.empty(M, dtype=o.dt, device=x.device)
     grid, block = _launch_shape(M)
+    ok = torch.ones(1, dtype=torch.bool, device=x.device) if o.check_targets and M else None
     if M: k['ce_forward'](grid, block, x=xk.view(view), target=to_device(target, x.device).contiguous(), weight=o.w,
                           has_weight=int(o.weight is not None), ignore_index=o.ignore_index, eps=o.eps, cap=o.cap, W=o.W,
-                          lse=lse, ce=ce, M=M, C=C)
+                          lse=lse, ce=ce, M=M, C=C, ok=ok)
+    if ok is not None: _check_targets(target, C, o.ignore_index, ok[0])
     return ce, lse
 
 def _rows_grad_cuda(x, target, o, lse, g_ce, g_lse, zc=None, out=None):
     "As `_rows_grad_cpu`, the CUDA kernel (emulated for CPU tensors)."
     M, C = x.shape
     xk, k, view = _as_kernel_input(x)
-    lse, g_ce, g_lse, zc = (a.to(device=x.device, dtype=o.dt).contiguous() for a in (lse, g_ce, g_lse, torch.zeros_like(lse) if zc is None else zc))
+    g_step = 0 if g_ce.dim() == 1 and g_ce.stride(0) == 0 else 1     # a reduction's gradient, expanded: read as it is
+    lse, g_ce, g_lse, zc = (a if a is None else a.to(device=x.device, dtype=o.dt).contiguous()
+                            for a in (lse, g_ce[:1] if g_step == 0 else g_ce, g_lse, zc))
     grad = out if out is not None else torch.empty((M, C), dtype=xk.dtype, device=x.device)
     grid, block = _launch_shape(M)
     if M: k['ce_backward'](grid, block, x=xk.view(view), target=to_device(target, x.device).contiguous(), weight=o.w,
                            has_weight=int(o.weight is not None), ignore_index=o.ignore_index, eps=o.eps, cap=o.cap, W=o.W,
-                           lse=lse, g_ce=g_ce, g_lse=g_lse, zc=zc, grad=grad.view(view), M=M, C=C)
+                           lse=lse, g_ce=g_ce, g_lse=g_lse, zc=zc, grad=grad.view(view), M=M, C=C, g_step=g_step)
     return grad.to(x.dtype)
 
 _ROW_KERNELS = {'cpu': (_rows_cpu, _rows_grad_cpu), 'cuda': (_rows_cuda, _rows_grad_cuda)}
@@ -291,10 +296,12 @@ _ROW_KERNELS = {'cpu': (_rows_cpu, _rows_grad_cpu), 'cuda': (_rows_cuda, _rows_g
 def _ce_prepare(a, backend, check):
     "The rows' state: the targets checked (class indices in [0, C) or ignore_index) and the options every row shares."
     C = a.logits.shape[1]
-    if check: _check_targets(a.target, C, a.ignore_index)
+    on_device = check and backend == 'cuda' and not on_host(a.target)     # checked by the CUDA kernel as it reads them
+    if check and not on_device: _check_targets(a.target, C, a.ignore_index)
     dt = _compute_dtype(a.logits.dtype)
-    return SimpleNamespace(logits=a.logits if backend == 'reference' else a.logits.detach(), target=a.target,
-                           rows=_row_options(a.weight, C, a.ignore_index, a.label_smoothing, a.softcap, dt, a.logits.device, backend))
+    rows = _row_options(a.weight, C, a.ignore_index, a.label_smoothing, a.softcap, dt, a.logits.device, backend)
+    rows.check_targets = on_device
+    return SimpleNamespace(logits=a.logits if backend == 'reference' else a.logits.detach(), target=a.target, rows=rows)
 
 def _ce_forward(rows): return lambda s: rows(s.logits, s.target, s.rows)
 def _ce_backward(rows_grad): return lambda s, outputs, grads: {'logits': rows_grad(s.logits, s.target, s.rows, outputs[1], *grads)}
@@ -354,14 +361,15 @@ def _check_options(C, weight, ignore_index, reduction, label_smoothing, z_loss, 
             raise TypeError(f"weight must be a float tensor of shape ({C},), got {getattr(weight, 'dtype', type(weight).__name__)}")
         if weight.shape != (C,): raise ValueError(f"weight must have shape ({C},), one per class, got {tuple(weight.shape)}")
 
-def _check_targets(t, C, ignore_index):
-    "Class indices in [0, C) or ignore_index: read on the host for CPU targets, checked by the GPU for GPU ones (no sync)."
+def _check_targets(t, C, ignore_index, ok=None):
+    """Class indices in [0, C) or ignore_index: read on the host for CPU targets, checked by the GPU for GPU ones (no
+    sync); with `ok` (the CUDA kernel's flag, on the device, which it wrote as it read them) asserted on it."""
     if not t.numel(): return
-    bad = (t != ignore_index) & ((t < 0) | (t >= C))
+    bad = lambda: (t != ignore_index) & ((t < 0) | (t >= C))
     def message():
         "target class index out of range"
-        return f"target must hold class indices in [0, {C}) or ignore_index={ignore_index}, got {t[bad][:5].tolist()}"
-    require(~bad.any(), on_host(t), message)
+        return f"target must hold class indices in [0, {C}) or ignore_index={ignore_index}, got {t[bad()][:5].tolist()}"
+    require(~bad().any() if ok is None else ok, on_host(t) and ok is None, message)
 
 def _reduce(ce, lse, keep, wt, reduction, z_loss, shape):
     "The reduction of the per-row losses, plus the z-loss; 'mean' of an all-ignored batch is 0."
@@ -408,7 +416,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction='mean
         ce = ce + _weight_path(x2, t1, keep, lse, weight, float(label_smoothing), softcap)
     wt = None
     if reduction == 'mean':
-        wt = keep.to(ce.dtype) if weight is None else torch.where(keep, weight.to(ce.dtype)[torch.where(keep, t1, 0)], 0)
+        wt = keep if weight is None else torch.where(keep, weight.to(ce.dtype)[torch.where(keep, t1, 0)], 0)   # (a count: no cast)
     loss = _reduce(ce, lse, keep, wt, reduction, z_loss, target.shape)
     z = _z_term(lse, keep, z_loss, reduction, target.shape) if return_z_loss else None
     if input.dtype == torch.float64 or input.dtype == torch.float32:

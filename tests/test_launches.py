@@ -155,6 +155,28 @@ def test_rnnt_and_cross_entropy_check_gpu_values_on_the_device(monkeypatch):
     assert ops.host_reads == 0, ops.ops
     with pytest.raises(RuntimeError, match="target class index out of range"): ce._check_targets(t + 1, 7, -100)
 
+@pytest.mark.parametrize('reduction', ['mean', 'sum', 'none'])
+def test_cross_entropy_on_the_device_checks_targets_in_its_kernel(reduction, monkeypatch):
+    """Targets on the device (`on_host` False) are checked by `ce_forward` as it reads them: one check, asserted on
+    the kernel's flag (no PyTorch op over the targets), a bad class still raises by name; the gradient of a reduction
+    (expanded: one value for every row) is read as it is, not copied out to the rows: no copy, the CPU kernel's
+    gradient. Targets on the host are read there, as before."""
+    import seqdist.cross_entropy as ce
+    from seqdist.checks import count_checks
+    torch.manual_seed(0)
+    x, t = torch.randn(6, 7, dtype=torch.float64), torch.tensor([1, -100, 6, 0, 3, 3])
+    want = torch.autograd.grad(ce.cross_entropy(x.requires_grad_(), t, reduction=reduction, backend='cpu').sum(), x)[0]
+    monkeypatch.setattr(ce, 'on_host', lambda *xs: False)
+    with count_checks() as checks, CountOps() as ops:
+        loss = ce.cross_entropy(x, t, reduction=reduction, backend='cuda')
+        got = torch.autograd.grad(loss.sum(), x)[0]
+    assert dict(checks) == {"target class index out of range": 1} and ops.host_reads == 0, (checks, ops.ops)
+    assert not any(op.startswith(('aten.lt', 'aten.ge', 'aten.any', 'aten.clone')) for op in ops.ops), ops.ops
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    for bad in (7, -1):
+        with pytest.raises(RuntimeError, match="target class index out of range"):
+            ce.cross_entropy(x, t.clone().index_fill_(0, torch.tensor([2]), bad), reduction=reduction, backend='cuda')
+
 def test_forced_align_budget():
     """One Viterbi launch, whose last thread walks the path back on the device (no argmin over state posteriors). The
     ops: ~53 of preparation, buffers and gather, and 13 of the check that every target fits its frames (`check_alignable`:
