@@ -366,7 +366,6 @@ _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {v: {spt: load_kernel('ctc.cu', '
                                                                      **macros, **S.cuda_macros(dtype))
                                                     for spt in (_SPTS[dtype] if v == '' else (4,))} for v, macros in _CTC_VARIANTS.items()},
                              'ctc_posteriors': {v: load_kernel('ctc.cu', 'ctc_posteriors', **_CTC_VARIANTS[v], **S.cuda_macros(dtype)) for v in ('', 'split')},
-                             'ctc_viterbi': load_kernel('ctc.cu', 'ctc_viterbi', **S.cuda_macros(dtype)),
                              'ctc_states_to_labels': load_kernel('ctc.cu', 'ctc_states_to_labels', **S.cuda_macros(dtype)),
                              'ctc_grad': load_kernel('ctc.cu', 'ctc_grad', **S.cuda_macros(dtype)),
                              'ctc_poison': load_kernel('ctc.cu', 'ctc_poison', **S.cuda_macros(dtype))}
@@ -440,42 +439,6 @@ def _label_grad_cuda(st, minus_posteriors, logz, grad_logz):
                                   logz=logz, out=grad, T_max=T, N=N, C=C, S_max=minus_posteriors.shape[2],
                                   zero_infinity=int(st.zero_infinity))
     return grad
-
-_CUDA_FULL_TABLE_BYTES = 1 << 24   # CUDA: back-pointers for every frame (a byte a lattice cell, the batch) this small: one launch
-_VITERBI_TILE = 2048               # CUDA: lattice states a block of `ctc_viterbi` holds (two frames of float64 in shared memory)
-
-def _viterbi_launch_plan(T, N, width):
-    """(k, segments, tile, tiles) of `ctc_viterbi`'s launches: back-pointers for all T - 1 frames in one segment when they
-    fit in `_CUDA_FULL_TABLE_BYTES`, else segments of k frames (`_CHECKPOINT_EVERY`, or sqrt(8 T) as on the CPU); blocks
-    of `tile` states (a multiple of 32), `tiles` of them for the longest target."""
-    one = max(T - 1, 1)
-    k = one if one * N * width <= _CUDA_FULL_TABLE_BYTES else (_CHECKPOINT_EVERY or max(1, int(math.sqrt(8 * (T - 1)))))
-    tile = min(_VITERBI_TILE, 32 * math.ceil(width / 32))
-    return k, max(1, math.ceil((T - 1) / k)), tile, math.ceil(width / tile)
-
-def _viterbi_states_cuda(lp, ext, il, tl, blank):
-    """The best path's state at each frame (N, T) by the CUDA Viterbi kernel (0 where there is none): one launch when
-    the back-pointers of every frame fit in `_CUDA_FULL_TABLE_BYTES`, else a launch that keeps every k-th frame's scores
-    and one a segment of k frames, last to first; targets longer than a block's `tile` states split across blocks
-    ("Aligning an hour on a GPU"). No host sync: the launches are queued."""
-    T, N, C = lp.shape
-    width = ext.shape[1]
-    states = torch.zeros(N, T, dtype=torch.long, device=lp.device)
-    if T == 0 or N == 0: return states
-    ext, il, tl = (to_device(x, lp.device).contiguous() for x in (ext, il, tl))
-    k, segments, tile, tiles = _viterbi_launch_plan(T, N, width)
-    new = lambda *shape, dtype=torch.float64: torch.empty(*shape, dtype=dtype, device=lp.device)
-    back, last = new(k, N, width, dtype=torch.uint8), new(N, 2)
-    rows = new(segments - 1, N, width) if segments > 1 else None            # frames k, 2k, ...
-    edges = new(N, tiles, k * max(1, segments - 1), 2) if tiles > 1 else None
-    sync = torch.zeros(segments + 1, 1 + N * tiles + N, dtype=torch.int32, device=lp.device)   # one row a launch
-    kernel = _ctc_kernels[(lp.dtype, Max)]['ctc_viterbi']
-    for i, segment in enumerate(([-1] if segments > 1 else []) + list(range(segments - 1, -1, -1))):
-        kernel((N * tiles,), (min(max_threads(1024), tile),), shared_mem=2 * (tile + 2) * 8, lp=lp, ext=ext, input_lengths=il,
-               target_lengths=tl, rows=rows, back=back, edges=edges, sync=sync[i], last=last, states=states, T_max=T, N=N,
-               C=C, S_max=width, blank=blank, tile=tile, tiles=tiles, frames=k * max(1, segments - 1), every=k,
-               segment=segment)
-    return states
 
 # %% ../nbs/02_ctc.ipynb #8bb3cf81
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -1013,6 +976,45 @@ def _viterbi_checkpointed_cpu(lp, ext, input_lengths, target_lengths, blank, eve
                 r = t - t0 - 1
                 s -= back_blanks[r, s // 2] if s % 2 == 0 else back_labels[r, s // 2]
                 states[n, t - 1] = s
+
+# %% ../nbs/02a_ctc_align.ipynb #ctc-viterbi-glue
+# its scores add in double whatever the semiring's macros: Max's instantiation, a kernel for each type of log_probs
+_viterbi_kernels = {dtype: load_kernel('ctc_viterbi.cu', 'ctc_viterbi', **Max.cuda_macros(dtype)) for dtype in (torch.float32, torch.float64)}
+_CUDA_FULL_TABLE_BYTES = 1 << 24   # CUDA: back-pointers for every frame (a byte a lattice cell, the batch) this small: one launch
+_VITERBI_TILE = 2048               # CUDA: lattice states a block of `ctc_viterbi` holds (two frames of float64 in shared memory)
+
+def _viterbi_launch_plan(T, N, width):
+    """(k, segments, tile, tiles) of `ctc_viterbi`'s launches: back-pointers for all T - 1 frames in one segment when they
+    fit in `_CUDA_FULL_TABLE_BYTES`, else segments of k frames (`_CHECKPOINT_EVERY`, or sqrt(8 T) as on the CPU); blocks
+    of `tile` states (a multiple of 32), `tiles` of them for the longest target."""
+    one = max(T - 1, 1)
+    k = one if one * N * width <= _CUDA_FULL_TABLE_BYTES else (_CHECKPOINT_EVERY or max(1, int(math.sqrt(8 * (T - 1)))))
+    tile = min(_VITERBI_TILE, 32 * math.ceil(width / 32))
+    return k, max(1, math.ceil((T - 1) / k)), tile, math.ceil(width / tile)
+
+def _viterbi_states_cuda(lp, ext, il, tl, blank):
+    """The best path's state at each frame (N, T) by the CUDA Viterbi kernel (0 where there is none): one launch when
+    the back-pointers of every frame fit in `_CUDA_FULL_TABLE_BYTES`, else a launch that keeps every k-th frame's scores
+    and one a segment of k frames, last to first; targets longer than a block's `tile` states split across blocks
+    ("Aligning an hour on a GPU"). No host sync: the launches are queued."""
+    T, N, C = lp.shape
+    width = ext.shape[1]
+    states = torch.zeros(N, T, dtype=torch.long, device=lp.device)
+    if T == 0 or N == 0: return states
+    ext, il, tl = (to_device(x, lp.device).contiguous() for x in (ext, il, tl))
+    k, segments, tile, tiles = _viterbi_launch_plan(T, N, width)
+    new = lambda *shape, dtype=torch.float64: torch.empty(*shape, dtype=dtype, device=lp.device)
+    back, last = new(k, N, width, dtype=torch.uint8), new(N, 2)
+    rows = new(segments - 1, N, width) if segments > 1 else None            # frames k, 2k, ...
+    edges = new(N, tiles, k * max(1, segments - 1), 2) if tiles > 1 else None
+    sync = torch.zeros(segments + 1, 1 + N * tiles + N, dtype=torch.int32, device=lp.device)   # one row a launch
+    kernel = _viterbi_kernels[lp.dtype]
+    for i, segment in enumerate(([-1] if segments > 1 else []) + list(range(segments - 1, -1, -1))):
+        kernel((N * tiles,), (min(max_threads(1024), tile),), shared_mem=2 * (tile + 2) * 8, lp=lp, ext=ext, input_lengths=il,
+               target_lengths=tl, rows=rows, back=back, edges=edges, sync=sync[i], last=last, states=states, T_max=T, N=N,
+               C=C, S_max=width, blank=blank, tile=tile, tiles=tiles, frames=k * max(1, segments - 1), every=k,
+               segment=segment)
+    return states
 
 # %% ../nbs/02a_ctc_align.ipynb #a1e0b006
 from dataclasses import dataclass
@@ -1974,10 +1976,10 @@ for (dtype, S), ks in _ctc_kernels.items():   # how the glue launches them, and 
         for spt, k in kabs.items():                       # the long variant (default only): shared memory full
             resource_budget([k], block=bound, shared_mem=8 * bound * el + labels if spt == 4 else EMULATOR_MAX_SHARED_MEM,
                             min_threads=bound, why="a latency-bound recursion, one block per sequence: its largest block stays resident")
-    resource_budget([ks['ctc_viterbi']], block=1024, shared_mem=2 * (_VITERBI_TILE + 2) * 8, min_threads=1024,
-                    why="a block per 2,048 states of a sequence, two frames of them in shared memory")
     resource_budget([*ks['ctc_posteriors'].values(), *(ks[n] for n in ('ctc_grad', 'ctc_states_to_labels', 'ctc_poison'))], block=256, min_threads=1024,
                     why="memory-bound passes over (T, N, C): half the SM's threads in flight")
+resource_budget(list(_viterbi_kernels.values()), block=1024, shared_mem=2 * (_VITERBI_TILE + 2) * 8, min_threads=1024,
+                why="a block per 2,048 states of a sequence, two frames of them in shared memory")
 resource_budget([_prepare_kernel], block=256, min_threads=1024, why="a pass over the extended labels (N, 2L+1)")
 resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_THREADS, min_threads=_DIVERGENCE_THREADS,
                 why="the lattice questions: one block per sequence, float64 states in global memory")
