@@ -6,6 +6,10 @@
 #ifndef MAX_THREADS
 #define MAX_THREADS 1024   // the largest block the glue launches ctc_alpha_beta with (float64: 512, see below)
 #endif
+#ifndef ABOVE
+#define ABOVE 1e4          // `seqdist.checks.HUGE_LOG_PROB`, which the glue defines
+#endif
+#define POISON_BYTES 16    // ctc_alpha_beta's flag, before its frames (`_POISON_BYTES` of the glue: 16-byte aligned)
 #ifndef SPLIT              // ctc_alpha_beta's variants (see there): the glue defines both or neither
 #define SPLIT 0
 #define LABELS_SMEM 0
@@ -29,18 +33,25 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // 02c): SPLIT=1, a grid (N, 2), a block a recursion (row 0 forward), beta stored in `wb`; LABELS_SMEM=1, the labels in
 // shared memory (int32, after the frames). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions
 // entering a label state (odd s) in frame t, and on starting in state 1: one number a step, as k2 defines it.
+// PyTorch's semantics for non-finite scores: logz[n] is NaN where the forward recursion reads a NaN or +inf (or a
+// log-probability of ABOVE or more, which stands for +inf: `HUGE_LOG_PROB`, a constant, so an immediate operand; its
+// flag at a fixed address, the dynamic shared memory's first POISON_BYTES: no register kept for either), that is at a class the lattice reads (ext[n, s],
+// s < 2 L_n + 1) in one of its frames (t < input_lengths[n]): each passes through it once (a launch of its own did it,
+// 1/8 of the loss's GPU time at T=500 N=128 on an H200).
 enum { FORWARD = 1, BACKWARD = 2 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
     FLOAT* __restrict__ wb, int N, int C, int S_max, int blank, int recursions, double delay_penalty)
 {
-    extern __shared__ unsigned char smem[];
+    extern __shared__ __align__(16) unsigned char smem[];
+    volatile int* poisoned = (volatile int*)smem;       // the forward recursion's flag (see above), then the frames
+    FLOAT* frames = (FLOAT*)(smem + POISON_BYTES);
     const bool both = !SPLIT && recursions == (FORWARD | BACKWARD);     // SPLIT: a block each, blockIdx.y 1 backward
     const int B = both ? blockDim.x / 2 : blockDim.x;
     const bool backward = recursions == BACKWARD || (both && threadIdx.x >= B) || (SPLIT && blockIdx.y);
     const int j = threadIdx.x - (both && backward ? B : 0);
-    FLOAT* buf = (FLOAT*)smem + (both && backward ? 2 * S_max : 0);     // this recursion's two frames
+    FLOAT* buf = frames + (both && backward ? 2 * S_max : 0);           // this recursion's two frames
     const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
     const long long* e = ext + (long long)n * S_max;
     const int h = both ? (T + 1) / 2 : T, late = both ? T % 2 : 0;   // frames t < h: alpha arrives first
@@ -58,8 +69,10 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
         if (backward ? s + 2 < S && may_skip(e, s + 2, blank) : s < S && may_skip(e, s, blank)) skips |= 1u << k;
     }
     const volatile long long* label = e;                // re-read at each step, not held in registers
-    volatile int* lab = (int*)((FLOAT*)smem + (both ? 4 : 2) * S_max);      // LABELS_SMEM: the labels, after the frames
-    if (LABELS_SMEM) { for (int s = threadIdx.x; s < S; s += blockDim.x) lab[s] = (int)e[s]; __syncthreads(); }
+    volatile int* lab = (int*)(frames + (both ? 4 : 2) * S_max);        // LABELS_SMEM: the labels, after the frames
+    if (LABELS_SMEM) for (int s = threadIdx.x; s < S; s += blockDim.x) lab[s] = (int)e[s];
+    if (threadIdx.x == 0) *poisoned = 0;
+    __syncthreads();
     for (int i = 0; i < T + late; i++) {
         const int t = backward ? T - 1 - i + late : i;
         if (t >= 0 && t < T) {                  // a half idles for one step when T is odd
@@ -84,6 +97,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                     }
                     v = MUL(v, em[k]);                      // alpha_t(s)
                     cur[s] = v;
+                    if (!(em[k] < (FLOAT)ABOVE)) *poisoned = 1;   // (each emission passes here once)
                 } else {
                     if (t == T - 1) v = s >= S - 2 ? ONE : ZERO;
                     else {                                  // into a label (s + 1 if s is even, s + 2) in frame t + 1
@@ -102,7 +116,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     if (threadIdx.x == 0 && !backward) {
         const FLOAT* last = buf + ((T + 1) % 2) * S_max;    // the forward recursion's frame T - 1
         const FLOAT z = T == 0 ? (S == 1 ? ONE : ZERO) : (S > 1 ? SUM(last[S - 1], last[S - 2]) : last[0]);
-        logz[n] = z > (FLOAT)-1e30 ? z : -INFINITY;         // ZERO is finite (-1e38): infeasible
+        logz[n] = *poisoned ? (FLOAT)INFINITY - (FLOAT)INFINITY       // NaN
+                  : z > (FLOAT)-1e30 ? z : -INFINITY;                  // ZERO is finite (-1e38): infeasible
     }
 }
 
@@ -168,27 +183,6 @@ extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* _
     FLOAT v = torch_grad ? exp(lp[i]) : (FLOAT)0;
     if (minus_posteriors) v += minus_posteriors[i];
     grad[i] = s == (FLOAT)0 ? (FLOAT)0 : s * v;
-}
-
-// PyTorch's semantics for non-finite scores: logz[n] becomes NaN where sequence n's log_probs hold a NaN or +inf (or a
-// log-probability of `above` or more, which stands for +inf) at a class its lattice reads (ext[n, s],
-// s < 2 L_n + 1) in one of its frames (t < input_lengths[n]). Blocks (n, y) take frames y, y + gridDim.y, ... (one a
-// sequence idled the GPU: 1/4 of the loss at T=2000 N=8 on an H200); any hit sets the flag (all write 1: no race).
-extern "C" __global__ void ctc_poison(const FLOAT* __restrict__ lp, const long long* __restrict__ ext,
-                                      const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths,
-                                      FLOAT* __restrict__ logz, int N, int C, int S_max, FLOAT above)
-{
-    const int n = blockIdx.x, T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
-    const long long* e = ext + (long long)n * S_max;
-    __shared__ int found;
-    if (threadIdx.x == 0) found = 0;
-    __syncthreads();
-    for (int t = blockIdx.y; t < T; t += gridDim.y) {
-        const FLOAT* row = lp + ((long long)t * N + n) * C;
-        for (int s = threadIdx.x; s < S; s += blockDim.x) if (!(row[e[s]] < above)) found = 1;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0 && found) logz[n] = (FLOAT)INFINITY - (FLOAT)INFINITY;     // NaN
 }
 
 // out[t, n, label of s] += scale * minus_posteriors[t, n, s] for the states s of each valid frame (the labels' share

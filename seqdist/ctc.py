@@ -359,16 +359,16 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, delay, use_max, g, g
 # %% ../nbs/02_ctc.ipynb #d112fcf8
 _LAUNCH_BOUND = {torch.float32: 1024, torch.float64: 512}   # ctc_alpha_beta's largest block: float64 needs 128 registers
 _SPTS = {torch.float32: (4, 32), torch.float64: (4, 16)}      # its states-per-thread variants (the emissions' registers)
+_POISON_BYTES = 16                                           # its flag's, before the frames in shared memory (ctc.cu)
 _CTC_VARIANTS = {v: dict(SPLIT=int('split' in v), LABELS_SMEM=int('smem' in v)) if v else {} for v in ('', 'split', 'smem', 'split+smem')}
 _CTC_VARIANT_NAMES, _SPLIT_ABOVE = {'both': '', **{v: v for v in _CTC_VARIANTS if v}}, 256    # $SEQDIST_CTC_VARIANT's values;
                                                       # unset: smem up to 256 states, split+smem beyond (the H200's choice)
-_ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {v: {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype],
+_ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {v: {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype], ABOVE=HUGE_LOG_PROB,
                                                                      **macros, **S.cuda_macros(dtype))
                                                     for spt in (_SPTS[dtype] if v == '' else (4,))} for v, macros in _CTC_VARIANTS.items()},
                              'ctc_posteriors': {v: load_kernel('ctc.cu', 'ctc_posteriors', **_CTC_VARIANTS[v], **S.cuda_macros(dtype)) for v in ('', 'split')},
                              'ctc_states_to_labels': load_kernel('ctc.cu', 'ctc_states_to_labels', **S.cuda_macros(dtype)),
-                             'ctc_grad': load_kernel('ctc.cu', 'ctc_grad', **S.cuda_macros(dtype)),
-                             'ctc_poison': load_kernel('ctc.cu', 'ctc_poison', **S.cuda_macros(dtype))}
+                             'ctc_grad': load_kernel('ctc.cu', 'ctc_grad', **S.cuda_macros(dtype))}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 _prepare_kernel = load_kernel('ctc.cu', 'ctc_prepare', **Log.cuda_macros(torch.float32))   # (labels and lengths: any float type)
 _FORWARD, _BACKWARD = 1, 2    # ctc_alpha_beta's `recursions`, a bit set (the enum of ctc.cu): alpha, beta, or both at once
@@ -377,7 +377,7 @@ def _recursion_launch(spts, width, elsize, n_recursions, threads_bound, labels=0
     "(threads per recursion, states per thread) of a launch running `n_recursions` (1 or 2) at once (and `labels` bytes of labels); None if they do not fit."
     threads = min(threads_bound // n_recursions, 32 * math.ceil(width / 32))
     spt = next((m for m in spts if m * threads >= width), None)
-    return None if spt is None or n_recursions * 2 * width * elsize + labels > EMULATOR_MAX_SHARED_MEM else (threads, spt)
+    return None if spt is None or _POISON_BYTES + n_recursions * 2 * width * elsize + labels > EMULATOR_MAX_SHARED_MEM else (threads, spt)
 
 def _ctc_cuda(st):
     """The CUDA kernels (on CUDA tensors through CuPy, on CPU tensors through the emulator): logZ (N,) and minus the
@@ -397,23 +397,20 @@ def _ctc_cuda(st):
         if one := _recursion_launch(kab, width, elsize, 1, threads_bound, labels): break    # labels: int32, in shared memory
     both = _recursion_launch(kab, width, elsize, 2, threads_bound, labels) if posteriors and not split else None
     if one is None:
-        most = min(EMULATOR_MAX_SHARED_MEM // (2 * elsize), max(kab) * threads_bound)
+        most = min((EMULATOR_MAX_SHARED_MEM - _POISON_BYTES) // (2 * elsize), max(kab) * threads_bound)
         raise ValueError(f"targets of {(width - 1) // 2} labels are longer than the CUDA kernel holds in shared memory "
                          f"({(most - 1) // 2} labels in {lp.dtype})")
     w, logz = lp.new_empty(T, N, width), lp.new_empty(N)      # w: the state weights alpha * beta (T, N, width), or alpha
     wb = lp.new_empty(T, N, width) if split and posteriors else None     # split: beta apart
     def launch(recursions, n, threads, spt):                # n recursions at once: in one block, or (split) a block each
         grid, block, frames = ((N, n), threads, 2) if split else ((N,), n * threads, 2 * n)
-        kab[spt](grid, (block,), shared_mem=frames * width * elsize + labels, lp=lp, ext=ext, input_lengths=il,
+        kab[spt](grid, (block,), shared_mem=_POISON_BYTES + frames * width * elsize + labels, lp=lp, ext=ext, input_lengths=il,
                  target_lengths=tl, w=w, wb=wb, logz=logz, N=N, C=C, S_max=width, blank=st.blank, recursions=recursions,
                  delay_penalty=float(st.delay_penalty))
     if both or (split and posteriors): launch(_FORWARD | _BACKWARD, 2, *(both or one))
     else:
         launch(_FORWARD, 1, *one)
         if posteriors: launch(_BACKWARD, 1, *one)
-    k['ctc_poison']((N, max(1, min(T, 2048 // max(N, 1)))), (max_threads(min(256, 32 * math.ceil(width / 32))),), lp=lp,
-                    ext=ext, input_lengths=il, target_lengths=tl, logz=logz, N=N, C=C, S_max=width,
-                    above=HUGE_LOG_PROB)      # NaN or +inf read: logz NaN (`poisoned_sequences`, one launch of ~2048 blocks)
     if not posteriors: return logz, lp.new_empty(0)
     by_state = st.posteriors_of == 'states'
     minus_posteriors = lp.new_zeros(T, N, width if by_state else C)
@@ -685,8 +682,8 @@ def poisoned_sequences(lp, ext, input_lengths):
     return nonfinite_sequences(lp, 1, frames & read[None], above=HUGE_LOG_PROB)
 
 def _poisoned(st):
-    """ctc_op's `poisoned` sequences (logZ NaN, whose gradient is NaN within the frames): the CUDA kernel `ctc_poison`
-    finds them itself, in one launch; the CPU kernel and the reference take a NaN or +inf score for a path's end."""
+    """ctc_op's `poisoned` sequences (logZ NaN, whose gradient is NaN within the frames): the CUDA recursion finds
+    them itself, as it reads the emissions; the CPU kernel and the reference take a NaN or +inf score for a path's end."""
     return None if st.backend == 'cuda' else poisoned_sequences(st.lp, st.ext, st.input_lengths)
 
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
@@ -1974,9 +1971,9 @@ for (dtype, S), ks in _ctc_kernels.items():   # how the glue launches them, and 
     for variant, kabs in ks['ctc_alpha_beta'].items():   # SPT=4: both recursions, four frames (split: a recursion, two
         labels = 16 * bound if 'smem' in variant else 0   # frames of up to 4 x bound states; smem: 4 bytes a state more)
         for spt, k in kabs.items():                       # the long variant (default only): shared memory full
-            resource_budget([k], block=bound, shared_mem=8 * bound * el + labels if spt == 4 else EMULATOR_MAX_SHARED_MEM,
+            resource_budget([k], block=bound, shared_mem=8 * bound * el + labels + _POISON_BYTES if spt == 4 else EMULATOR_MAX_SHARED_MEM,
                             min_threads=bound, why="a latency-bound recursion, one block per sequence: its largest block stays resident")
-    resource_budget([*ks['ctc_posteriors'].values(), *(ks[n] for n in ('ctc_grad', 'ctc_states_to_labels', 'ctc_poison'))], block=256, min_threads=1024,
+    resource_budget([*ks['ctc_posteriors'].values(), *(ks[n] for n in ('ctc_grad', 'ctc_states_to_labels'))], block=256, min_threads=1024,
                     why="memory-bound passes over (T, N, C): half the SM's threads in flight")
 resource_budget(list(_viterbi_kernels.values()), block=1024, shared_mem=2 * (_VITERBI_TILE + 2) * 8, min_threads=1024,
                 why="a block per 2,048 states of a sequence, two frames of them in shared memory")

@@ -344,7 +344,7 @@ def test_cuda_recursions_meet_at_every_length(max_threads, two_launches, monkeyp
     odd and even lengths (the backward half starts a step late for odd T), T = 1, lengths shorter than the batch's,
     and targets with more states than 4 per thread (the wider register variant). Or, when four frames do not fit
     in shared memory, one launch after the other."""
-    if two_launches: monkeypatch.setattr(ctc, 'EMULATOR_MAX_SHARED_MEM', 2 * 81 * 8)      # two frames of 81 states
+    if two_launches: monkeypatch.setattr(ctc, 'EMULATOR_MAX_SHARED_MEM', ctc._POISON_BYTES + 2 * 81 * 8)   # two frames of 81 states
     monkeypatch.setenv('SEQDIST_CTC_VARIANT', 'both')             # (the one-block kernel; the variants: below)
     with launch_limits(max_threads=max_threads):
         torch.manual_seed(3)
@@ -366,8 +366,36 @@ def test_cuda_recursions_meet_at_every_length(max_threads, two_launches, monkeyp
 def test_cuda_targets_too_long_for_shared_memory():
     lp = torch.randn(22000, 1, 3).log_softmax(2)
     targets, il, tl = torch.ones(1, 10500, dtype=torch.long), torch.tensor([22000]), torch.tensor([10500])
-    with pytest.raises(ValueError, match=r"targets of 10500 labels are longer than the CUDA kernel holds .*10431 labels in torch.float32"):
+    with pytest.raises(ValueError, match=r"targets of 10500 labels are longer than the CUDA kernel holds .*10430 labels in torch.float32"):
         compute(lp, targets, il, tl, False, 'labels', 'cuda')
+
+@pytest.mark.parametrize('variant', ['both', 'split', 'smem', 'split+smem'])
+def test_cuda_recursion_finds_every_poisoned_sequence(variant, monkeypatch):
+    """logZ is NaN exactly where the lattice reads a NaN, a +inf or a log-probability of HUGE_LOG_PROB or more
+    (`poisoned_sequences`, the definition the CPU path applies): the forward recursion flags it as it reads the
+    emissions, in every variant and launch shape (both recursions in one block, a block each, one launch after the
+    other; several states a thread), at the first and last frames and states, the blank, a thread's later states;
+    never past an input length or at a class no label reads."""
+    monkeypatch.setenv('SEQDIST_CTC_VARIANT', variant)
+    torch.manual_seed(5)
+    T, N, C = 30, 6, 5
+    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2)
+    targets = torch.randint(1, C - 1, (N, 17))                        # class C - 1: read by no label
+    il, tl = torch.tensor([30, 29, 12, 30, 0, 1]), torch.tensor([17, 0, 5, 12, 0, 1])
+    ext = ctc.interleave_blanks(ctc.padded_targets(lp, targets, il, tl, 0), 0)
+    rng = random.Random(0)
+    spots = [(0, 0, int(targets[0, 0])), (29, 0, int(targets[0, 16])), (28, 1, 0), (11, 2, int(targets[2, 4])),
+             (12, 2, int(targets[2, 4])), (5, 3, C - 1), (0, 4, 0), (0, 5, int(targets[5, 0]))]
+    spots += [(rng.randrange(T), rng.randrange(N), rng.randrange(C)) for _ in range(6)]
+    for max_threads in (32, 8):
+        for (t, n, c), value in zip(spots, [math.nan, math.inf, 2e4] * 5):
+            x = lp.clone(); x[t, n, c] = value
+            want = ctc.poisoned_sequences(x, ext, il)
+            want = torch.zeros(N, dtype=torch.bool) if want is None else want
+            for posteriors_of in ('labels', 'none'):
+                with launch_limits(max_threads=max_threads):
+                    logz = compute(x, targets, il, tl, False, posteriors_of, 'cuda')[0]
+                assert torch.equal(logz.isnan(), want), ((t, n, c), value, max_threads, posteriors_of, logz)
 
 @pytest.mark.parametrize('variant', ['split', 'smem', 'split+smem', ''])
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])

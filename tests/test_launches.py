@@ -38,7 +38,7 @@ def test_ctc_budget(variant, monkeypatch):
     lp, tg, il, tl, _ = ctc_inputs(torch.randn(T, N, C).log_softmax(2), torch.randint(1, C, (N, 5)), torch.full((N,), T),
                                    torch.tensor([5, 3, 4]))
     launches, ops = budget(lambda: ctc_op.compute(lp, tg, il, tl, 0, False, 'labels', False, False, False, 0.0, backend='cuda'))
-    assert launches == {'ctc_prepare': 1, 'ctc_alpha_beta': 1, 'ctc_poison': 1, 'ctc_posteriors': 1}
+    assert launches == {'ctc_prepare': 1, 'ctc_alpha_beta': 1, 'ctc_posteriors': 1}
     assert ops.total <= 24 + ('split' in variant), ops.ops   # (split: beta's buffer besides; lengths and labels on the
                                                              # CPU are checked there: host reads, no GPU wait)
 
