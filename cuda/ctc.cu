@@ -154,6 +154,60 @@ extern "C" __global__ void ctc_posteriors(
     }
 }
 
+// ctc_posteriors with a warp a frame (t, n) (SEQDIST_CTC_POSTERIORS=warp, for a GPU run to decide): the lanes read
+// the frame's states side by side (coalesced, where a thread a frame reads 32 frames' rows at once), its max and total
+// by shuffles. By state, each lane writes its own states. By label, no two lanes add into one class, so the sum is
+// deterministic: the blank's states (every even s) are summed by the shuffles and written by lane 0, and the lane of a
+// label's first state (links[2 s] == s, `ctc_prepare`) sums the states of that label in order along links[2 s + 1]
+// (the next state with the same label, -1 none) and writes it once. Max: the first best state, as ctc_posteriors.
+extern "C" __global__ void ctc_posteriors_warp(
+    const FLOAT* __restrict__ w, const FLOAT* __restrict__ wb, const long long* __restrict__ ext,
+    const int* __restrict__ links, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, const FLOAT* __restrict__ logz, FLOAT* __restrict__ out, int T_max,
+    int N, int K, int S_max, int by_state, int use_max)
+{
+    const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;     // the warp's frame
+    const int lane = threadIdx.x % 32;
+    if (i >= (long long)T_max * N) return;    // (the whole warp: no shuffle is left waiting)
+    const int t = (int)(i / N), n = (int)(i % N);
+    if (t >= input_lengths[n] || logz[n] == -INFINITY) return;
+    const int S = 2 * (int)target_lengths[n] + 1;
+    const FLOAT *wt = w + ((long long)t * N + n) * S_max, *bt = SPLIT ? wb + (wt - w) : nullptr;
+    const auto weight = [&](int s) { return SPLIT ? MUL(wt[s], bt[s]) : wt[s]; };
+    const long long* e = ext + (long long)n * S_max;
+    FLOAT* o = out + ((long long)t * N + n) * K;
+    if (use_max) {
+        int best = -1;
+        FLOAT top = 0;
+        for (int s = lane; s < S; s += 32) if (best < 0 || weight(s) > top) { top = weight(s); best = s; }
+        for (int d = 16; d > 0; d /= 2) {          // the larger, and of equals the first state
+            const FLOAT top2 = __shfl_xor_sync(0xffffffffu, top, d);
+            const int best2 = __shfl_xor_sync(0xffffffffu, best, d);
+            if (best2 >= 0 && (best < 0 || top2 > top || (top2 == top && best2 < best))) { top = top2; best = best2; }
+        }
+        if (lane == 0) o[by_state ? best : e[best]] -= 1;
+        return;
+    }
+    FLOAT m = -INFINITY, z = 0;
+    for (int s = lane; s < S; s += 32) m = max2(m, weight(s));
+    for (int d = 16; d > 0; d /= 2) m = max2(m, __shfl_xor_sync(0xffffffffu, m, d));
+    for (int s = lane; s < S; s += 32) z += exp(weight(s) - m);
+    for (int d = 16; d > 0; d /= 2) z += __shfl_xor_sync(0xffffffffu, z, d);
+    const FLOAT frame_logz = m + log(z);
+    if (by_state) { for (int s = lane; s < S; s += 32) o[s] -= exp(weight(s) - frame_logz); return; }
+    FLOAT blank = 0;
+    for (int s = 2 * lane; s < S; s += 64) blank += exp(weight(s) - frame_logz);
+    for (int d = 16; d > 0; d /= 2) blank += __shfl_xor_sync(0xffffffffu, blank, d);
+    if (lane == 0) o[e[0]] -= blank;
+    const int* l = links + (long long)n * S_max * 2;
+    for (int s = 2 * lane + 1; s < S; s += 64) {
+        if (l[2 * s] != s) continue;               // not the label's first state: its first state's lane adds it
+        FLOAT p = 0;
+        for (int q = s; q >= 0; q = l[2 * q + 1]) p += exp(weight(q) - frame_logz);
+        o[e[s]] -= p;
+    }
+}
+
 // A frame's factor in the gradient (`_frame_scales`, PyTorch's semantics): minus the loss's gradient grad_logz[n] in
 // the frames t < input_lengths[n]; NaN where logZ is NaN (the scores hold one: never zeroed) or infinite (no path),
 // unless zero_infinity (then 0); 0 past the input length. Computed where it is used: no (T, N) tensor, no PyTorch op.
@@ -209,11 +263,14 @@ extern "C" __global__ void ctc_states_to_labels(
 // ext[n, s] (N, W), the blank at even s and past the target's length, label (s - 1) / 2 at odd s, read from a padded
 // row (width > 0: targets (N, width)) or from the concatenated targets (width 0: sequence n's at starts[n], `total` in
 // all). With `check`'s bits, the checks whose values live on the device (1: the lengths, `check_target_lengths`; 2: the
-// labels, `check_labels`) write ok[k] = 0 where check k fails (every writer writes 0: no race). A thread an element.
+// labels, `check_labels`) write ok[k] = 0 where check k fails (every writer writes 0: no race). With `links` (N, W, 2),
+// each label state's first state with the same label and its next one (-1: none; `ctc_posteriors_warp`; a scan of the
+// target, L reads a state). A thread an element.
 extern "C" __global__ void ctc_prepare(
     const long long* __restrict__ targets, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, const long long* __restrict__ starts, long long* __restrict__ ext,
-    bool* __restrict__ ok, int N, int W, int T, int C, int blank, int width, long long total, int check)
+    bool* __restrict__ ok, int* __restrict__ links, int N, int W, int T, int C, int blank, int width, long long total,
+    int check)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * W) return;
@@ -225,6 +282,20 @@ extern "C" __global__ void ctc_prepare(
         if ((check & 2) && (label < 0 || label >= C || label == blank)) ok[4] = false;
     }
     ext[i] = label;
+    if (links) {                                    // (ctc_posteriors_warp's) the label's first state, and the next one
+        int first = s, next = -1;
+        if (s % 2 == 1 && u < L)
+            for (long long v = 0; v < L; v++) {
+                const long long at_v = width > 0 ? (long long)n * width + v : starts[n] + v;
+                if ((width > 0 ? v < width : at_v >= 0 && at_v < total) && targets[at_v] == label) {
+                    const int q = 2 * (int)v + 1;
+                    if (q < first) first = q;
+                    if (q > s && next < 0) next = q;
+                }
+            }
+        links[2 * i] = first;
+        links[2 * i + 1] = next;
+    }
     if ((check & 1) && s == 0) {
         const long long il = input_lengths[n];
         if (il < 0 || il > T) ok[0] = false;

@@ -366,11 +366,20 @@ _CTC_VARIANT_NAMES, _SPLIT_ABOVE = {'both': '', **{v: v for v in _CTC_VARIANTS i
 _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {v: {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype], ABOVE=HUGE_LOG_PROB,
                                                                      **macros, **S.cuda_macros(dtype))
                                                     for spt in (_SPTS[dtype] if v == '' else (4,))} for v, macros in _CTC_VARIANTS.items()},
-                             'ctc_posteriors': {v: load_kernel('ctc.cu', 'ctc_posteriors', **_CTC_VARIANTS[v], **S.cuda_macros(dtype)) for v in ('', 'split')},
+                             **{name: {v: load_kernel('ctc.cu', name, **_CTC_VARIANTS[v], **S.cuda_macros(dtype)) for v in ('', 'split')}
+                                for name in ('ctc_posteriors', 'ctc_posteriors_warp')},
                              'ctc_states_to_labels': load_kernel('ctc.cu', 'ctc_states_to_labels', **S.cuda_macros(dtype)),
                              'ctc_grad': load_kernel('ctc.cu', 'ctc_grad', **S.cuda_macros(dtype))}
                 for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
 _prepare_kernel = load_kernel('ctc.cu', 'ctc_prepare', **Log.cuda_macros(torch.float32))   # (labels and lengths: any float type)
+_POSTERIORS_VARIANTS = ('thread', 'warp')    # $SEQDIST_CTC_POSTERIORS: ctc_posteriors (unset: a thread a frame) or _warp
+
+def _posteriors_variant():
+    "The posteriors kernel `$SEQDIST_CTC_POSTERIORS` names (read at each call, as the recursion's variant)."
+    v = os.environ.get('SEQDIST_CTC_POSTERIORS') or 'thread'
+    if v not in _POSTERIORS_VARIANTS: raise ValueError(f"SEQDIST_CTC_POSTERIORS must be 'thread' or 'warp', got {v!r}")
+    return v
+
 _FORWARD, _BACKWARD = 1, 2    # ctc_alpha_beta's `recursions`, a bit set (the enum of ctc.cu): alpha, beta, or both at once
 
 def _recursion_launch(spts, width, elsize, n_recursions, threads_bound, labels=0):
@@ -414,9 +423,11 @@ def _ctc_cuda(st):
     if not posteriors: return logz, lp.new_empty(0)
     by_state = st.posteriors_of == 'states'
     minus_posteriors = lp.new_zeros(T, N, width if by_state else C)
-    k['ctc_posteriors']['split' if split else '']((math.ceil(T * N / 256),), (256,), w=w, wb=wb, ext=ext, input_lengths=il,
-                        target_lengths=tl, logz=logz, out=minus_posteriors, T_max=T, N=N, K=minus_posteriors.shape[2],
-                        S_max=width, by_state=int(by_state), use_max=int(st.use_max))
+    common = dict(w=w, wb=wb, ext=ext, input_lengths=il, target_lengths=tl, logz=logz, out=minus_posteriors, T_max=T, N=N,
+                  K=minus_posteriors.shape[2], S_max=width, by_state=int(by_state), use_max=int(st.use_max))
+    if getattr(st, 'posteriors_variant', 'thread') == 'warp':    # a warp a frame (8 a block), else a thread a frame
+        k['ctc_posteriors_warp']['split' if split else ''](((T * N + 7) // 8,), (256,), links=st.links, **common)
+    else: k['ctc_posteriors']['split' if split else '']((math.ceil(T * N / 256),), (256,), **common)
     return logz, minus_posteriors
 
 def _label_grad_cuda(st, minus_posteriors, logz, grad_logz):
@@ -531,11 +542,12 @@ def padded_targets(log_probs, targets, input_lengths, target_lengths, blank, che
     if check: check_labels(padded, keep, C, blank, on_host(padded), 'C')
     return to_device(torch.where(keep, padded, blank), log_probs.device)    # the padding may hold garbage: replace it
 
-def extended_targets_cuda(lp, targets, input_lengths, target_lengths, blank, check=True, width=0):
+def extended_targets_cuda(lp, targets, input_lengths, target_lengths, blank, check=True, width=0, links=False):
     """The CUDA backend's `padded_targets` then `interleave_blanks`: the extended labels (N, 2L+1), L as there (at
-    least `width`), and the lengths (int64), on lp's device, by one launch of `ctc_prepare`. Lengths on the host are
-    checked there (errors naming the values) and go to the device in one copy; what lives on the device is checked by
-    the kernel as it reads it, and asserted there (a `require` a check, on the kernel's flags)."""
+    least `width`), the lengths (int64), on lp's device, and with `links` each label state's first and next state of the
+    same label (N, 2L+1, 2) int32 (else None), by one launch of `ctc_prepare`. Lengths on the host are checked there
+    (errors naming the values) and go to the device in one copy; what lives on the device is checked by the kernel as
+    it reads it, and asserted there (a `require` a check, on the kernel's flags)."""
     T, N, C = lp.shape
     il, tl, device = input_lengths, target_lengths, lp.device
     host, concatenated = on_host(il, tl), targets.dim() == 1
@@ -553,12 +565,13 @@ def extended_targets_cuda(lp, targets, input_lengths, target_lengths, blank, che
     checks = (check and not host) | 2 * (check and not labels_on_host)
     ok = torch.ones(5, dtype=torch.bool, device=device) if checks else None
     ext = torch.empty(N, 2 * L + 1, dtype=torch.long, device=device)
+    links = torch.empty(N, 2 * L + 1, 2, dtype=torch.int32, device=device) if links else None
     _prepare_kernel((max(1, math.ceil(ext.numel() / 256)),), (256,), targets=targets, input_lengths=il, target_lengths=tl,
-                    starts=starts, ext=ext, ok=ok, N=N, W=ext.shape[1], T=T, C=C, blank=blank,
+                    starts=starts, ext=ext, ok=ok, links=links, N=N, W=ext.shape[1], T=T, C=C, blank=blank,
                     width=0 if concatenated else targets.shape[1], total=targets.shape[0], check=checks)
     if checks & 1: check_target_lengths(T, targets, il, tl, ok)
     if checks & 2: check_labels(None, None, C, blank, False, 'C', ok[4])
-    return ext, il, tl
+    return ext, il, tl, links
 
 def check_alignable(padded, input_lengths, target_lengths):
     """`require` that every sequence's targets fit its frames, as a best path needs: L labels with R adjacent repeats
@@ -650,8 +663,10 @@ def _ctc_prepare(a, backend, check):
     a.lp, a.backend = lp, backend
     if backend == 'cuda':                        # one launch (`extended_targets_cuda`), where the steps below take ~25 ops
         width = a.targets.shape[1] if a.targets.dim() == 2 and a.posteriors_of == 'states' else 0
-        a.ext, a.input_lengths, a.target_lengths = extended_targets_cuda(lp, a.targets, a.input_lengths, a.target_lengths,
-                                                                         a.blank, check, width)
+        a.posteriors_variant = _posteriors_variant()
+        a.ext, a.input_lengths, a.target_lengths, a.links = extended_targets_cuda(
+            lp, a.targets, a.input_lengths, a.target_lengths, a.blank, check, width,
+            links=a.posteriors_variant == 'warp' and a.posteriors_of == 'labels')
         if check and a.require_path: check_alignable(a.ext[:, 1::2], a.input_lengths, a.target_lengths)
         return a
     padded = padded_targets(lp, a.targets, a.input_lengths, a.target_lengths, a.blank, check)
@@ -1973,7 +1988,8 @@ for (dtype, S), ks in _ctc_kernels.items():   # how the glue launches them, and 
         for spt, k in kabs.items():                       # the long variant (default only): shared memory full
             resource_budget([k], block=bound, shared_mem=8 * bound * el + labels + _POISON_BYTES if spt == 4 else EMULATOR_MAX_SHARED_MEM,
                             min_threads=bound, why="a latency-bound recursion, one block per sequence: its largest block stays resident")
-    resource_budget([*ks['ctc_posteriors'].values(), *(ks[n] for n in ('ctc_grad', 'ctc_states_to_labels'))], block=256, min_threads=1024,
+    resource_budget([*ks['ctc_posteriors'].values(), *ks['ctc_posteriors_warp'].values(), ks['ctc_grad'], ks['ctc_states_to_labels']],
+                    block=256, min_threads=1024,
                     why="memory-bound passes over (T, N, C): half the SM's threads in flight")
 resource_budget(list(_viterbi_kernels.values()), block=1024, shared_mem=2 * (_VITERBI_TILE + 2) * 8, min_threads=1024,
                 why="a block per 2,048 states of a sequence, two frames of them in shared memory")

@@ -397,6 +397,33 @@ def test_cuda_recursion_finds_every_poisoned_sequence(variant, monkeypatch):
                     logz = compute(x, targets, il, tl, False, posteriors_of, 'cuda')[0]
                 assert torch.equal(logz.isnan(), want), ((t, n, c), value, max_threads, posteriors_of, logz)
 
+@pytest.mark.parametrize('variant', ['both', 'split+smem'])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_cuda_posteriors_a_warp_a_frame_equal_a_thread_a_frame(variant, dtype, monkeypatch):
+    """SEQDIST_CTC_POSTERIORS=warp (a warp a frame, for a GPU run to decide) gives ctc_posteriors' posteriors: Max's
+    exactly (the first best state), Log's to rounding (the sums run in another order), by state and by label with
+    labels repeated in a target (a label's states summed by one lane along `links`), adjacent repeats, the blank,
+    zero-length and infeasible targets, lengths shorter than T, more states than a warp; and its sums are the same
+    at every call (no atomics)."""
+    monkeypatch.setenv('SEQDIST_CTC_VARIANT', variant)
+    torch.manual_seed(6)
+    T, N, C = 40, 6, 6
+    lp = torch.randn(T, N, C, dtype=torch.float64).log_softmax(2).to(dtype)
+    targets = torch.randint(1, C, (N, 30)); targets[1, :6] = torch.tensor([2, 3, 2, 2, 5, 2]); targets[4, :3] = 4
+    il, tl = torch.tensor([40, 37, 12, 40, 3, 0]), torch.tensor([30, 6, 5, 17, 3, 0])      # (4: infeasible)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    for use_max, posteriors_of in ((False, 'labels'), (True, 'labels'), (False, 'states'), (True, 'states')):
+        monkeypatch.setenv('SEQDIST_CTC_POSTERIORS', 'thread')
+        want = compute(lp, targets, il, tl, use_max, posteriors_of, 'cuda')[1]
+        monkeypatch.setenv('SEQDIST_CTC_POSTERIORS', 'warp')
+        got, again = (compute(lp, targets, il, tl, use_max, posteriors_of, 'cuda')[1] for _ in range(2))
+        assert torch.equal(got, again)
+        if use_max: assert torch.equal(got, want)
+        else: torch.testing.assert_close(got, want, **tol)
+    monkeypatch.setenv('SEQDIST_CTC_POSTERIORS', 'wrap')
+    with pytest.raises(ValueError, match="SEQDIST_CTC_POSTERIORS must be 'thread' or 'warp', got 'wrap'"):
+        compute(lp, targets, il, tl, False, 'labels', 'cuda')
+
 @pytest.mark.parametrize('variant', ['split', 'smem', 'split+smem', ''])
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 def test_cuda_variants_equal_the_default(variant, dtype, monkeypatch):

@@ -46,8 +46,10 @@ def test_ctc_crf_gradients_are_bitwise_reproducible_and_agree_with_the_cpu():
     torch.testing.assert_close(l1.cpu().double(), lc, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g1.cpu().double(), gc, rtol=1e-4, atol=1e-5)
 
+@pytest.mark.parametrize('posteriors', ['thread', 'warp'])   # SEQDIST_CTC_POSTERIORS: ctc_posteriors or its warp variant
 @pytest.mark.parametrize('C', [20, 1000])     # 1000: more classes than states, the states-to-labels kernel
-def test_ctc_loss_agrees_with_pytorch_and_is_deterministic(C):
+def test_ctc_loss_agrees_with_pytorch_and_is_deterministic(C, posteriors, monkeypatch):
+    monkeypatch.setenv('SEQDIST_CTC_POSTERIORS', posteriors)
     g = torch.Generator().manual_seed(0)
     T, N = 100, 8
     lp = torch.randn(T, N, C, generator=g).log_softmax(2).cuda()

@@ -79,11 +79,17 @@ def test_ctc_prepare_is_padded_targets_then_interleave_blanks(concatenated, on_d
     tg = torch.cat([padded[n, :tl[n]] for n in range(N)]) if concatenated else padded
     il = torch.tensor([12, 9, 0, 11, 12])
     for width in (0, 9):
-        ext, il_d, tl_d = ctc.extended_targets_cuda(lp, tg, il, tl, C - 1, True, width)
+        ext, il_d, tl_d, links = ctc.extended_targets_cuda(lp, tg, il, tl, C - 1, True, width, links=True)
         want = ctc.interleave_blanks(ctc.padded_targets(lp, tg, il, tl, C - 1), C - 1)
         want = torch.nn.functional.pad(want, (0, ext.shape[1] - want.shape[1]), value=C - 1)
         assert ext.shape[1] == 2 * max(width, S if on_device and not concatenated else int(tl.max())) + 1   # (device: no max read)
         assert torch.equal(ext, want) and torch.equal(il_d, il) and torch.equal(tl_d, tl)
+        for n in range(N):                        # each label state's first and next state of the same label
+            states = [2 * u + 1 for u in range(int(tl[n]))]
+            for s in range(ext.shape[1]):
+                same = [q for q in states if ext[n, q] == ext[n, s]] if s in states else [s]
+                later = [q for q in same if q > s]
+                assert links[n, s].tolist() == [same[0], later[0] if later else -1], (n, s)
 
 @pytest.mark.parametrize('concatenated', [False, True])
 def test_ctc_prepare_asserts_each_bad_value_on_the_device(concatenated, monkeypatch):

@@ -45,8 +45,8 @@ def _liger():
 
 
 def ctc_variant_rows(device, quick):
-    """ctc_loss fwd+bwd under each kernel variant (SEQDIST_CTC_VARIANT, read at each call) against seqdist 0.0.3 and
-    F.ctc_loss native, at the GPU issue's shapes: the rows that choose the default."""
+    """ctc_loss fwd+bwd under each kernel variant (SEQDIST_CTC_VARIANT, SEQDIST_CTC_POSTERIORS, read at each call)
+    against seqdist 0.0.3 and F.ctc_loss native, at the GPU issue's shapes: the rows that choose the default."""
     shapes = [(200, 16, 20, 30, 40)] if quick else GPU_CTC_SHAPES
     q = dict(warmup=1, reps=3) if quick else dict(warmup=2, reps=7)
     rows = []
@@ -54,6 +54,9 @@ def ctc_variant_rows(device, quick):
         with _env('SEQDIST_CTC_VARIANT', variant):
             rows += [dict(r, op=f"{r['op']} [SEQDIST_CTC_VARIANT={variant}]") for r in bench_ctc_gpu(shapes, device, **q)
                      if 'cuDNN' not in r['anchor']]
+    with _env('SEQDIST_CTC_POSTERIORS', 'warp'):            # the posteriors a warp a frame, with the default recursion
+        rows += [dict(r, op=f"{r['op']} [SEQDIST_CTC_POSTERIORS=warp]") for r in bench_ctc_gpu(shapes, device, **q)
+                 if 'cuDNN' not in r['anchor']]
     return rows
 
 
