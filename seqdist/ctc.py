@@ -1142,6 +1142,155 @@ def _alignment_emissions(log_probs, targets, target_lengths, blank, star, star_p
     aligned = torch.where(targets == star, C, targets)          # the wildcard's column
     return emissions, torch.cat([log_probs, best(log_probs)], -1), aligned
 
+# %% ../nbs/02a_ctc_align.ipynb #58609b04
+@numba.njit(inline='always')
+def _weights3(a, b, c, scaled):
+    "Three alphas as weights relative to their largest: alpha / max in the scaled (linear) forward, exp(alpha - max) in log space."
+    if scaled:
+        m = max(a, max(b, c))
+        return a / m, b / m, c / m
+    m = max(a, max(b, c))
+    return np.exp(a - m), np.exp(b - m), np.exp(c - m)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _ctc_sample_cpu(lp, ext, input_lengths, target_lengths, blank, u, states, logz, lo, hi):
+    """Forward filtering, backward sampling for the sequences lo <= n < hi: the loss's forward pass (scaled, else log
+    space) keeps alpha at every frame, then each sample walks back, picking at frame T - 1 a final state (the last blank,
+    the last label) and at each earlier frame a predecessor of the state after it (stay, move, skip), in proportion to
+    their alphas, with the uniforms u (n, N, T); states[i, n, t] gets the state (left as is for a sequence with no path)
+    and logz[n] log Z. The same candidates in the same order as `sample_states`, so the same uniforms give the same samples."""
+    T_max, N, C = lp.shape
+    for n in range(lo, hi):
+        T, L = input_lengths[n], target_lengths[n]
+        n_states = 2 * L + 1
+        if T < _frames_needed(ext[n], L):
+            logz[n] = -np.inf
+            continue
+        if T == 0:
+            logz[n] = 0.0
+            continue
+        U, slot, labels, offset, skipf = _lattice(ext[n], L, blank, C, 0.0)
+        alpha, emit = np.empty((T, n_states + 4)), np.empty((T, U))
+        z, scaled, _ = _forward_scaled(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit)
+        if not scaled: z = _forward_log(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit)
+        logz[n] = z
+        if z == -np.inf: continue
+        zero = 0.0 if scaled else -np.inf
+        for i in range(u.shape[0]):
+            f = n_states + 1                                   # alpha's index of the last blank (state 2L)
+            w0, w1, w2 = _weights3(alpha[T - 1, f], alpha[T - 1, f - 1] if n_states > 1 else zero, zero, scaled)
+            s = n_states - 1 - pick3(w0, w1, w2, u[i, n, T - 1])
+            states[i, n, T - 1] = s
+            for t in range(T - 2, -1, -1):
+                w0, w1, w2 = _weights3(alpha[t, s + 2], alpha[t, s + 1], alpha[t, s] if skipf[s] != 0.0 else zero, scaled)
+                s -= pick3(w0, w1, w2, u[i, n, t])
+                states[i, n, t] = s
+
+@numba.njit(inline='always')
+def _kbest_stay_move(K, m, stay, s0, move, m0, w):
+    """The K best of stay (list 0: rows `stay` from column s0) and move (list 1: rows `move` from m0) for w states, into
+    m[:, :w], sorted: their elementwise max with move's ranks reversed, each candidate's code packed into its value."""
+    for i in range(K):
+        x, y, o = stay[i][s0:s0 + w], move[K - 1 - i][m0:m0 + w], m[i][:w]
+        cx, cy = i, 16 + K - 1 - i
+        for j in range(w): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
+    sort_bitonic_rows(K, m, w)
+
+@numba.njit(inline='always')
+def _kbest_store(K, m, rows, back, i0, i1, em):
+    """States i0..i1 of a frame's rows (at [i + 1]; the rest NO_PATH, as the next frame reads them): the merged values
+    m[:, :w] plus the emissions em[:w] (never below NO_PATH), their codes into back[:, i0:i1 + 1]."""
+    w = i1 + 1 - i0
+    for i in range(K):
+        o, c, b = m[i][:w], rows[i], back[i][i0:i1 + 1]
+        c[:i0 + 1] = NO_PATH
+        c[i1 + 2:] = NO_PATH
+        y = c[i0 + 1:i1 + 2]
+        for j in range(w):
+            v, b[j] = unpack_code(o[j])
+            y[j] = max(v + em[j], NO_PATH)
+
+@numba.njit(nogil=True, cache=_CACHE)
+def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, best, lo, hi):
+    """The k best paths of each sequence lo <= n < hi: the KMax(k) recursion in log space (each state the k best scores
+    into it, sorted), keeping for each (frame, rank, state) which predecessor and which of its ranks it came from (the
+    code of `merge_top3`, int8); then each rank's path is walked back from the final states. states[r, n, t] gets the
+    r-th path's state at frame t and best[r, n] its score (-inf, states left as they are, where fewer than k paths exist).
+
+    Vectorised across states, blanks and labels in rows of their own (as `_viterbi_checkpointed_cpu` keeps them): K >= k
+    (a power of 2) rows of values each, rank-major, each candidate's code packed into its low bits (`pack_code`), so the
+    K best of stay and move is their elementwise max with move's ranks reversed (a bitonic sequence), sorted by
+    `sort_bitonic_rows`; then, for the labels alone (a blank is never entered by a skip), the same against skip. The same
+    paths and ties as `merge_top3` would give, except between scores within 2^-46 of each other; emissions below -1e30
+    count as log 0 (`NO_PATH_BELOW`)."""
+    T_max, N, C = lp.shape
+    K = 1
+    while K < k: K *= 2
+    L_max = (ext.shape[1] - 1) // 2
+    # the buffers, once for the slice (allocating per sequence cost a page fault per page in pool threads)
+    buf_B, buf_L = np.empty((2, K, L_max + 3)), np.empty((2, K, L_max + 3))   # blank i at [i + 1], label i at [i + 1]
+    buf_mB, buf_mL = np.empty((K, L_max + 3)), np.empty((K, L_max + 3))      # the merged candidates, from column 0
+    buf_skip, buf_emit, buf_eB = np.empty(L_max + 3), np.empty(L_max + 3), np.empty(L_max + 3)
+    buf_bB = np.empty(T_max * K * (L_max + 1), np.int8)
+    buf_bL = np.empty(T_max * K * max(L_max, 1), np.int8)
+    for n in range(lo, hi):
+        T, L = input_lengths[n], target_lengths[n]
+        n_states = 2 * L + 1
+        for r in range(k): best[r, n] = -np.inf
+        if T < _frames_needed(ext[n], L): continue
+        if T == 0:
+            best[0, n] = 0.0
+            continue
+        tg = ext[n, 1:n_states:2]                       # the labels
+        B, Lb = buf_B[:, :, :L + 3], buf_L[:, :, :L + 3]
+        B[:] = NO_PATH
+        Lb[:] = NO_PATH
+        skip = buf_skip[:L + 3]                         # 0 where label i may be entered from label i - 1 ([i + 1])
+        skip[:] = NO_PATH
+        for i in range(1, L):
+            if tg[i] != blank and tg[i] != tg[i - 1]: skip[i + 1] = 0.0
+        back_B = buf_bB[:T * K * (L + 1)].reshape((T, K, L + 1))     # (written before they are read: the walk back
+        back_L = buf_bL[:T * K * max(L, 1)].reshape((T, K, max(L, 1)))   # reads only codes of paths that exist)
+        B[0, 0, 1] = max(lp[0, n, blank], -1e30)
+        if L > 0: Lb[0, 0, 1] = max(lp[0, n, tg[0]], -1e30)
+        for t in range(1, T):
+            pB, pL, cB, cL = B[(t - 1) % 2], Lb[(t - 1) % 2], B[t % 2], Lb[t % 2]
+            lo_s, hi_s = _band(t, T, n_states)
+            b0, b1 = (lo_s + 1) // 2, hi_s // 2         # the band's blanks (state 2i) and labels (state 2i + 1)
+            l0, l1 = lo_s // 2, (hi_s - 1) // 2
+            wb, wl = b1 + 1 - b0, l1 + 1 - l0
+            mB, mL, eB, eL = buf_mB, buf_mL, buf_eB[:wb], buf_emit[:wl]
+            eB[:] = max(lp[t, n, blank], -1e30)         # a blank's emission, the same for all
+            lpt, es = lp[t, n], tg[l0:l1 + 1]
+            for j in range(wl):                         # (a gather: one label at a time)
+                x = lpt[es[j]]
+                eL[j] = x if x > -1e30 else -1e30
+            _kbest_stay_move(K, mB, pB, b0 + 1, pL, b0, wb)         # blanks: stay, or move from label i - 1
+            _kbest_stay_move(K, mL, pL, l0 + 1, pB, l0 + 1, wl)     # labels: stay, or move from blank i,
+            for i in range(K):                                      # then against skip from label i - 1 (list 2)
+                y, sk, o = pL[K - 1 - i][l0:l1 + 1], skip[l0 + 1:l1 + 2], mL[i][:wl]
+                cy = 32 + K - 1 - i
+                for j in range(wl): o[j] = max(o[j], pack_code(y[j] + sk[j], cy))
+            sort_bitonic_rows(K, mL, wl)
+            _kbest_store(K, mB, cB, back_B[t], b0, b1, eB)
+            _kbest_store(K, mL, cL, back_L[t], l0, l1, eL)
+        lastB, lastL = B[(T - 1) % 2], Lb[(T - 1) % 2]
+        fa, fb, none = np.full(k, -np.inf), np.full(k, -np.inf), np.full(k, -np.inf)   # the final states: last, one before
+        for r in range(k):
+            if lastB[r, L + 1] > NO_PATH_BELOW: fa[r] = lastB[r, L + 1]
+            if L > 0 and lastL[r, L] > NO_PATH_BELOW: fb[r] = lastL[r, L]
+        finals, code = np.empty(k), np.empty(k, np.int8)
+        merge_top3(k, fa, fb, none, finals, code)
+        for r in range(k):
+            if finals[r] == -np.inf: break
+            best[r, n] = finals[r]
+            s, rank = n_states - 1 - code[r] // 16, code[r] % 16
+            for t in range(T - 1, -1, -1):
+                states[r, n, t] = s
+                if t > 0:
+                    c = back_B[t, rank, s // 2] if s % 2 == 0 else back_L[t, rank, s // 2]
+                    s, rank = s - c // 16, c % 16
+
 # %% ../nbs/02b_ctc_questions.ipynb #28b39b04
 @numba.njit(cache=_CACHE, error_model='numpy')
 def _alg_row(alg, precise, p, q, h, skipneg, ep, eq, lo, hi, op, oq, oh, step):
@@ -1424,155 +1573,6 @@ def _fast_entropy(lp, ext, il, tl, blank, with_grad):
     value = logz - mean
     bound = (il.double() + 1) * 4 * 2.3e-16 * (logz.abs() + mean.abs() + 1)
     return value, logz, grad, torch.from_numpy(ok) & torch.isfinite(value) & (bound <= _CANCEL_TOL[lp.dtype] * value)
-
-# %% ../nbs/02b_ctc_questions.ipynb #58609b04
-@numba.njit(inline='always')
-def _weights3(a, b, c, scaled):
-    "Three alphas as weights relative to their largest: alpha / max in the scaled (linear) forward, exp(alpha - max) in log space."
-    if scaled:
-        m = max(a, max(b, c))
-        return a / m, b / m, c / m
-    m = max(a, max(b, c))
-    return np.exp(a - m), np.exp(b - m), np.exp(c - m)
-
-@numba.njit(nogil=True, cache=_CACHE)
-def _ctc_sample_cpu(lp, ext, input_lengths, target_lengths, blank, u, states, logz, lo, hi):
-    """Forward filtering, backward sampling for the sequences lo <= n < hi: the loss's forward pass (scaled, else log
-    space) keeps alpha at every frame, then each sample walks back, picking at frame T - 1 a final state (the last blank,
-    the last label) and at each earlier frame a predecessor of the state after it (stay, move, skip), in proportion to
-    their alphas, with the uniforms u (n, N, T); states[i, n, t] gets the state (left as is for a sequence with no path)
-    and logz[n] log Z. The same candidates in the same order as `sample_states`, so the same uniforms give the same samples."""
-    T_max, N, C = lp.shape
-    for n in range(lo, hi):
-        T, L = input_lengths[n], target_lengths[n]
-        n_states = 2 * L + 1
-        if T < _frames_needed(ext[n], L):
-            logz[n] = -np.inf
-            continue
-        if T == 0:
-            logz[n] = 0.0
-            continue
-        U, slot, labels, offset, skipf = _lattice(ext[n], L, blank, C, 0.0)
-        alpha, emit = np.empty((T, n_states + 4)), np.empty((T, U))
-        z, scaled, _ = _forward_scaled(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit)
-        if not scaled: z = _forward_log(lp, n, T, n_states, U, labels, offset, slot, skipf, alpha, emit)
-        logz[n] = z
-        if z == -np.inf: continue
-        zero = 0.0 if scaled else -np.inf
-        for i in range(u.shape[0]):
-            f = n_states + 1                                   # alpha's index of the last blank (state 2L)
-            w0, w1, w2 = _weights3(alpha[T - 1, f], alpha[T - 1, f - 1] if n_states > 1 else zero, zero, scaled)
-            s = n_states - 1 - pick3(w0, w1, w2, u[i, n, T - 1])
-            states[i, n, T - 1] = s
-            for t in range(T - 2, -1, -1):
-                w0, w1, w2 = _weights3(alpha[t, s + 2], alpha[t, s + 1], alpha[t, s] if skipf[s] != 0.0 else zero, scaled)
-                s -= pick3(w0, w1, w2, u[i, n, t])
-                states[i, n, t] = s
-
-@numba.njit(inline='always')
-def _kbest_stay_move(K, m, stay, s0, move, m0, w):
-    """The K best of stay (list 0: rows `stay` from column s0) and move (list 1: rows `move` from m0) for w states, into
-    m[:, :w], sorted: their elementwise max with move's ranks reversed, each candidate's code packed into its value."""
-    for i in range(K):
-        x, y, o = stay[i][s0:s0 + w], move[K - 1 - i][m0:m0 + w], m[i][:w]
-        cx, cy = i, 16 + K - 1 - i
-        for j in range(w): o[j] = max(pack_code(x[j], cx), pack_code(y[j], cy))
-    sort_bitonic_rows(K, m, w)
-
-@numba.njit(inline='always')
-def _kbest_store(K, m, rows, back, i0, i1, em):
-    """States i0..i1 of a frame's rows (at [i + 1]; the rest NO_PATH, as the next frame reads them): the merged values
-    m[:, :w] plus the emissions em[:w] (never below NO_PATH), their codes into back[:, i0:i1 + 1]."""
-    w = i1 + 1 - i0
-    for i in range(K):
-        o, c, b = m[i][:w], rows[i], back[i][i0:i1 + 1]
-        c[:i0 + 1] = NO_PATH
-        c[i1 + 2:] = NO_PATH
-        y = c[i0 + 1:i1 + 2]
-        for j in range(w):
-            v, b[j] = unpack_code(o[j])
-            y[j] = max(v + em[j], NO_PATH)
-
-@numba.njit(nogil=True, cache=_CACHE)
-def _ctc_kbest_cpu(lp, ext, input_lengths, target_lengths, blank, k, states, best, lo, hi):
-    """The k best paths of each sequence lo <= n < hi: the KMax(k) recursion in log space (each state the k best scores
-    into it, sorted), keeping for each (frame, rank, state) which predecessor and which of its ranks it came from (the
-    code of `merge_top3`, int8); then each rank's path is walked back from the final states. states[r, n, t] gets the
-    r-th path's state at frame t and best[r, n] its score (-inf, states left as they are, where fewer than k paths exist).
-
-    Vectorised across states, blanks and labels in rows of their own (as `_viterbi_checkpointed_cpu` keeps them): K >= k
-    (a power of 2) rows of values each, rank-major, each candidate's code packed into its low bits (`pack_code`), so the
-    K best of stay and move is their elementwise max with move's ranks reversed (a bitonic sequence), sorted by
-    `sort_bitonic_rows`; then, for the labels alone (a blank is never entered by a skip), the same against skip. The same
-    paths and ties as `merge_top3` would give, except between scores within 2^-46 of each other; emissions below -1e30
-    count as log 0 (`NO_PATH_BELOW`)."""
-    T_max, N, C = lp.shape
-    K = 1
-    while K < k: K *= 2
-    L_max = (ext.shape[1] - 1) // 2
-    # the buffers, once for the slice (allocating per sequence cost a page fault per page in pool threads)
-    buf_B, buf_L = np.empty((2, K, L_max + 3)), np.empty((2, K, L_max + 3))   # blank i at [i + 1], label i at [i + 1]
-    buf_mB, buf_mL = np.empty((K, L_max + 3)), np.empty((K, L_max + 3))      # the merged candidates, from column 0
-    buf_skip, buf_emit, buf_eB = np.empty(L_max + 3), np.empty(L_max + 3), np.empty(L_max + 3)
-    buf_bB = np.empty(T_max * K * (L_max + 1), np.int8)
-    buf_bL = np.empty(T_max * K * max(L_max, 1), np.int8)
-    for n in range(lo, hi):
-        T, L = input_lengths[n], target_lengths[n]
-        n_states = 2 * L + 1
-        for r in range(k): best[r, n] = -np.inf
-        if T < _frames_needed(ext[n], L): continue
-        if T == 0:
-            best[0, n] = 0.0
-            continue
-        tg = ext[n, 1:n_states:2]                       # the labels
-        B, Lb = buf_B[:, :, :L + 3], buf_L[:, :, :L + 3]
-        B[:] = NO_PATH
-        Lb[:] = NO_PATH
-        skip = buf_skip[:L + 3]                         # 0 where label i may be entered from label i - 1 ([i + 1])
-        skip[:] = NO_PATH
-        for i in range(1, L):
-            if tg[i] != blank and tg[i] != tg[i - 1]: skip[i + 1] = 0.0
-        back_B = buf_bB[:T * K * (L + 1)].reshape((T, K, L + 1))     # (written before they are read: the walk back
-        back_L = buf_bL[:T * K * max(L, 1)].reshape((T, K, max(L, 1)))   # reads only codes of paths that exist)
-        B[0, 0, 1] = max(lp[0, n, blank], -1e30)
-        if L > 0: Lb[0, 0, 1] = max(lp[0, n, tg[0]], -1e30)
-        for t in range(1, T):
-            pB, pL, cB, cL = B[(t - 1) % 2], Lb[(t - 1) % 2], B[t % 2], Lb[t % 2]
-            lo_s, hi_s = _band(t, T, n_states)
-            b0, b1 = (lo_s + 1) // 2, hi_s // 2         # the band's blanks (state 2i) and labels (state 2i + 1)
-            l0, l1 = lo_s // 2, (hi_s - 1) // 2
-            wb, wl = b1 + 1 - b0, l1 + 1 - l0
-            mB, mL, eB, eL = buf_mB, buf_mL, buf_eB[:wb], buf_emit[:wl]
-            eB[:] = max(lp[t, n, blank], -1e30)         # a blank's emission, the same for all
-            lpt, es = lp[t, n], tg[l0:l1 + 1]
-            for j in range(wl):                         # (a gather: one label at a time)
-                x = lpt[es[j]]
-                eL[j] = x if x > -1e30 else -1e30
-            _kbest_stay_move(K, mB, pB, b0 + 1, pL, b0, wb)         # blanks: stay, or move from label i - 1
-            _kbest_stay_move(K, mL, pL, l0 + 1, pB, l0 + 1, wl)     # labels: stay, or move from blank i,
-            for i in range(K):                                      # then against skip from label i - 1 (list 2)
-                y, sk, o = pL[K - 1 - i][l0:l1 + 1], skip[l0 + 1:l1 + 2], mL[i][:wl]
-                cy = 32 + K - 1 - i
-                for j in range(wl): o[j] = max(o[j], pack_code(y[j] + sk[j], cy))
-            sort_bitonic_rows(K, mL, wl)
-            _kbest_store(K, mB, cB, back_B[t], b0, b1, eB)
-            _kbest_store(K, mL, cL, back_L[t], l0, l1, eL)
-        lastB, lastL = B[(T - 1) % 2], Lb[(T - 1) % 2]
-        fa, fb, none = np.full(k, -np.inf), np.full(k, -np.inf), np.full(k, -np.inf)   # the final states: last, one before
-        for r in range(k):
-            if lastB[r, L + 1] > NO_PATH_BELOW: fa[r] = lastB[r, L + 1]
-            if L > 0 and lastL[r, L] > NO_PATH_BELOW: fb[r] = lastL[r, L]
-        finals, code = np.empty(k), np.empty(k, np.int8)
-        merge_top3(k, fa, fb, none, finals, code)
-        for r in range(k):
-            if finals[r] == -np.inf: break
-            best[r, n] = finals[r]
-            s, rank = n_states - 1 - code[r] // 16, code[r] % 16
-            for t in range(T - 1, -1, -1):
-                states[r, n, t] = s
-                if t > 0:
-                    c = back_B[t, rank, s // 2] if s % 2 == 0 else back_L[t, rank, s // 2]
-                    s, rank = s - c // 16, c % 16
 
 # %% ../nbs/02b_ctc_questions.ipynb #a19e0c01
 def _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank):
