@@ -34,10 +34,10 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // shared memory (int32, after the frames). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions
 // entering a label state (odd s) in frame t, and on starting in state 1: one number a step, as k2 defines it.
 // PyTorch's semantics for non-finite scores: logz[n] is NaN where the forward recursion reads a NaN or +inf (or a
-// log-probability of ABOVE or more, which stands for +inf: `HUGE_LOG_PROB`, a constant, so an immediate operand; its
-// flag at a fixed address, the dynamic shared memory's first POISON_BYTES: no register kept for either), that is at a class the lattice reads (ext[n, s],
+// log-probability of ABOVE or more, which stands for +inf), that is at a class the lattice reads (ext[n, s],
 // s < 2 L_n + 1) in one of its frames (t < input_lengths[n]): each passes through it once (a launch of its own did it,
-// 1/8 of the loss's GPU time at T=500 N=128 on an H200).
+// 1/8 of the loss's GPU time at T=500 N=128 on an H200). ABOVE is a constant (`HUGE_LOG_PROB`: an immediate operand)
+// and the flag sits at a fixed address (the dynamic shared memory's first POISON_BYTES): no register kept for either.
 enum { FORWARD = 1, BACKWARD = 2 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
