@@ -75,17 +75,18 @@ extern "C" __global__ void ce_forward(const IN_T* __restrict__ x, const long lon
 // range (which the forward flagged) reads no weight. Bounded to 32 registers in float (8 blocks of 256 resident: a
 // streaming pass needs its loads in flight; 33 left 6), 51 in double (5 blocks: 8 would spill).
 #define CE_BACKWARD_MIN_BLOCKS (sizeof(FLOAT) == 4 ? 8 : 5)
-extern "C" __global__ void __launch_bounds__(256, CE_BACKWARD_MIN_BLOCKS) ce_backward(const IN_T* x, const long long* __restrict__ target,
-                                       const FLOAT* __restrict__ weight, int has_weight, long long ignore_index,
-                                       FLOAT eps, FLOAT cap, FLOAT W, const FLOAT* __restrict__ lse,
-                                       const FLOAT* __restrict__ g_ce, const FLOAT* __restrict__ g_lse,
-                                       const FLOAT* __restrict__ zc, IN_T* grad, int M, int C, long long g_step) {
+extern "C" __global__ void __launch_bounds__(256, CE_BACKWARD_MIN_BLOCKS)
+ce_backward(const IN_T* x, const long long* __restrict__ target, const FLOAT* __restrict__ weight, int has_weight,
+            long long ignore_index, FLOAT eps, FLOAT cap, FLOAT W, const FLOAT* __restrict__ lse,
+            const FLOAT* __restrict__ g_ce, const FLOAT* __restrict__ g_lse, const FLOAT* __restrict__ zc, IN_T* grad,
+            int M, int C, long long g_step) {
     for (int row = blockIdx.x; row < M; row += gridDim.x) {
         const long long t = target[row];
         const bool ign = t == ignore_index, out = t < 0 || t >= C;
         const FLOAT z = lse[row], wt = ign || out ? (FLOAT)0 : (has_weight ? weight[t] : (FLOAT)1);
         const FLOAT g = ign ? (FLOAT)0 : g_ce[g_step ? row : 0];
-        const FLOAT a = g * ((1 - eps) * wt + eps / C * W) + g_lse[row] + (zc ? 2 * zc[row] * z : (FLOAT)0), b = g * eps / C;
+        const FLOAT a = g * ((1 - eps) * wt + eps / C * W) + g_lse[row] + (zc ? 2 * zc[row] * z : (FLOAT)0);
+        const FLOAT b = g * eps / C;
         const IN_T* r = x + (long long)row * C;
         IN_T* gr = grad + (long long)row * C;
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
