@@ -1575,11 +1575,15 @@ def _fast_entropy(lp, ext, il, tl, blank, with_grad):
     return value, logz, grad, torch.from_numpy(ok) & torch.isfinite(value) & (bound <= _CANCEL_TOL[lp.dtype] * value)
 
 # %% ../nbs/02b_ctc_questions.ipynb #a19e0c01
-def _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank):
+def _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank, backend='auto'):
     """ctc_loss's inputs, checked as ctc_loss checks them: log_probs (T, N, C) in float32 or float64 (not detached), the
-    extended labels (N, 2L+1), the lengths (N,) on log_probs' device, whether the input was unbatched, and targets' dtype."""
+    extended labels (N, 2L+1), the lengths (N,) on log_probs' device, whether the input was unbatched, and targets' dtype.
+    For the CUDA kernels (a GPU's tensors, or backend='cuda'), by ctc_loss's one launch (`extended_targets_cuda`)."""
     lp, tg, il, tl, unbatched = ctc_inputs(log_probs, targets, input_lengths, target_lengths, blank)
     lp = lp.to(_compute_dtype(lp.dtype))
+    if lp.is_cuda or backend == 'cuda':
+        ext, il, tl, _ = extended_targets_cuda(lp, tg, il, tl, blank)
+        return lp, ext, il, tl, unbatched, targets.dtype
     ext = interleave_blanks(padded_targets(lp, tg, il, tl, blank), blank)
     return lp, ext, to_device(il, lp.device), to_device(tl, lp.device), unbatched, targets.dtype
 
@@ -1603,10 +1607,13 @@ def _divergence_prepare(a, backend, check):
     lp = a.log_probs_p.to(_compute_dtype(a.log_probs_p.dtype))
     lq = lp if a.log_probs_q is None else a.log_probs_q.to(lp.dtype)
     if backend == 'cpu': lp, lq = lp.detach(), lq.detach()
-    padded = padded_targets(lp, a.targets, a.input_lengths, a.target_lengths, a.blank, check)
-    where = 'cpu' if backend == 'cpu' else lp.device
-    a.ext, a.il, a.tl = (to_device(x, where).contiguous() for x in
-                         (interleave_blanks(padded, a.blank), a.input_lengths, a.target_lengths))
+    if backend == 'cuda':                 # ctc_loss's one launch
+        a.ext, a.il, a.tl, _ = extended_targets_cuda(lp, a.targets, a.input_lengths, a.target_lengths, a.blank, check)
+    else:
+        padded = padded_targets(lp, a.targets, a.input_lengths, a.target_lengths, a.blank, check)
+        where = 'cpu' if backend == 'cpu' else lp.device
+        a.ext, a.il, a.tl = (to_device(x, where).contiguous() for x in
+                             (interleave_blanks(padded, a.blank), a.input_lengths, a.target_lengths))
     a.lp, a.lq = lp, lq
     return a
 
@@ -1767,7 +1774,7 @@ def kbest_alignments(log_probs, targets, input_lengths, target_lengths, blank=0,
     predecessor and rank it came from, and walks each path back; the reference reads each path from its score's gradient."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= 16:
         raise ValueError(f"k must be an int in [1, 16], got {k!r}")
-    lp, ext, il, tl, unbatched, dtype = _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank)
+    lp, ext, il, tl, unbatched, dtype = _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank, backend)
     refuse_nan_paths(lp, ext, il, 'a k-best list')
     backend, k = question_backend(backend, lp, 'kbest_alignments', cuda=True), int(k)
     T, N, _ = lp.shape
@@ -1849,7 +1856,7 @@ def sample_alignments(log_probs, targets, input_lengths, target_lengths, blank=0
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1: raise ValueError(f"n must be a positive int, got {n!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    lp, ext, il, tl, unbatched, dtype = _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank)
+    lp, ext, il, tl, unbatched, dtype = _lattice_inputs(log_probs, targets, input_lengths, target_lengths, blank, backend)
     refuse_nan_paths(lp, ext, il, 'a sample')
     backend = question_backend(backend, lp, 'sample_alignments', cuda=True)
     T, N, _ = lp.shape
