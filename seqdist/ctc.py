@@ -848,9 +848,13 @@ def forced_align(log_probs, targets, input_lengths=None, target_lengths=None, bl
     if options: emissions, model, aligned = _alignment_emissions(log_probs, targets, target_lengths, blank, star,
                                                                   star_penalty, label_log_priors, prior_scale)
     lp, tg, il, tl, _ = ctc_inputs(emissions.transpose(0, 1), aligned, input_lengths, target_lengths, blank)
-    padded = padded_targets(lp, tg, il, tl, blank)
+    if lp.is_cuda or backend == 'cuda':     # ctc_loss's one launch (`extended_targets_cuda`), the labels its odd states
+        ext, il, tl, _ = extended_targets_cuda(lp, tg, il, tl, blank)
+        padded = ext[:, 1::2]
+    else:
+        padded = padded_targets(lp, tg, il, tl, blank)
+        ext = interleave_blanks(padded, blank)
     check_alignable(padded, il, tl)         # no best path otherwise: raise, as torchaudio does
-    ext = interleave_blanks(padded, blank)
     refuse_nan_paths(lp, ext, il, 'a best path')
     backend = resolve_backend(backend, lp, ('cpu', 'cuda', 'reference'), 'log_probs')
     lp = lp.detach().to(_compute_dtype(lp.dtype))
