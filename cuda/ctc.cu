@@ -127,6 +127,29 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
 // (in float32 at T = 2000, L = 450: 4e-3 in the posteriors, measured in the emulator; 2.8e-4 normalised per frame). Max: 1 at
 // the first best state of each frame. Nothing for an infeasible sequence (logz = -inf). One thread per (t, n), which visits its states in order: no two threads write the same element,
 // and no atomics (deterministic).
+struct PosteriorFrame {                  // frame i = t N + n of the state weights, as both posteriors' kernels read it
+    const FLOAT *wt, *bt;                // its weights (and, SPLIT, beta apart)
+    const long long* e;                  // its labels
+    FLOAT* o;                            // its row of the output
+    int S;                               // its states
+    __device__ FLOAT weight(int s) const { return SPLIT ? MUL(wt[s], bt[s]) : wt[s]; }
+};
+
+// Frame i's PosteriorFrame in f; false where it has none (past its input length, or no path: logz -inf).
+__device__ __forceinline__ bool posterior_frame(
+    long long i, const FLOAT* w, const FLOAT* wb, const long long* ext, const long long* input_lengths,
+    const long long* target_lengths, const FLOAT* logz, FLOAT* out, int N, int K, int S_max, PosteriorFrame& f)
+{
+    const int t = (int)(i / N), n = (int)(i % N);
+    if (t >= input_lengths[n] || logz[n] == -INFINITY) return false;
+    f.wt = w + i * S_max;
+    f.bt = SPLIT ? wb + i * S_max : nullptr;
+    f.e = ext + (long long)n * S_max;
+    f.o = out + i * K;
+    f.S = 2 * (int)target_lengths[n] + 1;
+    return true;
+}
+
 extern "C" __global__ void ctc_posteriors(
     const FLOAT* __restrict__ w, const FLOAT* __restrict__ wb, const long long* __restrict__ ext,
     const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths, const FLOAT* __restrict__ logz,
@@ -134,23 +157,18 @@ extern "C" __global__ void ctc_posteriors(
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T_max * N) return;   // no barrier in this kernel, so an early exit is safe
-    const int t = (int)(i / N), n = (int)(i % N);
-    if (t >= input_lengths[n] || logz[n] == -INFINITY) return;
-    const int S = 2 * (int)target_lengths[n] + 1;
-    const FLOAT *wt = w + ((long long)t * N + n) * S_max, *bt = SPLIT ? wb + (wt - w) : nullptr;
-    const auto weight = [&](int s) { return SPLIT ? MUL(wt[s], bt[s]) : wt[s]; };
-    const long long* e = ext + (long long)n * S_max;
-    FLOAT* o = out + ((long long)t * N + n) * K;
+    PosteriorFrame f;
+    if (!posterior_frame(i, w, wb, ext, input_lengths, target_lengths, logz, out, N, K, S_max, f)) return;
     if (use_max) {
         int best = 0;
-        for (int s = 1; s < S; s++) if (weight(s) > weight(best)) best = s;
-        o[by_state ? best : e[best]] -= 1;
+        for (int s = 1; s < f.S; s++) if (f.weight(s) > f.weight(best)) best = s;
+        f.o[by_state ? best : f.e[best]] -= 1;
     } else {                                       // normalised by the frame's own total (see above)
-        FLOAT m = weight(0), z = 0;
-        for (int s = 1; s < S; s++) m = weight(s) > m ? weight(s) : m;
-        for (int s = 0; s < S; s++) z += exp(weight(s) - m);
+        FLOAT m = f.weight(0), z = 0;
+        for (int s = 1; s < f.S; s++) m = f.weight(s) > m ? f.weight(s) : m;
+        for (int s = 0; s < f.S; s++) z += exp(f.weight(s) - m);
         const FLOAT frame_logz = m + log(z);
-        for (int s = 0; s < S; s++) o[by_state ? s : e[s]] -= exp(weight(s) - frame_logz);
+        for (int s = 0; s < f.S; s++) f.o[by_state ? s : f.e[s]] -= exp(f.weight(s) - frame_logz);
     }
 }
 
@@ -169,13 +187,12 @@ extern "C" __global__ void ctc_posteriors_warp(
     const long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32;     // the warp's frame
     const int lane = threadIdx.x % 32;
     if (i >= (long long)T_max * N) return;    // (the whole warp: no shuffle is left waiting)
-    const int t = (int)(i / N), n = (int)(i % N);
-    if (t >= input_lengths[n] || logz[n] == -INFINITY) return;
-    const int S = 2 * (int)target_lengths[n] + 1;
-    const FLOAT *wt = w + ((long long)t * N + n) * S_max, *bt = SPLIT ? wb + (wt - w) : nullptr;
-    const auto weight = [&](int s) { return SPLIT ? MUL(wt[s], bt[s]) : wt[s]; };
-    const long long* e = ext + (long long)n * S_max;
-    FLOAT* o = out + ((long long)t * N + n) * K;
+    PosteriorFrame f;
+    if (!posterior_frame(i, w, wb, ext, input_lengths, target_lengths, logz, out, N, K, S_max, f)) return;
+    const int S = f.S;
+    const long long* e = f.e;
+    FLOAT* o = f.o;
+    const auto weight = [&](int s) { return f.weight(s); };
     if (use_max) {
         int best = -1;
         FLOAT top = 0;
@@ -199,7 +216,7 @@ extern "C" __global__ void ctc_posteriors_warp(
     for (int s = 2 * lane; s < S; s += 64) blank += exp(weight(s) - frame_logz);
     for (int d = 16; d > 0; d /= 2) blank += __shfl_xor_sync(0xffffffffu, blank, d);
     if (lane == 0) o[e[0]] -= blank;
-    const int* l = links + (long long)n * S_max * 2;
+    const int* l = links + (i % N) * S_max * 2;
     for (int s = 2 * lane + 1; s < S; s += 64) {
         if (l[2 * s] != s) continue;               // not the label's first state: its first state's lane adds it
         FLOAT p = 0;
