@@ -33,11 +33,9 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // 02c): SPLIT=1, a grid (N, 2), a block a recursion (row 0 forward), beta stored in `wb`; LABELS_SMEM=1, the labels in
 // shared memory (int32, after the frames). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions
 // entering a label state (odd s) in frame t, and on starting in state 1: one number a step, as k2 defines it.
-// PyTorch's semantics for non-finite scores: logz[n] is NaN where the forward recursion reads a NaN or +inf (or a
-// log-probability of ABOVE or more, which stands for +inf), that is at a class the lattice reads (ext[n, s],
-// s < 2 L_n + 1) in one of its frames (t < input_lengths[n]): each passes through it once (a launch of its own did it,
-// 1/8 of the loss's GPU time at T=500 N=128 on an H200). ABOVE is a constant (`HUGE_LOG_PROB`: an immediate operand)
-// and the flag sits at a fixed address (the dynamic shared memory's first POISON_BYTES): no register kept for either.
+// PyTorch's non-finite scores: logz[n] is NaN where the forward recursion, which reads every emission of the lattice
+// once, reads a NaN, +inf or ABOVE or more (`HUGE_LOG_PROB`; a pass of its own did it: 1/8 of the loss on an H200);
+// ABOVE an immediate operand, the flag at a fixed address (the first POISON_BYTES of shared memory): no register.
 enum { FORWARD = 1, BACKWARD = 2 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
@@ -127,11 +125,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
 // (in float32 at T = 2000, L = 450: 4e-3 in the posteriors, measured in the emulator; 2.8e-4 normalised per frame). Max: 1 at
 // the first best state of each frame. Nothing for an infeasible sequence (logz = -inf). One thread per (t, n), which visits its states in order: no two threads write the same element,
 // and no atomics (deterministic).
-struct PosteriorFrame {                  // frame i = t N + n of the state weights, as both posteriors' kernels read it
-    const FLOAT *wt, *bt;                // its weights (and, SPLIT, beta apart)
-    const long long* e;                  // its labels
-    FLOAT* o;                            // its row of the output
-    int S;                               // its states
+struct PosteriorFrame {   // frame i = t N + n as both posteriors' kernels read it: weights (SPLIT: beta apart), labels,
+    const FLOAT *wt, *bt; const long long* e; FLOAT* o; int S;             // output row, states
     __device__ FLOAT weight(int s) const { return SPLIT ? MUL(wt[s], bt[s]) : wt[s]; }
 };
 
@@ -142,10 +137,7 @@ __device__ __forceinline__ bool posterior_frame(
 {
     const int t = (int)(i / N), n = (int)(i % N);
     if (t >= input_lengths[n] || logz[n] == -INFINITY) return false;
-    f.wt = w + i * S_max;
-    f.bt = SPLIT ? wb + i * S_max : nullptr;
-    f.e = ext + (long long)n * S_max;
-    f.o = out + i * K;
+    f.wt = w + i * S_max; f.bt = SPLIT ? wb + i * S_max : nullptr; f.e = ext + (long long)n * S_max; f.o = out + i * K;
     f.S = 2 * (int)target_lengths[n] + 1;
     return true;
 }
@@ -172,12 +164,9 @@ extern "C" __global__ void ctc_posteriors(
     }
 }
 
-// ctc_posteriors with a warp a frame (t, n) (SEQDIST_CTC_POSTERIORS=warp, for a GPU run to decide): the lanes read
-// the frame's states side by side (coalesced, where a thread a frame reads 32 frames' rows at once), its max and total
-// by shuffles. By state, each lane writes its own states. By label, no two lanes add into one class, so the sum is
-// deterministic: the blank's states (every even s) are summed by the shuffles and written by lane 0, and the lane of a
-// label's first state (links[2 s] == s, `ctc_prepare`) sums the states of that label in order along links[2 s + 1]
-// (the next state with the same label, -1 none) and writes it once. Max: the first best state, as ctc_posteriors.
+// ctc_posteriors with a warp a frame (SEQDIST_CTC_POSTERIORS=warp): lanes read the states side by side (coalesced),
+// max and total by shuffles. By label no two lanes add into one class (deterministic): the blank's states are summed by
+// shuffles, each label's by the lane of its first state (links[2 s] == s) along links[2 s + 1] (next, -1 none).
 extern "C" __global__ void ctc_posteriors_warp(
     const FLOAT* __restrict__ w, const FLOAT* __restrict__ wb, const long long* __restrict__ ext,
     const int* __restrict__ links, const long long* __restrict__ input_lengths,
@@ -189,9 +178,7 @@ extern "C" __global__ void ctc_posteriors_warp(
     if (i >= (long long)T_max * N) return;    // (the whole warp: no shuffle is left waiting)
     PosteriorFrame f;
     if (!posterior_frame(i, w, wb, ext, input_lengths, target_lengths, logz, out, N, K, S_max, f)) return;
-    const int S = f.S;
-    const long long* e = f.e;
-    FLOAT* o = f.o;
+    const int S = f.S; const long long* e = f.e; FLOAT* o = f.o;
     const auto weight = [&](int s) { return f.weight(s); };
     if (use_max) {
         int best = -1;
@@ -225,9 +212,8 @@ extern "C" __global__ void ctc_posteriors_warp(
     }
 }
 
-// A frame's factor in the gradient (`_frame_scales`, PyTorch's semantics): minus the loss's gradient grad_logz[n] in
-// the frames t < input_lengths[n]; NaN where logZ is NaN (the scores hold one: never zeroed) or infinite (no path),
-// unless zero_infinity (then 0); 0 past the input length. Computed where it is used: no (T, N) tensor, no PyTorch op.
+// A frame's factor in the gradient (`_frame_scales`): -grad_logz[n] in frames t < input_lengths[n], else 0; NaN where
+// logZ is NaN (never zeroed) or infinite (no path) unless zero_infinity (0). Computed where used: no (T, N) tensor.
 __device__ __forceinline__ FLOAT frame_scale(const FLOAT* grad_logz, const FLOAT* logz, const long long* input_lengths,
                                              int t, int n, int zero_infinity)
 {
@@ -276,13 +262,11 @@ extern "C" __global__ void ctc_states_to_labels(
     for (int s = 0; s < S; s++) o[e[s]] += scale * p[s];
 }
 
-// The CUDA backend's `padded_targets` and `interleave_blanks` in one launch (they took ~25 PyTorch ops, each a launch):
-// ext[n, s] (N, W), the blank at even s and past the target's length, label (s - 1) / 2 at odd s, read from a padded
-// row (width > 0: targets (N, width)) or from the concatenated targets (width 0: sequence n's at starts[n], `total` in
-// all). With `check`'s bits, the checks whose values live on the device (1: the lengths, `check_target_lengths`; 2: the
-// labels, `check_labels`) write ok[k] = 0 where check k fails (every writer writes 0: no race). With `links` (N, W, 2),
-// each label state's first state with the same label and its next one (-1: none; `ctc_posteriors_warp`; a scan of the
-// target, L reads a state). A thread an element.
+// The CUDA backend's `padded_targets` and `interleave_blanks` in one launch (~25 PyTorch ops did it): ext (N, W), the
+// blank at even s and past the length, label (s - 1) / 2 at odd s, from padded targets (width > 0) or concatenated ones
+// (width 0: sequence n's at starts[n], `total` in all). `check`'s bits: the lengths (1) and labels (2) on the device
+// are checked, ok[k] = 0 where check k fails (all write 0: no race). `links` (N, W, 2): each label state's first and
+// next state of the same label (-1 none; `ctc_posteriors_warp`; L reads a state). A thread an element.
 extern "C" __global__ void ctc_prepare(
     const long long* __restrict__ targets, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, const long long* __restrict__ starts, long long* __restrict__ ext,
@@ -310,8 +294,7 @@ extern "C" __global__ void ctc_prepare(
                     if (q > s && next < 0) next = q;
                 }
             }
-        links[2 * i] = first;
-        links[2 * i + 1] = next;
+        links[2 * i] = first; links[2 * i + 1] = next;
     }
     if ((check & 1) && s == 0) {
         const long long il = input_lengths[n];
