@@ -33,3 +33,16 @@ def test_gpu_bench_script_parses_its_arguments():
     r = subprocess.run([sys.executable, 'tools/gpu_bench.py', '--help'], capture_output=True, text=True,
                        cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0 and '--seconds' in r.stdout, r.stderr
+
+def test_host_cost_counts_what_a_cuda_call_costs_the_host(tmp_path):
+    """tools/host_cost.py (the CUDA path's host cost without a GPU): each call's PyTorch ops, the launching ones and
+    seqdist's launches, counted with inputs treated as a GPU's; ctc_loss at the budget tests/test_launches.py holds."""
+    out = tmp_path / 'host.json'
+    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'host_cost.py'), '--rounds', '1', '--calls', '1', '--json', str(out)],
+                       capture_output=True, text=True, cwd=ROOT, env={**__import__('os').environ, 'PYTHONPATH': str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row['call']: row for row in json.loads(out.read_text())['rows']}
+    assert len(rows) == 5 and all(row['ops'] >= row['launching_ops'] > 0 and row['host_us'] > 0 for row in rows.values())
+    ctc = rows['ctc_loss (log_softmax, mean)']
+    assert ctc['kernels'] == {'ctc_prepare': 1, 'ctc_alpha_beta': 1, 'ctc_posteriors': 1, 'ctc_grad': 1}
+    assert ctc['launching_ops'] <= 17, ctc
