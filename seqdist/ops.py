@@ -167,11 +167,13 @@ class Op:
 
     def __repr__(self): return f"Op({self.name!r}, backends={self.backends})"
 
-    def _nan_at(self, bad, x, name):
-        "`x` with NaN in the sequences `bad` names (along its `per_sequence` dimension): added, so autograd passes through."
+    def _nan_at(self, bad, x, name, tracked=False):
+        """`x` with NaN in the sequences `bad` names (along its `per_sequence` dimension): added where autograd records
+        it (`tracked`: a backend that autograd differentiates), so the gradient passes through; else one `where`."""
         shape = [1] * x.dim()
         shape[self.per_sequence[name]] = -1
-        return x + torch.where(bad.to(x.device), math.nan, 0.0).to(x.dtype).view(shape)
+        bad = bad.to(x.device).view(shape)
+        return x + torch.where(bad, math.nan, 0.0).to(x.dtype) if tracked else torch.where(bad, math.nan, x)
 
     def _forward(self, backend, state):
         "The backend's outputs, NaN for the sequences `poisoned` names (kept in the state for the backward)."
@@ -179,7 +181,8 @@ class Op:
         if self.poisoned is None: return outs
         state.poisoned = bad = self.poisoned(state)
         if bad is None: return outs
-        return tuple(self._nan_at(bad, o, n) if n in self.per_sequence and o.numel() else o for n, o in zip(self.outputs, outs))
+        tracked = self.backward[backend] is AUTOGRAD
+        return tuple(self._nan_at(bad, o, n, tracked) if n in self.per_sequence and o.numel() else o for n, o in zip(self.outputs, outs))
 
     def _poison_grads(self, state, grads):
         "The backward's gradients {input: tensor}, NaN for the sequences the forward found poisoned."
