@@ -263,22 +263,22 @@ extern "C" __global__ void ctc_states_to_labels(
 }
 
 // The CUDA backend's `padded_targets` and `interleave_blanks` in one launch (~25 PyTorch ops did it): ext (N, W), the
-// blank at even s and past the length, label (s - 1) / 2 at odd s, from padded targets (width > 0) or concatenated ones
-// (width 0: sequence n's at starts[n], `total` in all). `check`'s bits: the lengths (1) and labels (2) on the device
+// blank at even s and past the length, label (s - 1) / 2 at odd s, from padded targets (N, width) or concatenated ones
+// (`concat`: sequence n's at starts[n], `total` in all). `check`'s bits: the lengths (1) and labels (2) on the device
 // are checked, ok[k] = 0 where check k fails (all write 0: no race). `links` (N, W, 2): each label state's first and
 // next state of the same label (-1 none; `ctc_posteriors_warp`; L reads a state). A thread an element.
 extern "C" __global__ void ctc_prepare(
     const long long* __restrict__ targets, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, const long long* __restrict__ starts, long long* __restrict__ ext,
-    bool* __restrict__ ok, int* __restrict__ links, int N, int W, int T, int C, int blank, int width, long long total,
-    int check)
+    bool* __restrict__ ok, int* __restrict__ links, int N, int W, int T, int C, int blank, int concat, int width,
+    long long total, int check)
 {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)N * W) return;
     const int n = (int)(i / W), s = (int)(i % W), u = (s - 1) / 2;
-    const long long L = target_lengths[n], at = width > 0 ? (long long)n * width + u : (s % 2 ? starts[n] + u : 0);
+    const long long L = target_lengths[n], at = concat ? (s % 2 ? starts[n] + u : 0) : (long long)n * width + u;
     long long label = blank;
-    if (s % 2 == 1 && u < L && (width > 0 ? u < width : at >= 0 && at < total)) {   // (else a length check fails)
+    if (s % 2 == 1 && u < L && (concat ? at >= 0 && at < total : u < width)) {      // (else a length check fails)
         label = targets[at];
         if ((check & 2) && (label < 0 || label >= C || label == blank)) ok[4] = false;
     }
@@ -287,8 +287,8 @@ extern "C" __global__ void ctc_prepare(
         int first = s, next = -1;
         if (s % 2 == 1 && u < L)
             for (long long v = 0; v < L; v++) {
-                const long long at_v = width > 0 ? (long long)n * width + v : starts[n] + v;
-                if ((width > 0 ? v < width : at_v >= 0 && at_v < total) && targets[at_v] == label) {
+                const long long at_v = concat ? starts[n] + v : (long long)n * width + v;
+                if ((concat ? at_v >= 0 && at_v < total : v < width) && targets[at_v] == label) {
                     const int q = 2 * (int)v + 1;
                     if (q < first) first = q;
                     if (q > s && next < 0) next = q;
@@ -300,7 +300,7 @@ extern "C" __global__ void ctc_prepare(
         const long long il = input_lengths[n];
         if (il < 0 || il > T) ok[0] = false;
         if (L < 0) ok[1] = false;
-        if (width > 0 && L > width) ok[2] = false;
-        if (width == 0 && n == N - 1 && starts[n] + L != total) ok[3] = false;
+        if (!concat && L > width) ok[2] = false;
+        if (concat && n == N - 1 && starts[n] + L != total) ok[3] = false;
     }
 }

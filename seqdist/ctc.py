@@ -568,7 +568,8 @@ def extended_targets_cuda(lp, targets, input_lengths, target_lengths, blank, che
     links = torch.empty(N, 2 * L + 1, 2, dtype=torch.int32, device=device) if links else None
     _prepare_kernel((max(1, math.ceil(ext.numel() / 256)),), (256,), targets=targets, input_lengths=il, target_lengths=tl,
                     starts=starts, ext=ext, ok=ok, links=links, N=N, W=ext.shape[1], T=T, C=C, blank=blank,
-                    width=0 if concatenated else targets.shape[1], total=targets.shape[0], check=checks)
+                    concat=int(concatenated), width=0 if concatenated else targets.shape[1], total=targets.shape[0],
+                    check=checks)
     if checks & 1: check_target_lengths(T, targets, il, tl, ok)
     if checks & 2: check_labels(None, None, C, blank, False, 'C', ok[4])
     return ext, il, tl, links

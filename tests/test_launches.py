@@ -121,6 +121,11 @@ def test_ctc_prepare_asserts_each_bad_value_on_the_device(concatenated, monkeypa
     if concatenated:                                                  # one label more than the lengths sum to
         with pytest.raises(RuntimeError, match="do not sum"):
             ctc.extended_targets_cuda(lp, torch.cat([tg[n, :int(tl[n])] for n in range(N)] + [tg[0, :1]]), il, tl, 0)
+    else:                                                             # padded targets of width 0: no label to read
+        ext = ctc.extended_targets_cuda(lp, tg[:, :0], il, tl * 0, 0)[0]
+        assert torch.equal(ext, torch.zeros(N, 1, dtype=torch.long))
+        with pytest.raises(RuntimeError, match="longer than the padded targets"):
+            ctc.extended_targets_cuda(lp, tg[:, :0], il, tl, 0)
 
 def test_sparse_budget_no_host_reads_once_warm():
     torch.manual_seed(0)
