@@ -602,20 +602,28 @@ def test_an_infinite_softcap_is_no_cap(backend):
     h, w = torch.randn(6, 3, generator=g, dtype=torch.float64), torch.randn(7, 3, generator=g, dtype=torch.float64)
     assert torch.equal(ce.linear_cross_entropy(h, w, t, softcap=math.inf), ce.linear_cross_entropy(h, w, t))
 
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+@pytest.mark.parametrize('chunk_size', [6, 10, None])
+@pytest.mark.parametrize('kdim', [False, True])
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_linear_half_precision_gemms_match_eager(dtype, monkeypatch):
-    """With every GEMM in half precision (the GPU's path, `_HALF_GEMMS`; forced here on the CPU), dW's product taken a
-    block of classes at a time: the loss and gradients of eager PyTorch in that dtype (its own GEMMs, float32 loss),
-    within its rounding, over chunks and class blocks that do not divide N and C, with a bias and a K-dim target."""
+def test_linear_half_precision_gemms_match_eager(dtype, kdim, chunk_size, backend, monkeypatch):
+    """With every GEMM in half precision (the GPU's path, `_HALF_GEMMS`; forced here on the CPU; 'cuda' is the
+    emulated kernel): the loss and gradients of eager PyTorch in that dtype (its own GEMMs, float32 loss), within its
+    rounding, with a bias, with and without a K-dim target. The logits are the GEMM's half-precision output turned in
+    place into their gradient; dW is one product a group of rows in the weight's dtype when there are at most
+    LCE_HALF_DW_GROUPS groups (chunks of 10 rows: 2; the default: 1), else added a block of classes at a time into
+    float32 (chunks of 6: 4 groups, blocks of 7 classes that do not divide C)."""
     import seqdist.cross_entropy as ce
     monkeypatch.setattr(ce, '_HALF_GEMMS', {'cpu'}); monkeypatch.setattr(ce, 'LCE_DW_BLOCK', 7)
     g = torch.Generator().manual_seed(12)
-    h, W, b = torch.randn(20, 32, generator=g), torch.randn(30, 32, generator=g) / 6, torch.randn(30, generator=g) / 4
-    t = torch.randint(0, 30, (20,), generator=g); t[3] = -100
+    D = 2 if kdim else 1
+    h, W, b = torch.randn(20, 32, generator=g), torch.randn(30, D, 32, generator=g) / 6, torch.randn(30, D, generator=g) / 4
+    t = torch.randint(0, 30, (20, D), generator=g); t[3] = -100
+    if not kdim: W, b, t = W[:, 0], b[:, 0], t[:, 0]
     hb, Wb, bb = (x.to(dtype).requires_grad_() for x in (h, W, b))
-    ours = linear_cross_entropy(hb, Wb, t, linear_bias=bb, chunk_size=6)
+    ours = linear_cross_entropy(hb, Wb, t, linear_bias=bb, chunk_size=chunk_size, backend=backend)
     g_ours = torch.autograd.grad(ours, (hb, Wb, bb))
-    ref = F.cross_entropy(F.linear(hb, Wb, bb).float(), t)
+    ref = F.cross_entropy(F.linear(hb, Wb.reshape(30 * D, 32), bb.reshape(-1)).view(20, 30, D).squeeze(2).float(), t)
     g_ref = torch.autograd.grad(ref, (hb, Wb, bb))
     assert ours.dtype == torch.float32 and all(x.dtype == dtype for x in g_ours)
     torch.testing.assert_close(ours, ref, rtol=2e-3, atol=2e-3)
