@@ -914,54 +914,15 @@ def _stats_backward_cpu(y, target, ignore_index, inv_t, cap, lse, coef, g_logp, 
                 r[c] = -_exp(w) * (k + b * max(w, low)) * it
             r[t] += a * it
 
-def _stats_rows_cpu(y, t, s, lse, ent, logp, tmp=None):
+def _stats_rows_cpu(y, t, s, lse, ent, logp):
     "Forward statistics of the chunk y (M, V) (numba, every thread): into lse, ent, logp (M,)."
     parallel_for(_stats_forward_cpu, y.shape[0], y.numpy(), t.numpy(), s.ignore_index, s.inv_t, s.cap,
                  lse.numpy(), ent.numpy(), logp.numpy(), work=y.numel())
 
-def _stats_grad_cpu(y, t, s, lse, coef, g_logp, g_ent, tmp=None):
+def _stats_grad_cpu(y, t, s, lse, coef, g_logp, g_ent):
     "The chunk y (M, V) turned into dL/dy in place (numba); coef = g_logp + g_ent * entropy - g_lse per row."
     parallel_for(_stats_backward_cpu, y.shape[0], y.numpy(), t.numpy(), s.ignore_index, s.inv_t, s.cap, lse.numpy(),
                  coef.numpy(), g_logp.numpy(), g_ent.numpy(), work=y.numel())
-
-def _stats_rows_torch(y, t, s, lse, ent, logp, tmp):
-    "As `_stats_rows_cpu` in PyTorch operations on any device; y is overwritten, tmp (M, V) is a scratch buffer."
-    if s.cap: y.div_(s.cap).tanh_().mul_(s.cap * s.inv_t)
-    elif s.inv_t != 1: y.mul_(s.inv_t)                       # y is z now
-    m = y.amax(1, keepdim=True)
-    y.sub_(m)                                               # z - m
-    keep = t != s.ignore_index
-    zt = y.gather(1, torch.where(keep, t, 0)[:, None])[:, 0]
-    e = torch.exp(y, out=tmp)
-    sm = e.sum(1)
-    u = e.mul_(y.clamp_(min=-1000.0)).sum(1)                # (e^-inf = 0 times -inf would be NaN)
-    ls = sm.log()
-    lse.copy_(m[:, 0] + ls)
-    ent.copy_(torch.where(keep, ls - u / sm, 0))
-    logp.copy_(torch.where(keep, zt - ls, 0))
-
-def _stats_grad_torch(y, t, s, lse, coef, g_logp, g_ent, tmp):
-    """As `_stats_grad_cpu` in PyTorch operations, in two buffers: with a soft-cap, p (1 - tanh^2) is computed as
-    exp(log p + log(1 - tanh^2)) (a saturated tanh gives exp(-inf) = 0, as it should)."""
-    keep = t != s.ignore_index
-    a, b = torch.where(keep, g_logp, 0), torch.where(keep, g_ent, 0)
-    tk = torch.where(keep, t, 0)[:, None]
-    k = torch.where(keep, coef, 0)[:, None]
-    if s.cap:
-        y.div_(s.cap).tanh_()                               # tanh(y / s)
-        dt_ = 1 - y.gather(1, tk) ** 2                      # 1 - tanh^2 at the target
-        d = torch.mul(y, y, out=tmp).neg_().add_(1).log_()  # log(1 - tanh^2)
-        y.mul_(s.cap * s.inv_t).sub_(lse[:, None])          # w = log p
-        d.add_(y).exp_()                                    # p (1 - tanh^2)
-        y.clamp_(min=-1000.0).mul_(b[:, None]).add_(k).mul_(d).mul_(-s.inv_t)
-        y.scatter_add_(1, tk, a[:, None] * dt_ * s.inv_t)
-    else:
-        y.mul_(s.inv_t).sub_(lse[:, None])                  # w = log p
-        p = torch.exp(y, out=tmp)
-        y.clamp_(min=-1000.0).mul_(b[:, None]).add_(k).mul_(p).mul_(-s.inv_t)    # (p = 0 below -1000: not 0 * -inf)
-        y.scatter_add_(1, tk, (a * s.inv_t)[:, None])
-
-_STATS_ROWS = {'cpu': (_stats_rows_cpu, _stats_grad_cpu, 1), 'cuda': (_stats_rows_torch, _stats_grad_torch, 2)}
 
 def _lts_chunks(s, residuals=None):
     """Forward (residuals None): logp, ent, lse (N,) of the logits of hidden (N, H) against weight (V, H), bias (V,),
@@ -972,9 +933,10 @@ def _lts_chunks(s, residuals=None):
     N, H = hidden.shape
     V = weight.shape[0]
     dt, low = s.dt, hidden.dtype != s.dt
-    rows, rows_grad, nbuf = _STATS_ROWS[s.kind]
-    chunk = max(1, min(N, s.chunk_size or (LCE_CHUNK_BYTES // (2 if low else 1)) // (4 * V * nbuf)))
-    buf = hidden.new_empty((nbuf, chunk * V), dtype=dt)
+    rows, rows_grad = _STATS_ROWS[s.kind]
+    floor = LCE_GPU_MIN_ROWS if hidden.is_cuda else 1
+    chunk = max(1, min(N, s.chunk_size or max(floor, (LCE_CHUNK_BYTES // (2 if low else 1)) // (4 * V))))
+    buf = hidden.new_empty(chunk * V, dtype=dt)
     if residuals is None:
         logp, ent, lse = (hidden.new_empty(N, dtype=dt) for _ in range(3))
     else:
@@ -987,20 +949,40 @@ def _lts_chunks(s, residuals=None):
     for i in range(0, N, chunk):
         j = min(N, i + chunk)
         h = hidden[i:j]
-        y = buf[0, :(j - i) * V].view(j - i, V)
-        tmp = buf[1, :(j - i) * V].view(j - i, V) if nbuf > 1 else None
+        y = buf[:(j - i) * V].view(j - i, V)
         if low: y.copy_(F.linear(h, weight, bias))
         elif bias is not None: torch.addmm(bias, h, weight.T, out=y)
         else: torch.mm(h, weight.T, out=y)
         if residuals is None:
-            rows(y, target[i:j], s, lse[i:j], ent[i:j], logp[i:j], tmp)
+            rows(y, target[i:j], s, lse[i:j], ent[i:j], logp[i:j])
             continue
-        rows_grad(y, target[i:j], s, lse[i:j], coef[i:j], g_logp[i:j], g_ent[i:j], tmp)
+        rows_grad(y, target[i:j], s, lse[i:j], coef[i:j], g_logp[i:j], g_ent[i:j])
         if dh is not None: torch.mm(y.to(hidden.dtype) if low else y, weight, out=dh[i:j])
         if dw is not None: dw.addmm_(y.T, h.to(dt) if low else h)
         if db is not None: db += y.sum(0)
     if residuals is None: return logp, ent, lse
     return dh, (dw.to(weight.dtype) if dw is not None else None), (db.to(bias.dtype) if db is not None else None)
+
+# %% ../nbs/08a_linear_cross_entropy.ipynb #f3a1c0a3
+_stats_kernels = {dtype: {name: load_kernel('token_stats.cu', name, FLOAT=f) for name in ('stats_forward', 'stats_backward')}
+                  for dtype, f in ((torch.float32, 'float'), (torch.float64, 'double'))}
+resource_budget([k for ks in _stats_kernels.values() for k in ks.values()], block=ROW_THREADS, min_threads=1024,
+                why="memory-bound passes over a chunk's rows, one block per row: half the SM's threads in flight")
+
+def _stats_rows_cuda(y, t, s, lse, ent, logp):
+    "As `_stats_rows_cpu`, the CUDA kernel (emulated for CPU tensors)."
+    M, V = y.shape
+    if M: _stats_kernels[y.dtype]['stats_forward'](*_launch_shape(M), y=y, target=t.contiguous(), ignore_index=s.ignore_index,
+                                                   inv_t=s.inv_t, cap=s.cap or 0.0, lse=lse, ent=ent, logp=logp, M=M, V=V)
+
+def _stats_grad_cuda(y, t, s, lse, coef, g_logp, g_ent):
+    "As `_stats_grad_cpu`, the CUDA kernel (emulated for CPU tensors)."
+    M, V = y.shape
+    if M: _stats_kernels[y.dtype]['stats_backward'](*_launch_shape(M), y=y, target=t.contiguous(), ignore_index=s.ignore_index,
+                                                    inv_t=s.inv_t, cap=s.cap or 0.0, lse=lse, coef=coef, g_logp=g_logp,
+                                                    g_ent=g_ent, M=M, V=V)
+
+_STATS_ROWS = {'cpu': (_stats_rows_cpu, _stats_grad_cpu), 'cuda': (_stats_rows_cuda, _stats_grad_cuda)}
 
 # %% ../nbs/08a_linear_cross_entropy.ipynb #f3a1c004
 def linear_token_stats_reference(input, linear_weight, target, *, linear_bias=None, temperature=1.0,
