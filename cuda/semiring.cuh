@@ -1,6 +1,6 @@
 // Semiring sums for seqdist's kernels, and a block-wide reduction (written by nbs/00_core.ipynb). A kernel is
-// specialised to a semiring by the macros FLOAT, ZERO, ONE, MUL(a, b), SUM(a, b), SUM3(a, b, c) (see
-// seqdist.core.semiring.cuda_macros).
+// specialised to a semiring by the macros FLOAT, ZERO, ONE, MUL(a, b), SUM(a, b), SUM3(a, b, c), and for an n-ary sum
+// (the max m of the terms first) SUM_TERM(x, m) and SUM_END(m, s) (see seqdist.core.semiring.cuda_macros).
 #pragma once
 
 #ifndef INFINITY   // NVRTC compiles without the C math headers

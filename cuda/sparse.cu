@@ -12,9 +12,11 @@ __device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restri
         const FLOAT* prev = buf + (t % 2) * C;
         FLOAT* cur = buf + ((t + 1) % 2) * C;
         const FLOAT* M = Ms + ((long long)t * N + n) * C * NZ;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            FLOAT a = ZERO;
-            for (int j = 0; j < NZ; j++) a = SUM(a, MUL(M[c * NZ + j], prev[idx[c * NZ + j]]));
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {      // an n-ary sum (SUM_TERM): the terms independent
+            FLOAT m = ZERO, s = 0;
+            for (int j = 0; j < NZ; j++) m = max2(m, MUL(M[c * NZ + j], prev[idx[c * NZ + j]]));
+            for (int j = 0; j < NZ; j++) s += SUM_TERM(MUL(M[c * NZ + j], prev[idx[c * NZ + j]]), m);
+            const FLOAT a = SUM_END(m, s + SUM_TERM(ZERO, m));       // (ZERO a term too, as SUM's chain from ZERO)
             cur[c] = a;
             alpha[((long long)(t + 1) * N + n) * C + c] = a;
         }
@@ -34,11 +36,10 @@ __device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restr
         FLOAT* cur = buf + (t % 2) * C;
         const FLOAT* M = Ms + ((long long)t * N + n) * C * NZ;
         for (int s = threadIdx.x; s < C; s += blockDim.x) {
-            FLOAT b = ZERO;
-            for (int k = 0; k < NZ; k++) {
-                const int e = out_edges[s * NZ + k];
-                b = SUM(b, MUL(M[e], next[e / NZ]));
-            }
+            FLOAT m = ZERO, sum = 0;
+            for (int k = 0; k < NZ; k++) { const int e = out_edges[s * NZ + k]; m = max2(m, MUL(M[e], next[e / NZ])); }
+            for (int k = 0; k < NZ; k++) { const int e = out_edges[s * NZ + k]; sum += SUM_TERM(MUL(M[e], next[e / NZ]), m); }
+            const FLOAT b = SUM_END(m, sum + SUM_TERM(ZERO, m));
             cur[s] = b;
             beta[((long long)t * N + n) * C + s] = b;
         }
@@ -46,13 +47,22 @@ __device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restr
     }
 }
 
-extern "C" __global__ void sparse_fwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
+// float on sm_90: at most 32 registers, so that two blocks of 1024 threads (C = 1024, a CTC-CRF of state_len 5) share
+// an SM and sparse_fwd_bwd's grid (N, 2) runs in one wave of an H100/H200 up to N = 132 (with 38, one block an SM: two
+// waves at N = 128). On sm_80, 32 registers spill, and bounds of one block let the compiler take 64: none.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define SPARSE_BOUNDS
+#else
+#define SPARSE_BOUNDS __launch_bounds__(1024, sizeof(FLOAT) == 4 ? 2 : 1)
+#endif
+
+extern "C" __global__ void SPARSE_BOUNDS sparse_fwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
                                       const FLOAT* __restrict__ v0, FLOAT* __restrict__ alpha, int T, int N, int C, int NZ) {
     extern __shared__ unsigned char smem[];           // 2 * C values
     forward_scores(Ms, idx, v0, alpha, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
 }
 
-extern "C" __global__ void sparse_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ out_edges,
+extern "C" __global__ void SPARSE_BOUNDS sparse_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ out_edges,
                                       const FLOAT* __restrict__ vT, FLOAT* __restrict__ beta, int T, int N, int C, int NZ) {
     extern __shared__ unsigned char smem[];
     backward_scores(Ms, out_edges, vT, beta, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
@@ -60,7 +70,7 @@ extern "C" __global__ void sparse_bwd(const FLOAT* __restrict__ Ms, const int* _
 
 // Both recursions in one launch, at the same time: grid (N, 2), block (n, 0) writes alpha = scores[0], block (n, 1)
 // beta = scores[1] (scores is (2, T + 1, N, C)). T steps where the two kernels in turn take 2T.
-extern "C" __global__ void sparse_fwd_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
+extern "C" __global__ void SPARSE_BOUNDS sparse_fwd_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
                                           const int* __restrict__ out_edges, const FLOAT* __restrict__ v0,
                                           const FLOAT* __restrict__ vT, FLOAT* __restrict__ scores, int T, int N, int C, int NZ) {
     extern __shared__ unsigned char smem[];

@@ -72,7 +72,8 @@ def _expand_macros(text, macros):
 
 def kernel_params(source, name, macros={}):
     "The parameters of `__global__` kernel `name` in `source`, with macro types (e.g. `FLOAT`) resolved."
-    m = re.search(r'__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?' + re.escape(name) + r'\s*\(([^)]*)\)', source)
+    m = re.search(r'__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*|[A-Z][A-Z0-9_]*\s+)?'   # bounds, or a macro of them
+                  + re.escape(name) + r'\s*\(([^)]*)\)', source)
     if m is None: raise ValueError(f"no `__global__ void {name}(...)` in the CUDA source")
     params = []
     for p in [p.strip() for p in re.sub(r'/\*.*?\*/|//[^\n]*', ' ', m.group(1), flags=re.S).split(',')]:
