@@ -36,7 +36,8 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // PyTorch's non-finite scores: logz[n] is NaN where the forward recursion, which reads every emission of the lattice
 // once, reads a NaN, +inf or ABOVE or more (`HUGE_LOG_PROB`; a pass of its own did it: 1/8 of the loss on an H200);
 // ABOVE an immediate operand, the flag at a fixed address (the first POISON_BYTES of shared memory): no register.
-enum { FORWARD = 1, BACKWARD = 2 };
+// A skip's three terms are one SUM3 in float (one log, not two in a chain); float64 keeps the chain (SPT=16 would spill).
+enum { FORWARD = 1, BACKWARD = 2, SUM3_SKIPS = sizeof(FLOAT) == 4 };
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
@@ -88,6 +89,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                 FLOAT v;
                 if (!backward) {
                     if (t == 0) v = s == 0 ? ONE : (s == 1 ? MUL(ONE, enter) : ZERO);
+                    else if (SUM3_SKIPS && (skips >> k & 1u))   // a skip's three terms in one sum: one log, not two
+                        v = SUM3(prev[s], MUL(prev[s - 1], enter), MUL(prev[s - 2], enter));
                     else {                                  // into a label (odd s) from s - 1 or s - 2: + enter
                         v = prev[s];
                         if (s >= 1) v = SUM(v, s & 1 ? MUL(prev[s - 1], enter) : prev[s - 1]);
@@ -98,6 +101,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                     if (!(em[k] < (FLOAT)ABOVE)) *poisoned = 1;   // (each emission passes here once)
                 } else {
                     if (t == T - 1) v = s >= S - 2 ? ONE : ZERO;
+                    else if (SUM3_SKIPS && (skips >> k & 1u))
+                        v = SUM3(prev[s], s & 1 ? prev[s + 1] : MUL(prev[s + 1], enter), MUL(prev[s + 2], enter));
                     else {                                  // into a label (s + 1 if s is even, s + 2) in frame t + 1
                         v = prev[s];
                         if (s + 1 < S) v = SUM(v, s & 1 ? prev[s + 1] : MUL(prev[s + 1], enter));
