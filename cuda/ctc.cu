@@ -36,8 +36,7 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // PyTorch's non-finite scores: logz[n] is NaN where the forward recursion, which reads every emission of the lattice
 // once, reads a NaN, +inf or ABOVE or more (`HUGE_LOG_PROB`; a pass of its own did it: 1/8 of the loss on an H200);
 // ABOVE an immediate operand, the flag at a fixed address (the first POISON_BYTES of shared memory): no register.
-// A skip's three terms are one SUM3 in float (one log, not two in a chain); float64 keeps the chain (SPT=16 would spill).
-enum { FORWARD = 1, BACKWARD = 2, SUM3_SKIPS = sizeof(FLOAT) == 4 };
+enum { FORWARD = 1, BACKWARD = 2, SUM3_SKIPS = sizeof(FLOAT) == 4 };    // (float64: SUM's chain; SPT=16 would spill)
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
@@ -75,8 +74,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     for (int i = 0; i < T + late; i++) {
         const int t = backward ? T - 1 - i + late : i;
         if (t >= 0 && t < T) {                  // a half idles for one step when T is odd
-            const FLOAT* prev = buf + ((i + 1) % 2) * S_max;
-            FLOAT* cur = buf + (i % 2) * S_max;
+            const FLOAT* prev = buf + ((i + 1) % 2) * S_max; FLOAT* cur = buf + (i % 2) * S_max;
             FLOAT* wt = w_n + t * wframe;
             const bool first = backward ? t >= h : t < h;
             const int t_next = backward ? t - 1 : t + 1;
@@ -96,8 +94,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                         if (s >= 1) v = SUM(v, s & 1 ? MUL(prev[s - 1], enter) : prev[s - 1]);
                         if (skips >> k & 1u) v = SUM(v, MUL(prev[s - 2], enter));
                     }
-                    v = MUL(v, em[k]);                      // alpha_t(s)
-                    cur[s] = v;
+                    cur[s] = v = MUL(v, em[k]);             // alpha_t(s)
                     if (!(em[k] < (FLOAT)ABOVE)) *poisoned = 1;   // (each emission passes here once)
                 } else {
                     if (t == T - 1) v = s >= S - 2 ? ONE : ZERO;
