@@ -10,13 +10,16 @@
 template <class T> __device__ __forceinline__ T max2(T a, T b) { return a > b ? a : b; }
 template <class T> __device__ __forceinline__ T max3(T a, T b, T c) { return max2(max2(a, b), c); }
 
+// log(e^a + e^b (+ e^c)): the largest m plus log1p of the others' e^(x - m): one exp fewer than e^(x - m) for each term
+// (the largest's is 1). A NaN anywhere gives NaN (the max is taken so that it cannot drop one), and (m - m) gives NaN
+// for an infinite m, as e^(m - m) did.
 template <class T> __device__ __forceinline__ T logsumexp2(T a, T b) {
-    T m = max2(a, b);
-    return m + log(exp(a - m) + exp(b - m));
+    const T m = max2(a, b), lo = a > b ? b : a;
+    return m + (log1p(exp(lo - m)) + (m - m));
 }
 template <class T> __device__ __forceinline__ T logsumexp3(T a, T b, T c) {
-    T m = max3(a, b, c);
-    return m + log(exp(a - m) + exp(b - m) + exp(c - m));
+    const T hi = max2(a, b), lo = a > b ? b : a, m = max2(c, hi), mid = c > hi ? hi : c;
+    return m + (log1p(exp(lo - m) + exp(mid - m)) + (m - m));
 }
 
 // The max (IS_MAX) or the sum of x over the threads of the block, returned to every thread: shuffles within each

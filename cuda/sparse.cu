@@ -15,8 +15,12 @@ __device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restri
         for (int c = threadIdx.x; c < C; c += blockDim.x) {      // an n-ary sum (SUM_TERM): the terms independent
             FLOAT m = ZERO, s = 0;
             for (int j = 0; j < NZ; j++) m = max2(m, MUL(M[c * NZ + j], prev[idx[c * NZ + j]]));
-            for (int j = 0; j < NZ; j++) s += SUM_TERM(MUL(M[c * NZ + j], prev[idx[c * NZ + j]]), m);
-            const FLOAT a = SUM_END(m, s + SUM_TERM(ZERO, m));       // (ZERO a term too, as SUM's chain from ZERO)
+            bool top = false;                                     // the max's own term (1) is SUM_END's
+            for (int j = 0; j < NZ; j++) {
+                const FLOAT x = MUL(M[c * NZ + j], prev[idx[c * NZ + j]]);
+                if (!top && x == m) top = true; else s += SUM_TERM(x, m);
+            }
+            const FLOAT a = SUM_END(m, s);       // (no term equal to m: m is ZERO, whose own term that is)
             cur[c] = a;
             alpha[((long long)(t + 1) * N + n) * C + c] = a;
         }
@@ -38,8 +42,13 @@ __device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restr
         for (int s = threadIdx.x; s < C; s += blockDim.x) {
             FLOAT m = ZERO, sum = 0;
             for (int k = 0; k < NZ; k++) { const int e = out_edges[s * NZ + k]; m = max2(m, MUL(M[e], next[e / NZ])); }
-            for (int k = 0; k < NZ; k++) { const int e = out_edges[s * NZ + k]; sum += SUM_TERM(MUL(M[e], next[e / NZ]), m); }
-            const FLOAT b = SUM_END(m, sum + SUM_TERM(ZERO, m));
+            bool top = false;
+            for (int k = 0; k < NZ; k++) {
+                const int e = out_edges[s * NZ + k];
+                const FLOAT x = MUL(M[e], next[e / NZ]);
+                if (!top && x == m) top = true; else sum += SUM_TERM(x, m);
+            }
+            const FLOAT b = SUM_END(m, sum);
             cur[s] = b;
             beta[((long long)t * N + n) * C + s] = b;
         }

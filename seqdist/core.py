@@ -74,13 +74,14 @@ class semiring(namedtuple('semiring', ('zero', 'one', 'mul', 'sum', 'dsum'))):
 # %% ../nbs/00_core.ipynb #357f5ad3
 def _semiring_macros(sum2, sum3, zero, term, end):
     """A semiring's CUDA macros. Besides the binary and ternary sums, an n-ary sum taken as the max m of its terms
-    first, then SUM_END(m, the sum of SUM_TERM(x, m) over its terms): for Log, m + log(sum e^(x - m)) (n exps, one log,
-    the terms independent), where a chain of SUM takes 2n exps and n logs, each waiting for the one before."""
+    first, then SUM_END(m, the sum of SUM_TERM(x, m) over its terms but the max): for Log, m + log1p(sum e^(x - m))
+    (n - 1 exps and one log, the terms independent), where a chain of SUM takes n exps and n logs, each waiting for the
+    one before."""
     return {'ZERO': '{:E}'.format(zero), 'ONE': '0.0', 'MUL(a, b)': '((a) + (b))',
             'SUM(a, b)': f'{sum2}(a, b)', 'SUM3(a, b, c)': f'{sum3}(a, b, c)', 'SUM_TERM(x, m)': term, 'SUM_END(m, s)': end}
 
 Log = semiring(zero=-1e38, one=0., mul=torch.add, sum=torch.logsumexp, dsum=torch.softmax,
-               name='Log', cuda=_semiring_macros('logsumexp2', 'logsumexp3', -1e38, 'exp((x) - (m))', '((m) + log(s))'))
+               name='Log', cuda=_semiring_macros('logsumexp2', 'logsumexp3', -1e38, 'exp((x) - (m))', '((m) + (log1p(s) + ((m) - (m))))'))
 Max = semiring(zero=-1e38, one=0., mul=torch.add, sum=(lambda x, dim=0: torch.max(x, dim=dim)[0]), dsum=max_grad,
                name='Max', cuda=_semiring_macros('max2', 'max3', -1e38, '0', '(m)'))
 SEMIRINGS = {S.name: S for S in (Log, Max)}   # by name: an op's schema passes a semiring as a string
