@@ -1,6 +1,7 @@
 """The CUDA emulator runs small kernels of our own against numpy/PyTorch, and catches the planted bugs: a missing
 barrier (a wrong answer under some seeds), barrier and warp divergence (an error, not a hang), out-of-bounds
 accesses (an error naming the thread and the argument)."""
+import math
 import numpy as np, pytest, torch
 from seqdist.core import Log, Max
 from seqdist.utils import load_kernel, emulator_options, KernelLaunchError, KernelCompileError
@@ -188,3 +189,20 @@ def test_device_assert():
 
 def test_emulator_keeps_working_after_errors():
     test_block_reduction_in_shared_memory(0)
+
+def test_log_sums_values_and_their_nan():
+    """semiring.cuh's logsumexp2/3 (the largest plus log1p of the others): log(sum e^x) to rounding for every pair and
+    triple of {-inf, -30, -3, 0.5, 2, 700, +inf, NaN} in every order; NaN where any term is NaN or +inf, or all are
+    -inf (e^(x - m) with an infinite m), whichever position it holds: what the previous form, e^(x - m) for each term, gave."""
+    import itertools
+    vals = [-math.inf, -30.0, -3.0, 0.5, 2.0, 700.0, math.inf, math.nan]
+    trip = np.array(list(itertools.product(vals, repeat=3)))
+    a, b, c = (torch.tensor(trip[:, k]) for k in range(3))
+    out2, out3 = torch.empty_like(a), torch.empty_like(a)
+    kernel('semiring_sums.cu', 'log_sums')((math.ceil(len(a) / 128),), (128,), (a, b, c, out2, out3, len(a)))
+    for got, cols in ((out2, trip[:, :2]), (out3, trip)):
+        nan = np.isnan(cols).any(1) | np.isposinf(cols).any(1) | np.isneginf(cols).all(1)
+        assert np.isnan(got.numpy()[nan]).all()
+        m = cols[~nan].max(1, keepdims=True)
+        want = m[:, 0] + np.log(np.exp(cols[~nan] - m).sum(1))
+        np.testing.assert_allclose(got.numpy()[~nan], want, rtol=1e-15, atol=1e-15)
