@@ -7,8 +7,9 @@
 // log Z_q, accumulator); with `with_grad`, the backward recursion of the same algebra runs in `back` (N, 6, S_max + 4:
 // the states of frame t, and of frame t + 1 times its emissions) and at each frame the closed-form gradient of the
 // accumulator w.r.t. each state's emission (`gs`, N x 2 x S_max, p's and q's) is summed into grad_p[t, n, label] (and
-// grad_q) by the thread that owns the label's first state, in the states' order: no atomics, and the CPU kernel's
-// order of addition. Thread j owns states j, j + blockDim.x, ...; one barrier per frame and pass. Rows live in global
+// grad_q) by the thread that owns the label's first state in the frame's band, in the states' order: no atomics, and
+// the CPU kernel's order of addition. A label's states are found along `links` (N x 2 x S_max: each label state's
+// next and previous state of the same label, -1: none; made once a sequence), the blank's two apart. Thread j owns states j, j + blockDim.x, ...; one barrier per frame and pass. Rows live in global
 // memory (a block reads what its own threads wrote before the barrier).
 #ifndef ALG
 #define ALG 1
@@ -24,8 +25,8 @@ __device__ __forceinline__ AlgState alg_zero() { AlgState z; z.p = -INFINITY; z.
 extern "C" __global__ void ctc_divergence(
     const FLOAT* __restrict__ lp, const FLOAT* __restrict__ lq, const long long* __restrict__ ext,
     const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths, double* __restrict__ fwd,
-    double* __restrict__ back, double* __restrict__ gs, double* __restrict__ out, FLOAT* __restrict__ grad_p,
-    FLOAT* __restrict__ grad_q, int N, int C, int S_max, int T_max, int blank, int with_grad)
+    double* __restrict__ back, double* __restrict__ gs, int* __restrict__ links, double* __restrict__ out,
+    FLOAT* __restrict__ grad_p, FLOAT* __restrict__ grad_q, int N, int C, int S_max, int T_max, int blank, int with_grad)
 {
     const int n = blockIdx.x, B = blockDim.x, j = threadIdx.x;
     const int T = (int)input_lengths[n], L = (int)target_lengths[n], S = 2 * L + 1, W = S_max + 4;
@@ -38,6 +39,15 @@ extern "C" __global__ void ctc_divergence(
         return;                                             // (the whole block: no barrier is skipped by some only)
     }
     const long long frame = (long long)N * C;
+    int* nxt = links + (long long)n * 2 * S_max;            // (read after the forward recursion's barriers)
+    int* prv = nxt + S_max;
+    if (with_grad)
+        for (int s = 2 * j + 1; s < S; s += 2 * B) {        // label states: the next and previous of the same label
+            int p = s - 2, q = s + 2;
+            while (p >= 0 && e[p] != e[s]) p -= 2;
+            while (q < S && e[q] != e[s]) q += 2;
+            prv[s] = p; nxt[s] = q < S ? q : -1;
+        }
     double* F = fwd + (long long)n * T_max * 3 * W;         // row t: F + t * 3 * W, components p, q, c
     for (int s = j; s < W; s += B) {                        // frame 0: a blank or the first label
         const int st = s - 2;
@@ -114,12 +124,12 @@ extern "C" __global__ void ctc_divergence(
         FLOAT* rp = grad_p + t * frame + n * (long long)C;
         FLOAT* rq = grad_q + t * frame + n * (long long)C;
         for (int st = lo + j; st <= hi; st += B) {          // each label's states summed by the owner of its first
-            bool first = true;
-            for (int s2 = lo; s2 < st && first; s2++) first = e[s2] != e[st];
-            if (!first) continue;
+            if ((st & 1 ? prv[st] : st - 2) >= lo) continue;  // (the blank's states: every even one)
             double sp = 0.0, sq = 0.0;
-            for (int s2 = st; s2 <= hi; s2++)
-                if (e[s2] == e[st]) { sp += gp[s2]; if (ALG == ALG_KL) sq += gq[s2]; }
+            for (int s2 = st; s2 >= 0 && s2 <= hi; s2 = st & 1 ? nxt[s2] : s2 + 2) {
+                sp += gp[s2];
+                if (ALG == ALG_KL) sq += gq[s2];
+            }
             rp[e[st]] = (FLOAT)sp;
             if (ALG == ALG_KL) rq[e[st]] = (FLOAT)sq;
         }

@@ -1661,6 +1661,7 @@ def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad):
         _divergence_kernels[(lp.dtype, algebra)](
             (N,), (_DIVERGENCE_THREADS,), lp=lp, lq=lq, ext=ext, input_lengths=il, target_lengths=tl, fwd=fwd,
             back=torch.empty(N, 6, S_max + 4, dtype=f64, device=dev), gs=torch.empty(N, 2, S_max, dtype=f64, device=dev),
+            links=torch.empty(N, 2, S_max, dtype=torch.int32, device=dev),
             out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C, S_max=S_max, T_max=T, blank=blank, with_grad=int(with_grad))
     empty = lp.new_empty(0)
     return out, fwd, grad_p if with_grad else empty, grad_q if with_grad and kl else empty
