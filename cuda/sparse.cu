@@ -58,8 +58,9 @@ __device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restr
 
 // float on sm_90: at most 32 registers, so that two blocks of 1024 threads (C = 1024, a CTC-CRF of state_len 5) share
 // an SM and sparse_fwd_bwd's grid (N, 2) runs in one wave of an H100/H200 up to N = 132 (with 38, one block an SM: two
-// waves at N = 128). On sm_80, 32 registers spill, and bounds of one block let the compiler take 64: none.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+// waves at N = 128). On sm_80, 32 registers spill, and bounds of one block let the compiler take 64: none. Also none
+// with SPARSE_TWO_BLOCKS=0 (the variant `$SEQDIST_SPARSE_BOUNDS=1` compares on a GPU).
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900) || !SPARSE_TWO_BLOCKS
 #define SPARSE_BOUNDS
 #else
 #define SPARSE_BOUNDS __launch_bounds__(1024, sizeof(FLOAT) == 4 ? 2 : 1)

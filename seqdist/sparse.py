@@ -6,7 +6,7 @@
 __all__ = ['device', 'LANES', 'SHARE_MIN', 'RECURSION_THREADS', 'sparse_logz', 'logZ_bwd_cupy', 'ctc_loss_scan_py', 'ctc_loss_scan', 'ctc_loss', 'Mv_scan_py', 'forward_scores_reference', 'logZ_reference', 'bwd_scores_py', 'n_bundles', 'lane_rows', 'frame_weights', 'bundle_lanes', 'positive_min', 'frame_scales', 'out_edges_padded', 'scaled_start', 'check_sparse_inputs', 'logZ', 'fwd_scores_cupy', 'bwd_scores_cupy', 'logZ_scan_py', 'logZ_fwd_cupy', 'Mv_scan_cupy', 'logZ_scan', 'logZ']
 
 # %% ../nbs/04_sparse.ipynb #1dffb7b6
-import math
+import math, os
 from functools import partial
 from types import SimpleNamespace
 import numpy as np
@@ -384,9 +384,16 @@ def _sparse_backward_numba(st, outputs, grads):
 
 
 # %% ../nbs/04_sparse.ipynb #ab17dde0
-_sparse_kernels = {(dtype, S): {name: load_kernel('sparse.cu', name, **S.cuda_macros(dtype))
-                                for name in ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd', 'sparse_posteriors')}
-                   for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
+_sparse_kernels = {(dtype, S, bounds): {name: load_kernel('sparse.cu', name, SPARSE_TWO_BLOCKS=int(bounds == '2'), **S.cuda_macros(dtype))
+                                        for name in ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd', 'sparse_posteriors')}
+                   for dtype in (torch.float32, torch.float64) for S in (Log, Max) for bounds in ('2', '1')}
+
+def _kernels(dtype, S):
+    """The kernels for `dtype` and `S`: the recursions of float on sm_90 bounded to two blocks an SM, or with
+    `$SEQDIST_SPARSE_BOUNDS=1` (read at each call: the variant the next GPU run compares) not bounded."""
+    bounds = os.environ.get('SEQDIST_SPARSE_BOUNDS') or '2'
+    if bounds not in ('1', '2'): raise ValueError(f"SEQDIST_SPARSE_BOUNDS must be '1' or '2', got {bounds!r}")
+    return _sparse_kernels[(dtype, S, bounds)]
 RECURSION_THREADS = 1024   # at most, per block of the recursion kernels (fewer inside `launch_limits`)
 
 def _threads(C, K):
@@ -412,7 +419,7 @@ def _make_out_edges(idx, NZ):
 
 def _scores_cuda(Ms, idx, v, S, K, forward):
     T, N, C, NZ = Ms.shape
-    k = _sparse_kernels[(Ms.dtype, S)]
+    k = _kernels(Ms.dtype, S)
     out = Ms.new_empty(T + 1, N, C)
     shared = 2 * C * Ms.element_size()
     grid, block = (N,), (_threads(C, K),)
@@ -432,7 +439,7 @@ def _sparse_forward_cuda(Ms, idx, v0, vT, S, for_backward, K=1):
     else:
         T, N, C, NZ = Ms.shape
         scores = Ms.new_empty(2, T + 1, N, C)
-        _sparse_kernels[(Ms.dtype, S)]['sparse_fwd_bwd']((N, 2), (_threads(C, K),), Ms=Ms.contiguous(), idx=_idx32(idx),
+        _kernels(Ms.dtype, S)['sparse_fwd_bwd']((N, 2), (_threads(C, K),), Ms=Ms.contiguous(), idx=_idx32(idx),
                                                           out_edges=_out_edges(idx, NZ), v0=v0.contiguous(), vT=vT.contiguous(),
                                                           scores=scores, T=T, N=N, C=C, NZ=NZ, shared_mem=2 * C * Ms.element_size())
         alpha = scores[0]
@@ -452,7 +459,7 @@ def _sparse_backward_cuda(st, outputs, grads):
     feasible = torch.isfinite(logz)               # a sequence with no path: zero gradient (and no -inf - -inf in the kernel)
     g, logz = torch.where(feasible, grads[0], 0).to(Ms.dtype).contiguous(), torch.where(feasible, logz, 0).contiguous()
     threads = 256
-    _sparse_kernels[(Ms.dtype, S)]['sparse_posteriors']((T, N), (threads,), Ms=Ms.contiguous(), idx=_idx32(st.idx), alpha=alpha,
+    _kernels(Ms.dtype, S)['sparse_posteriors']((T, N), (threads,), Ms=Ms.contiguous(), idx=_idx32(st.idx), alpha=alpha,
                                                         beta=beta, logz=logz, g=g, grad=grad, N=N, C=C, NZ=NZ, use_max=int(S is Max),
                                                         shared_mem=threads * (Ms.element_size() + 4))
     return {'Ms': grad}

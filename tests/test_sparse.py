@@ -271,3 +271,19 @@ def test_backward_op_takes_the_callers_idx_as_it_was_saved():
         g, = torch.autograd.grad(logZ(Ms, idx, v, v, backend=backend).sum(), Ms)
         g_ref, = torch.autograd.grad(logZ(Ms, idx.long(), v, v, backend='reference').sum(), Ms)
         torch.testing.assert_close(g, g_ref)
+
+def test_unbounded_variant_runs_and_agrees(monkeypatch):
+    """$SEQDIST_SPARSE_BOUNDS=1 (the recursions without float's two-blocks bound on sm_90, for the GPU run to compare)
+    compiles, runs and gives the default's bits through the emulator; another value is a clear error."""
+    g = torch.Generator().manual_seed(3)
+    Ms = torch.randn(6, 2, 16, 3, generator=g).log_softmax(-1).requires_grad_()
+    v0 = torch.zeros(2, 16)
+    idx = torch.stack([torch.roll(torch.arange(16), k) for k in range(3)], 1)     # every state 3 out-edges
+    runs = []
+    for bounds in ('2', '1'):
+        monkeypatch.setenv('SEQDIST_SPARSE_BOUNDS', bounds)
+        z = logZ(Ms, idx, v0, v0, backend='cuda')
+        runs.append((z.detach(), torch.autograd.grad(z.sum(), Ms)[0]))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    monkeypatch.setenv('SEQDIST_SPARSE_BOUNDS', '3')
+    with pytest.raises(ValueError, match="SEQDIST_SPARSE_BOUNDS must be '1' or '2', got '3'"): logZ(Ms, idx, v0, v0, backend='cuda')

@@ -60,6 +60,13 @@ def ctc_variant_rows(device, quick):
     return rows
 
 
+def sparse_variant_rows(ctc_crf):
+    """The ctc_crf family's sparse.logZ and CTC_CRF rows with the recursions unbounded ($SEQDIST_SPARSE_BOUNDS=1, read
+    at each call), beside the default's (float on sm_90 bounded to two blocks an SM): the rows that choose the default."""
+    with _env('SEQDIST_SPARSE_BOUNDS', '1'):
+        return [dict(r, op=f"{r['op']} [SEQDIST_SPARSE_BOUNDS=1]") for r in ctc_crf() if not r['op'].startswith('ctc_simple')]
+
+
 def launch_rows(device, quick):
     """Host time per launch (µs, from 2,000 back-to-back launches of a one-block kernel, then a sync): through
     seqdist's Kernel (argument checks, marshalling, CuPy), CuPy's function called directly with the marshalled
@@ -395,7 +402,7 @@ def main():
     fams = dict(_families(a.quick, dev, gpu=True))
     fams.pop('cross_entropy', None); fams.pop('joint', None)
     order = [('ctc', fams['ctc']), ('ctc_variants', lambda: ctc_variant_rows(dev, a.quick)), ('ctc_crf', fams['ctc_crf']),
-             ('launch', lambda: launch_rows(dev, a.quick)), ('gru', fams['gru']),
+             ('ctc_crf_variants', lambda: sparse_variant_rows(fams['ctc_crf'])), ('launch', lambda: launch_rows(dev, a.quick)), ('gru', fams['gru']),
              ('joint', lambda: joint_rows(dev, a.quick)), ('linear_cross_entropy', lambda: linear_ce_rows(dev, a.quick)),
              ('cross_entropy', lambda: __import__('seqdist.benchmarks.cross_entropy', fromlist=['x']).bench_cross_entropy(
                  quick=a.quick, ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[], stats_shapes=[], device=dev)),
@@ -404,7 +411,7 @@ def main():
              ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
              ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick)),
              ('decode', lambda: decode_rows(dev, a.quick)), ('graph', lambda: graph_rows(dev, a.quick))]
-    if a.profiles: order.insert(7, ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
+    if a.profiles: order.insert([n for n, _ in order].index('cross_entropy'), ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
     if a.profiles: order.append(('host', lambda: host_profile(dev, a.profiles.replace('.txt', '_host.txt'), a.quick) or []))
     if a.only:
         unknown = set(a.only.split(',')) - {n for n, _ in order}
