@@ -68,11 +68,18 @@ def _calls():
     crf = CTC_CRF(3, 'NACGT')
     s = torch.randn(60, 4, crf.n_score(), generator=g).requires_grad_()
     ct, cl = torch.randint(1, 5, (4, 12), generator=g), torch.randint(9, 13, (4,), generator=g)
+    from seqdist.joint import joint_rnnt_loss
+    H = 16
+    je, jp = torch.randn(B, Tr, H, generator=g).requires_grad_(), torch.randn(B, U + 1, H, generator=g).requires_grad_()
+    jW, jb = torch.randn(V, H, generator=g).requires_grad_(), torch.randn(V, generator=g).requires_grad_()
+    tile = B * Tr * (U + 1) * V * 4 // 8                 # 8 tiles, as JOINT_CUDA_TILE_SHARE makes on a GPU
     return {'ctc_loss (log_softmax, mean)': (f"T={T} N={N} C={C} L={L}", lambda: ctc_loss(x.log_softmax(2), tg, il, tl).backward()),
             'alignment_entropy (sum)': (f"T={T} N={N} C={C} L={L}", lambda: alignment_entropy(x.log_softmax(2), tg, il, tl).sum().backward()),
             'cross_entropy (mean)': ("N=64 C=100", lambda: cross_entropy(logits, y).backward()),
             'rnnt_loss (mean)': (f"B={B} T={Tr} U={U} V={V}", lambda: rnnt_loss(r, ry, rl, rul, blank=0).backward()),
-            'CTC_CRF.ctc_loss': ("T=60 N=4 state_len=3", lambda: crf.ctc_loss(s, ct, cl).backward())}
+            'CTC_CRF.ctc_loss': ("T=60 N=4 state_len=3", lambda: crf.ctc_loss(s, ct, cl).backward()),
+            'joint_rnnt_loss (8 tiles)': (f"B={B} T={Tr} U={U} V={V} H={H}", lambda: joint_rnnt_loss(
+                je, jp, jW, ry, rl, rul, bias=jb, blank=0, tile_bytes=tile).backward())}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
