@@ -540,6 +540,13 @@ def _rows_grad_probs(x, p, o, lse, g_ce, g_lse, zc=None, out=None):
     if o.cap: grad.mul_(1 - (xc / o.cap) ** 2)
     return out.copy_(grad) if out is not None else grad
 
+def _add_chunk_dw(dw, g, h, half_gemms, dt):
+    """dw (C, H) += g^T h for a chunk's gradient of the logits g (M, C) and inputs h (M, H): with half-precision GEMMs
+    (g in h's dtype) a block of `LCE_DW_BLOCK` classes at a time into float32 dw, else one product in dw's dtype."""
+    if half_gemms:             # (float32 accumulation inside each product, as eager's; its temporary: a block of rows of W)
+        for c0 in range(0, g.shape[1], LCE_DW_BLOCK): dw[c0:c0 + LCE_DW_BLOCK] += torch.mm(g[:, c0:c0 + LCE_DW_BLOCK].T, h)
+    else: dw.addmm_(g.T, h.to(dt))                                # (half inputs off a GPU: a float32 product)
+
 def _lce_rows(s, g_ce=None, zc=None):
     """ce, lse (N * D,) of the logits hidden @ weight[:, d].T + bias[:, d] of each of the D positions of a K-dim
     loss (D = d1 * ... * dK; D = 1 without), chunk by chunk: hidden (N, H), weight (C, D, H), bias (C, D), target
@@ -583,9 +590,7 @@ def _lce_rows(s, g_ce=None, zc=None):
             else: dh[i:j].addmm_(gh, Wd)                                  # K-dim: every position feeds h
             if dw_direct:              # one product a group, float32 accumulation inside it, as eager's one product
                 dw[:, d].addmm_(gh.T, h, beta=0 if i == 0 else 1)
-            elif half_gemms:           # dW's product in half precision (float32 accumulation, as eager's), into float32
-                for c0 in range(0, C, LCE_DW_BLOCK): dw[c0:c0 + LCE_DW_BLOCK, d] += torch.mm(gh[:, c0:c0 + LCE_DW_BLOCK].T, h)
-            else: dw[:, d].addmm_(lg.T, h.to(dt) if low else h)      # (half inputs: a float32 product, slow on a GPU)
+            else: _add_chunk_dw(dw[:, d], gh if half_gemms else lg, h, half_gemms, dt)
             if db is not None: db[:, d] += lg.sum(0, dtype=dt)
     ce, lse = ce.view(-1), lse.view(-1)
     if not with_grads: return ce, lse, None
@@ -933,6 +938,7 @@ def _lts_chunks(s, residuals=None):
     N, H = hidden.shape
     V = weight.shape[0]
     dt, low = s.dt, hidden.dtype != s.dt
+    half_gemms = low and hidden.device.type in _HALF_GEMMS    # (every GEMM in the inputs' dtype, as for the loss)
     rows, rows_grad = _STATS_ROWS[s.kind]
     floor = LCE_GPU_MIN_ROWS if hidden.is_cuda else 1
     chunk = max(1, min(N, s.chunk_size or max(floor, (LCE_CHUNK_BYTES // (2 if low else 1)) // (4 * V))))
@@ -957,8 +963,9 @@ def _lts_chunks(s, residuals=None):
             rows(y, target[i:j], s, lse[i:j], ent[i:j], logp[i:j])
             continue
         rows_grad(y, target[i:j], s, lse[i:j], coef[i:j], g_logp[i:j], g_ent[i:j])
-        if dh is not None: torch.mm(y.to(hidden.dtype) if low else y, weight, out=dh[i:j])
-        if dw is not None: dw.addmm_(y.T, h.to(dt) if low else h)
+        gy = y.to(hidden.dtype) if low and (dh is not None or half_gemms) else y
+        if dh is not None: torch.mm(gy, weight, out=dh[i:j])
+        if dw is not None: _add_chunk_dw(dw, gy if half_gemms else y, h, half_gemms, dt)
         if db is not None: db += y.sum(0)
     if residuals is None: return logp, ent, lse
     return dh, (dw.to(weight.dtype) if dw is not None else None), (db.to(bias.dtype) if db is not None else None)

@@ -201,3 +201,22 @@ def test_huge_inputs_and_masked_classes_as_the_float64_reference(backend):
     for dtype, rtol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
         got = _run(linear_token_stats, *(x.to(dtype) for x in (h, W, b)), t, ga.to(dtype), gb.to(dtype), backend=backend)
         for w, x in zip(want, got): _close(x.double(), w, rtol)
+
+@pytest.mark.parametrize('backend', ['cpu', 'cuda'])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_half_precision_gemms_match_the_reference_in_that_dtype(dtype, backend, monkeypatch):
+    """With every GEMM in half precision (the GPU's path, `_HALF_GEMMS`; forced here on the CPU; 'cuda' is the
+    emulated kernels), dW's product a block of classes at a time into float32 (blocks of 7 that do not divide V, chunks
+    of 6 rows that do not divide N): the outputs and gradients of the reference computed in float64 from the same
+    half-precision inputs, within the half-precision GEMMs' rounding; the gradients in the inputs' dtype."""
+    import seqdist.cross_entropy as ce
+    monkeypatch.setattr(ce, '_HALF_GEMMS', {'cpu'}); monkeypatch.setattr(ce, 'LCE_DW_BLOCK', 7)
+    g = torch.Generator().manual_seed(7)
+    h, W, b = torch.randn(20, 32, generator=g), torch.randn(30, 32, generator=g) / 6, torch.randn(30, generator=g) / 4
+    t = torch.randint(0, 30, (20,), generator=g); t[3] = -100
+    ga, gb = torch.randn(20, generator=g), torch.randn(20, generator=g)
+    hb, Wb, bb = (x.to(dtype) for x in (h, W, b))
+    ours = _run(lambda *a, **k: linear_token_stats(*a, backend=backend, **k), hb, Wb, bb, t, ga, gb, chunk_size=6, softcap=3.0)
+    ref = _run(linear_token_stats_reference, *(x.double() for x in (hb, Wb, bb)), t, ga.double(), gb.double(), softcap=3.0)
+    assert all(x.dtype == dtype for x in ours[2:])
+    for a, r in zip(ours, ref): torch.testing.assert_close(a.double(), r, rtol=3e-2, atol=3e-2)
