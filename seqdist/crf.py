@@ -807,16 +807,18 @@ def _kbest_edges_cuda(Ms, idx, v0, vT, k):
 def _sample_edges_cuda(Ms, idx, v0, vT, u, regular=True):
     """`_sample_edges` on a GPU: the forward scores by `sparse_fwd` (log space), then `crf_sample`, a thread per
     (sample, sequence): the reference's edges for the same uniforms. log Z, differentiable, by the loss's op
-    (`sparse.logZ`) on a `regular` lattice (the CRF's: every state with NZ out-edges, as its CUDA backward wants); on a
-    read's lattice from the forward scores, or by the reference where its gradient is wanted. No host reads."""
+    (`sparse.logZ`) on a `regular` lattice (the CRF's: every state with NZ out-edges, as its CUDA backward wants) or
+    by the reference on a read's, where its gradient is wanted; else from the forward scores (not a second forward
+    pass). No host reads."""
     T, N, C, NZ = Ms.shape
     n = u.shape[0]
     v0, vT = v0.contiguous(), vT.contiguous()
     ms = Ms.detach().contiguous()
     alpha = sparse.fwd_scores_cupy(ms, idx, v0.detach(), Log, K=1, backend='cuda')
-    if regular: logz = sparse.logZ(Ms, idx, v0, vT, Log, backend='cuda')
-    elif torch.is_grad_enabled() and Ms.requires_grad: logz = sparse.logZ_reference(Ms, idx.long(), v0, vT, Log)
-    else: logz = Log.sum(alpha[-1] + vT, dim=-1)
+    wanted = torch.is_grad_enabled() and (Ms.requires_grad or v0.requires_grad or vT.requires_grad)
+    if wanted and regular: logz = sparse.logZ(Ms, idx, v0, vT, Log, backend='cuda')
+    elif wanted: logz = sparse.logZ_reference(Ms, idx.long(), v0, vT, Log)
+    else: logz = Log.exact_zero(Log.sum(alpha[-1] + vT, dim=-1))     # (log Z as the op gives it: -inf where no path)
     edges = torch.full((n, T, N), -1, dtype=torch.long, device=Ms.device)
     if n * N: _sample_kernels[ms.dtype]((math.ceil(n * N / 256),), (256,), Ms=ms, idx=idx.long().contiguous(),
         alpha=alpha.contiguous(), vT=vT.detach().double().contiguous(), logz=logz.detach().double().contiguous(),
