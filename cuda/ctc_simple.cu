@@ -5,22 +5,29 @@
 // previous frame is double-buffered in shared memory, so one barrier per frame suffices.
 #include "semiring.cuh"
 
+// With `poisoned` (N flags, else null): the forward recursion reads every score of the lattice once (stay u < L_n, move
+// u < L_n - 1) and flags a NaN or +inf; a flagged sequence's alpha_T(L_n - 1), its logZ, is NaN (PyTorch's semantics:
+// a pass of PyTorch operations over the scores did it, and a copy with the padding zeroed).
 __device__ void simple_alpha(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move, int Ln,
-                             FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int L, int n) {
+                             FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int L, int n, int* poisoned) {
     for (int s = threadIdx.x; s < L; s += blockDim.x) buf[s] = alpha[(long long)n * L + s] = s == 0 ? ONE : ZERO;
+    if (poisoned && threadIdx.x == 0) poisoned[n] = 0;
     __syncthreads();
     for (int t = 0; t < T; t++) {
         const FLOAT* prev = buf + (t % 2) * L;
         FLOAT* cur = buf + ((t + 1) % 2) * L;
         const long long row = ((long long)t * N + n);
         for (int s = threadIdx.x; s < L; s += blockDim.x) {
-            FLOAT a = s < Ln ? MUL(stay[row * L + s], prev[s]) : ZERO;
-            if (s > 0 && s < Ln) a = SUM(a, MUL(move[row * (L - 1) + s - 1], prev[s - 1]));
+            const FLOAT x = s < Ln ? stay[row * L + s] : ZERO, y = s > 0 && s < Ln ? move[row * (L - 1) + s - 1] : ZERO;
+            if (poisoned && !(x < (FLOAT)INFINITY && y < (FLOAT)INFINITY)) poisoned[n] = 1;
+            FLOAT a = s < Ln ? MUL(x, prev[s]) : ZERO;
+            if (s > 0 && s < Ln) a = SUM(a, MUL(y, prev[s - 1]));
             cur[s] = a;
             alpha[(row + N) * L + s] = a;
         }
         __syncthreads();
     }
+    if (poisoned && threadIdx.x == 0 && poisoned[n]) alpha[((long long)T * N + n) * L + Ln - 1] = (FLOAT)INFINITY - (FLOAT)INFINITY;
 }
 
 __device__ void simple_beta(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move, int Ln,
@@ -44,11 +51,11 @@ __device__ void simple_beta(const FLOAT* __restrict__ stay, const FLOAT* __restr
 
 extern "C" __global__ void simple_alpha_beta(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
                                              const long long* __restrict__ lengths, FLOAT* __restrict__ alpha,
-                                             FLOAT* __restrict__ beta, int T, int N, int L) {
+                                             FLOAT* __restrict__ beta, int* poisoned, int T, int N, int L) {
     extern __shared__ unsigned char smem[];
     FLOAT* buf = (FLOAT*)smem;                        // 2 * L values
     const int n = blockIdx.x, Ln = (int)lengths[n];
-    if (blockIdx.y == 0) simple_alpha(stay, move, Ln, alpha, buf, T, N, L, n);
+    if (blockIdx.y == 0) simple_alpha(stay, move, Ln, alpha, buf, T, N, L, n, poisoned);
     else simple_beta(stay, move, Ln, beta, buf, T, N, L, n);
 }
 
@@ -56,12 +63,13 @@ extern "C" __global__ void simple_alpha_beta(const FLOAT* __restrict__ stay, con
 // w = alpha_t(s) + stay[t, n, s] + beta_{t+1}(s) and alpha_t(s) + move[t, n, s] + beta_{t+1}(s + 1), and writes
 // exp(w - their log-sum-exp). Every path takes one edge per frame, so that sum is Z in exact arithmetic; normalising
 // each frame by its own sum (as seqdist 0.0.3 did) cancels the rounding that alpha_t + beta_{t+1} share, which in
-// float32 dominates the error of exp(w - logZ). Zero for an infeasible sequence (logz = -inf). blockDim.x is a power
-// of two; the reductions are trees in shared memory (deterministic).
+// float32 dominates the error of exp(w - logZ). Zero for an infeasible sequence (logz = -inf) and past a sequence's
+// edges (stay u >= L_n, move u >= L_n - 1: their scores are not read), NaN for a poisoned one (logz NaN). blockDim.x
+// is a power of two; the reductions are trees in shared memory (deterministic).
 extern "C" __global__ void simple_posteriors(const FLOAT* __restrict__ alpha, const FLOAT* __restrict__ beta,
                                              const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
-                                             const FLOAT* __restrict__ logz, FLOAT* __restrict__ gs,
-                                             FLOAT* __restrict__ gm, int N, int L) {
+                                             const FLOAT* __restrict__ logz, const long long* __restrict__ lengths,
+                                             FLOAT* __restrict__ gs, FLOAT* __restrict__ gm, int N, int L) {
     extern __shared__ unsigned char smem[];
     FLOAT* red = (FLOAT*)smem;                       // blockDim.x values
     const long long tn = blockIdx.x;                 // t * N + n
@@ -71,14 +79,16 @@ extern "C" __global__ void simple_posteriors(const FLOAT* __restrict__ alpha, co
     const FLOAT* mv = move + tn * (L - 1);
     FLOAT* os = gs + tn * L;
     FLOAT* om = gm + tn * (L - 1);
-    if (logz[tn % N] == -INFINITY) {                 // the same for the whole block: no barrier is skipped by some
-        for (int s = threadIdx.x; s < L; s += blockDim.x) { os[s] = 0; if (s + 1 < L) om[s] = 0; }
+    const FLOAT z = logz[tn % N];
+    const int Ln = (int)lengths[tn % N];
+    if (z == -INFINITY || z != z) {                  // the same for the whole block: no barrier is skipped by some
+        for (int s = threadIdx.x; s < L; s += blockDim.x) { os[s] = z == z ? 0 : z; if (s + 1 < L) om[s] = z == z ? 0 : z; }
         return;
     }
     FLOAT m = -INFINITY;
-    for (int s = threadIdx.x; s < L; s += blockDim.x) {
+    for (int s = threadIdx.x; s < Ln; s += blockDim.x) {
         m = max2(m, a[s] + st[s] + b[s]);
-        if (s + 1 < L) m = max2(m, a[s] + mv[s] + b[s + 1]);
+        if (s + 1 < Ln) m = max2(m, a[s] + mv[s] + b[s + 1]);
     }
     red[threadIdx.x] = m;
     __syncthreads();
@@ -89,9 +99,9 @@ extern "C" __global__ void simple_posteriors(const FLOAT* __restrict__ alpha, co
     m = red[0];
     __syncthreads();                                 // everyone has read red[0] before it is reused
     FLOAT sum = 0;
-    for (int s = threadIdx.x; s < L; s += blockDim.x) {
+    for (int s = threadIdx.x; s < Ln; s += blockDim.x) {
         sum += exp(a[s] + st[s] + b[s] - m);
-        if (s + 1 < L) sum += exp(a[s] + mv[s] + b[s + 1] - m);
+        if (s + 1 < Ln) sum += exp(a[s] + mv[s] + b[s + 1] - m);
     }
     red[threadIdx.x] = sum;
     __syncthreads();
@@ -101,7 +111,7 @@ extern "C" __global__ void simple_posteriors(const FLOAT* __restrict__ alpha, co
     }
     const FLOAT lse = m + log(red[0]);
     for (int s = threadIdx.x; s < L; s += blockDim.x) {
-        os[s] = exp(a[s] + st[s] + b[s] - lse);
-        if (s + 1 < L) om[s] = exp(a[s] + mv[s] + b[s + 1] - lse);
+        os[s] = s < Ln ? exp(a[s] + st[s] + b[s] - lse) : (FLOAT)0;
+        if (s + 1 < L) om[s] = s + 1 < Ln ? exp(a[s] + mv[s] + b[s + 1] - lse) : (FLOAT)0;
     }
 }

@@ -122,9 +122,10 @@ def _scores_numba(stay, move, lengths, S):
                  beta.numpy(), logz.numpy(), work=stay.numel())
     return alpha, beta, logz
 
-def _scores_cuda(stay, move, lengths, S):
+def _scores_cuda(stay, move, lengths, S, check=False):
     """The CUDA kernel's forward and backward scores: in the scores' dtype for the Log semiring (the posteriors are
-    normalised per frame, which keeps float32 accurate), in float64 for Max (a best path should not hang on rounding)."""
+    normalised per frame, which keeps float32 accurate), in float64 for Max (a best path should not hang on rounding).
+    `check`: a sequence whose scores hold a NaN or +inf gets logZ NaN (the forward recursion flags what it reads)."""
     T, N, L = stay.shape
     dtype = torch.float64 if S is Max else stay.dtype
     stay, move = stay.to(dtype), move.to(dtype)
@@ -132,17 +133,18 @@ def _scores_cuda(stay, move, lengths, S):
     block, shared = min(max_threads(RECURSION_THREADS), 32 * math.ceil(L / 32)), 2 * L * stay.element_size()
     mv = move.contiguous() if L > 1 else stay.new_empty(T, N, 1)
     _simple_kernels[(dtype, S)]((N, 2), (block,), stay=stay.contiguous(), move=mv, lengths=lengths, alpha=alpha, beta=beta,
-                                T=T, N=N, L=L, shared_mem=shared)
+                                poisoned=lengths.new_empty(N, dtype=torch.int32) if check else None, T=T, N=N, L=L,
+                                shared_mem=shared)
     return alpha, beta
 
-def _posteriors_cuda(stay, move, alpha, beta, logz):
+def _posteriors_cuda(stay, move, alpha, beta, logz, lengths):
     "The Log semiring's edge posteriors, normalised per frame, in the scores' dtype: one kernel, one pass."
     T, N, L = stay.shape
     gs, gm = stay.new_empty(T, N, L), stay.new_empty(T, N, max(L - 1, 0))
     mv = move.contiguous() if L > 1 else gm
     threads = POSTERIOR_THREADS
     if T * N: _simple_posterior_kernels[stay.dtype]((T * N,), (threads,), alpha=alpha, beta=beta, stay=stay.contiguous(), move=mv,
-                                                    logz=logz.contiguous(), gs=gs, gm=gm, N=N, L=L,
+                                                    logz=logz.contiguous(), lengths=lengths, gs=gs, gm=gm, N=N, L=L,
                                                     shared_mem=threads * stay.element_size())
     return gs, gm
 
@@ -171,12 +173,15 @@ def _simple_prepare(a, backend, check):
     lengths = check_simple_inputs(a.stay_scores, a.move_scores, a.target_lengths) if check else a.target_lengths.long()
     stay, move = a.stay_scores.detach(), a.move_scores.detach()
     lengths = to_device(lengths, stay.device)
-    # a caller whose NaN poisons the whole sequence says zero_padding=False (the CTC-CRF's loss): no check, no copy
-    bad = stay_move_poisoned(stay, move, lengths) if getattr(a, 'zero_padding', True) else None
+    S, check = SEMIRINGS[a.semiring], getattr(a, 'zero_padding', True)
+    # a caller whose NaN poisons the whole sequence says zero_padding=False (the CTC-CRF's loss): no check, no copy;
+    # the CUDA kernels (Log) check as they read and never read the padding
+    in_kernel = backend == 'cuda' and S is Log
+    bad = stay_move_poisoned(stay, move, lengths) if check and not in_kernel else None
     if bad is not None: stay, move = _padding_zeroed(stay, move, lengths)   # a NaN past a length: read by no path, nor
                                                                             # by any gradient (on a GPU: always)
-    return SimpleNamespace(stay=stay, move=move, lengths=lengths, S=SEMIRINGS[a.semiring], with_posteriors=a.with_posteriors,
-                           bad=bad)
+    return SimpleNamespace(stay=stay, move=move, lengths=lengths, S=S, with_posteriors=a.with_posteriors, bad=bad,
+                           check=check and in_kernel)
 
 def _padding_zeroed(stay, move, lengths):
     "stay (T, N, L) and move (T, N, L - 1) scores with 0 past each sequence's states (u >= L_n; moves u >= L_n - 1)."
@@ -199,10 +204,10 @@ def _simple_reference(st):
 
 def _simple_cuda(st):
     "The recursions' kernel, then (Log) the posterior kernel."
-    alpha, beta = _scores_cuda(st.stay, st.move, st.lengths, st.S)
+    alpha, beta = _scores_cuda(st.stay, st.move, st.lengths, st.S, st.check)
     if st.S is Max or not st.with_posteriors: return _logz_and_posteriors(st, alpha, beta, _logz(st, alpha))
     logz = _logz(st, alpha)
-    return logz, *_posteriors_cuda(st.stay, st.move, alpha, beta, logz)
+    return logz, *_posteriors_cuda(st.stay, st.move, alpha, beta, logz, st.lengths)
 
 def _scaled_posteriors(st, outputs, grads):
     "The gradient of logZ: the posteriors of the forward pass times each sequence's incoming gradient."

@@ -42,7 +42,7 @@ def test_host_cost_counts_what_a_cuda_call_costs_the_host(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, env={**__import__('os').environ, 'PYTHONPATH': str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row['call']: row for row in json.loads(out.read_text())['rows']}
-    assert len(rows) == 6 and all(row['ops'] >= row['launching_ops'] > 0 and row['host_us'] > 0 for row in rows.values())
+    assert len(rows) == 7 and all(row['ops'] >= row['launching_ops'] > 0 and row['host_us'] > 0 for row in rows.values())
     ctc = rows['ctc_loss (log_softmax, mean)']
     assert ctc['kernels'] == {'ctc_prepare': 1, 'ctc_alpha_beta': 1, 'ctc_posteriors': 1, 'ctc_grad': 1}
     assert ctc['launching_ops'] <= 17, ctc

@@ -69,6 +69,9 @@ def _calls():
     s = torch.randn(60, 4, crf.n_score(), generator=g).requires_grad_()
     ct, cl = torch.randint(1, 5, (4, 12), generator=g), torch.randint(9, 13, (4,), generator=g)
     from seqdist.joint import joint_rnnt_loss
+    from seqdist import ctc_simple
+    sst, smv = torch.randn(T, N, L, generator=g).requires_grad_(), torch.randn(T, N, L - 1, generator=g).requires_grad_()
+    sl = torch.randint(L // 2, L + 1, (N,), generator=g)
     H = 16
     je, jp = torch.randn(B, Tr, H, generator=g).requires_grad_(), torch.randn(B, U + 1, H, generator=g).requires_grad_()
     jW, jb = torch.randn(V, H, generator=g).requires_grad_(), torch.randn(V, generator=g).requires_grad_()
@@ -78,6 +81,7 @@ def _calls():
             'cross_entropy (mean)': ("N=64 C=100", lambda: cross_entropy(logits, y).backward()),
             'rnnt_loss (mean)': (f"B={B} T={Tr} U={U} V={V}", lambda: rnnt_loss(r, ry, rl, rul, blank=0).backward()),
             'CTC_CRF.ctc_loss': ("T=60 N=4 state_len=3", lambda: crf.ctc_loss(s, ct, cl).backward()),
+            'ctc_simple.logZ': (f"T={T} N={N} L={L}", lambda: ctc_simple.logZ(sst, smv, sl).sum().backward()),
             'joint_rnnt_loss (8 tiles)': (f"B={B} T={Tr} U={U} V={V} H={H}", lambda: joint_rnnt_loss(
                 je, jp, jW, ry, rl, rul, bias=jb, blank=0, tile_bytes=tile).backward())}
 
