@@ -3,18 +3,28 @@
 #include "semiring.cuh"
 
 // One block per sequence; thread i owns states i, i + blockDim.x, ... (K = C / blockDim.x of them: a tuning knob).
-// The previous frame's scores are in shared memory (buf), double-buffered: one barrier per frame.
+// The previous frame's scores are in shared memory (buf), double-buffered: one barrier per frame. With `poisoned` (N
+// flags, else null), a NaN or +inf among the scores it reads (every one of Ms, v0 and vT, once) makes the sequence's
+// alpha_T NaN, so its logZ and gradient are: PyTorch's semantics, which a pass of PyTorch operations found before.
 __device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restrict__ idx, const FLOAT* __restrict__ v0,
-                               FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int C, int NZ, int n) {
+                               FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int C, int NZ, int n,
+                               const FLOAT* __restrict__ vT, int* poisoned) {
     for (int c = threadIdx.x; c < C; c += blockDim.x) buf[c] = alpha[(long long)n * C + c] = v0[(long long)n * C + c];
+    if (poisoned && threadIdx.x == 0) poisoned[n] = 0;
     __syncthreads();
+    if (poisoned)
+        for (int c = threadIdx.x; c < C; c += blockDim.x)
+            if (!(v0[(long long)n * C + c] < (FLOAT)INFINITY && vT[(long long)n * C + c] < (FLOAT)INFINITY)) poisoned[n] = 1;
     for (int t = 0; t < T; t++) {
         const FLOAT* prev = buf + (t % 2) * C;
         FLOAT* cur = buf + ((t + 1) % 2) * C;
         const FLOAT* M = Ms + ((long long)t * N + n) * C * NZ;
         for (int c = threadIdx.x; c < C; c += blockDim.x) {      // an n-ary sum (SUM_TERM): the terms independent
             FLOAT m = ZERO, s = 0;
-            for (int j = 0; j < NZ; j++) m = max2(m, MUL(M[c * NZ + j], prev[idx[c * NZ + j]]));
+            for (int j = 0; j < NZ; j++) {
+                if (poisoned && !(M[c * NZ + j] < (FLOAT)INFINITY)) poisoned[n] = 1;
+                m = max2(m, MUL(M[c * NZ + j], prev[idx[c * NZ + j]]));
+            }
             bool top = false;                                     // the max's own term (1) is SUM_END's
             for (int j = 0; j < NZ; j++) {
                 const FLOAT x = MUL(M[c * NZ + j], prev[idx[c * NZ + j]]);
@@ -26,6 +36,10 @@ __device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restri
         }
         __syncthreads();
     }
+    if (!poisoned) return;
+    __syncthreads();                                              // (T = 0: the ends' flags)
+    if (poisoned[n])
+        for (int c = threadIdx.x; c < C; c += blockDim.x) alpha[((long long)T * N + n) * C + c] = (FLOAT)INFINITY - (FLOAT)INFINITY;
 }
 
 // beta[t, s] = sum over the edges e leaving s (e = c * NZ + j with idx[c, j] = s) of Ms[t, e] * beta[t + 1, c].
@@ -67,9 +81,10 @@ __device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restr
 #endif
 
 extern "C" __global__ void SPARSE_BOUNDS sparse_fwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
-                                      const FLOAT* __restrict__ v0, FLOAT* __restrict__ alpha, int T, int N, int C, int NZ) {
+                                      const FLOAT* __restrict__ v0, FLOAT* __restrict__ alpha, const FLOAT* __restrict__ vT,
+                                      int* poisoned, int T, int N, int C, int NZ) {
     extern __shared__ unsigned char smem[];           // 2 * C values
-    forward_scores(Ms, idx, v0, alpha, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
+    forward_scores(Ms, idx, v0, alpha, (FLOAT*)smem, T, N, C, NZ, blockIdx.x, vT, poisoned);
 }
 
 extern "C" __global__ void SPARSE_BOUNDS sparse_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ out_edges,
@@ -82,9 +97,10 @@ extern "C" __global__ void SPARSE_BOUNDS sparse_bwd(const FLOAT* __restrict__ Ms
 // beta = scores[1] (scores is (2, T + 1, N, C)). T steps where the two kernels in turn take 2T.
 extern "C" __global__ void SPARSE_BOUNDS sparse_fwd_bwd(const FLOAT* __restrict__ Ms, const int* __restrict__ idx,
                                           const int* __restrict__ out_edges, const FLOAT* __restrict__ v0,
-                                          const FLOAT* __restrict__ vT, FLOAT* __restrict__ scores, int T, int N, int C, int NZ) {
+                                          const FLOAT* __restrict__ vT, FLOAT* __restrict__ scores, int* poisoned,
+                                          int T, int N, int C, int NZ) {
     extern __shared__ unsigned char smem[];
-    if (blockIdx.y == 0) forward_scores(Ms, idx, v0, scores, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
+    if (blockIdx.y == 0) forward_scores(Ms, idx, v0, scores, (FLOAT*)smem, T, N, C, NZ, blockIdx.x, vT, poisoned);
     else backward_scores(Ms, out_edges, vT, scores + (long long)(T + 1) * N * C, (FLOAT*)smem, T, N, C, NZ, blockIdx.x);
 }
 

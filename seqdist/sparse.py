@@ -417,31 +417,38 @@ def _make_out_edges(idx, NZ):
                          f"counts range over [{int(counts.min())}, {int(counts.max())}] (use backend='cpu')")
     return idx.flatten().argsort(stable=True).to(torch.int32).contiguous()
 
-def _scores_cuda(Ms, idx, v, S, K, forward):
+def _flags(check, Ms):
+    "The forward recursion's poisoned-sequence flags (N,), or None: the kernel then looks for no NaN."
+    return Ms.new_empty(Ms.shape[1], dtype=torch.int32) if check else None
+
+def _scores_cuda(Ms, idx, v, S, K, forward, vT=None, check=False):
     T, N, C, NZ = Ms.shape
     k = _kernels(Ms.dtype, S)
     out = Ms.new_empty(T + 1, N, C)
     shared = 2 * C * Ms.element_size()
     grid, block = (N,), (_threads(C, K),)
     if forward: k['sparse_fwd'](grid, block, Ms=Ms.contiguous(), idx=_idx32(idx), v0=v.contiguous(), alpha=out,
-                                T=T, N=N, C=C, NZ=NZ, shared_mem=shared)
+                                vT=vT.contiguous() if check else None, poisoned=_flags(check, Ms), T=T, N=N, C=C, NZ=NZ,
+                                shared_mem=shared)
     else: k['sparse_bwd'](grid, block, Ms=Ms.contiguous(), out_edges=_out_edges(idx, NZ), vT=v.contiguous(), beta=out,
                           T=T, N=N, C=C, NZ=NZ, shared_mem=shared)
     return out
 
-def _sparse_forward_cuda(Ms, idx, v0, vT, S, for_backward, K=1):
+def _sparse_forward_cuda(Ms, idx, v0, vT, S, for_backward, K=1, check=False):
     """logZ by the forward kernel and, `for_backward`, the scores the backward pass needs: alpha and beta (2, T+1, N, C)
     in log space, from one launch that runs the two recursions at the same time (so a training step waits for T
-    frames, not 2T; beta is held from the forward to the backward pass, where the loss's backward comes next)."""
+    frames, not 2T; beta is held from the forward to the backward pass, where the loss's backward comes next).
+    `check`: logZ NaN for a sequence whose Ms, v0 or vT hold a NaN or +inf (the forward recursion flags them)."""
     if not for_backward:
-        alpha = _scores_cuda(Ms, idx, v0, S, K, True)
+        alpha = _scores_cuda(Ms, idx, v0, S, K, True, vT, check)
         scores = Ms.new_empty(0)
     else:
         T, N, C, NZ = Ms.shape
         scores = Ms.new_empty(2, T + 1, N, C)
         _kernels(Ms.dtype, S)['sparse_fwd_bwd']((N, 2), (_threads(C, K),), Ms=Ms.contiguous(), idx=_idx32(idx),
                                                           out_edges=_out_edges(idx, NZ), v0=v0.contiguous(), vT=vT.contiguous(),
-                                                          scores=scores, T=T, N=N, C=C, NZ=NZ, shared_mem=2 * C * Ms.element_size())
+                                                          scores=scores, poisoned=_flags(check, Ms), T=T, N=N, C=C, NZ=NZ,
+                                                          shared_mem=2 * C * Ms.element_size())
         alpha = scores[0]
     logz = S.exact_zero(S.sum(S.mul(alpha[-1], vT), dim=1))
     empty = Ms.new_empty(0, dtype=torch.float64)
@@ -456,7 +463,8 @@ def _sparse_backward_cuda(st, outputs, grads):
     if T == 0: return {'Ms': Ms.new_empty(Ms.shape)}
     alpha, beta = scores[0], scores[1]
     grad = Ms.new_empty(Ms.shape)
-    feasible = torch.isfinite(logz)               # a sequence with no path: zero gradient (and no -inf - -inf in the kernel)
+    feasible = logz != -math.inf                  # a sequence with no path: zero gradient (and no -inf - -inf in the kernel);
+                                                  # a poisoned one (logz NaN): NaN
     g, logz = torch.where(feasible, grads[0], 0).to(Ms.dtype).contiguous(), torch.where(feasible, logz, 0).contiguous()
     threads = 256
     _kernels(Ms.dtype, S)['sparse_posteriors']((T, N), (threads,), Ms=Ms.contiguous(), idx=_idx32(st.idx), alpha=alpha,
@@ -505,8 +513,9 @@ def _sparse_prepare(a, backend, check):
         idx = check_sparse_inputs(a.Ms, a.idx, a.v0, a.vT)
         _threads(1, a.K)                                       # checks K
     else: idx = tensor_cached(a.idx, ('graph', a.Ms.device), lambda: a.idx.to(device=a.Ms.device, dtype=torch.int64))
+    S = SEMIRINGS[a.semiring]
     return SimpleNamespace(Ms=a.Ms if backend == 'reference' else a.Ms.detach(), idx=idx, v0=a.v0.detach(), vT=a.vT.detach(),
-                           S=SEMIRINGS[a.semiring], for_backward=a.for_backward, K=a.K)
+                           S=S, for_backward=a.for_backward, K=a.K, check=backend == 'cuda' and S is Log)
 
 def _sparse_reference(st):
     "logZ by the reference scan, -inf for a sequence with no path."
@@ -516,7 +525,9 @@ def _sparse_reference(st):
 
 def _sparse_poisoned(st):
     """The sequences whose Ms, v0 or vT hold a NaN or a +inf (every path sum reads all of them): logZ and its gradient
-    NaN there, on every backend (the kernels' max-based sums would drop a NaN)."""
+    NaN there, on every backend (the kernels' max-based sums would drop a NaN); on the CUDA path of the Log semiring
+    the forward recursion flags them as it reads them (`check`): none here."""
+    if st.check: return None
     return either_poisoned(nonfinite_sequences(st.Ms, 1), nonfinite_sequences(st.v0, 0), nonfinite_sequences(st.vT, 0))
 
 def _sparse_fake(a, backend):
@@ -531,7 +542,7 @@ sparse_logz = Op(f'{_OPS}::sparse_logz',
     " -> (Tensor logz, Tensor scores, Tensor frame_scales, Tensor exact)",
     prepare=_sparse_prepare,
     forward={'cpu': lambda st: _sparse_forward_numba(st.Ms, st.idx, st.v0, st.vT, st.S, st.for_backward),
-             'cuda': lambda st: _sparse_forward_cuda(st.Ms, st.idx, st.v0, st.vT, st.S, st.for_backward, st.K),
+             'cuda': lambda st: _sparse_forward_cuda(st.Ms, st.idx, st.v0, st.vT, st.S, st.for_backward, st.K, st.check),
              'reference': _sparse_reference},
     backward={'cpu': _sparse_backward_numba, 'cuda': _sparse_backward_cuda, 'reference': AUTOGRAD},
     fake=_sparse_fake, differentiable=('Ms',), residuals=('scores', 'frame_scales', 'exact'),

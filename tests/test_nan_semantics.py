@@ -145,3 +145,28 @@ def test_the_alignment_calls_refuse_nan_naming_the_sequence(call, backend, bad):
     ALIGNMENT_CALLS[call](backend, I)                              # the clean inputs: an answer
     with pytest.raises(ValueError, match=r"of sequence 1 hold NaN or \+inf( \(or a log-probability of 10000 or more, which stands for \+inf\))? within its lengths"):
         ALIGNMENT_CALLS[call](backend, d)
+
+@pytest.mark.parametrize('bad', [math.nan, math.inf], ids=['nan', '+inf'])
+@pytest.mark.parametrize('where', ['Ms', 'v0', 'vT', 'CTC-CRF loss'])
+def test_the_sparse_cuda_path_flags_what_it_reads(where, bad):
+    """The CUDA path of sparse logZ (Log; the emulator on CPU tensors) finds a NaN or +inf among Ms, v0 and vT in its
+    forward recursion, as it reads them (no pass of PyTorch operations): the poisoned sequence's logZ and gradient all
+    NaN, the others' exactly those of the clean batch. Also the CTC-CRF loss's op through it (normalised_target_logp)."""
+    from seqdist.crf import normalised_target_logp
+    crf, g = I['crf'], torch.Generator().manual_seed(5)
+    C, NZ = crf.idx.shape
+    Ms, ends = torch.randn(T, N, C, NZ, generator=g, dtype=torch.float64), torch.zeros(N, C, dtype=torch.float64)
+    def run(poison):
+        xs = dict(Ms=Ms.clone(), v0=ends.clone(), vT=ends.clone())
+        at = {'v0': (1, 3), 'vT': (1, 3)}.get(where, (2, 1, 3, 1))
+        if poison: xs['Ms' if where == 'CTC-CRF loss' else where][at] = bad
+        M = xs['Ms'].requires_grad_()
+        if where == 'CTC-CRF loss':
+            scores = M.reshape(T, N, C * NZ)
+            cols, n = crf._target_columns(scores, I['yc'])
+            value = normalised_target_logp(scores, cols, I['tl'] + 1 - crf.state_len, crf.idx, n, backend='cuda')[0]
+        else: value = sparse.logZ(M, crf.idx, xs['v0'], xs['vT'], backend='cuda')
+        return value.detach(), torch.autograd.grad(value.sum(), M)[0]
+    (v0, g0), (v1, g1) = run(False), run(True)
+    assert torch.isfinite(v0).all() and v1[1].isnan() and g1[:, 1].isnan().all()
+    for n in (0, 2): assert torch.equal(v1[n], v0[n]) and torch.equal(g1[:, n], g0[:, n])
