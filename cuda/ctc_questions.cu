@@ -26,11 +26,34 @@ extern "C" __global__ void ctc_divergence(
     const FLOAT* __restrict__ lp, const FLOAT* __restrict__ lq, const long long* __restrict__ ext,
     const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths, double* __restrict__ fwd,
     double* __restrict__ back, double* __restrict__ gs, int* __restrict__ links, double* __restrict__ out,
-    FLOAT* __restrict__ grad_p, FLOAT* __restrict__ grad_q, int N, int C, int S_max, int T_max, int blank, int with_grad)
+    FLOAT* __restrict__ grad_p, FLOAT* __restrict__ grad_q, int N, int C, int S_max, int T_max, int blank, int with_grad,
+    double above)
 {
     const int n = blockIdx.x, B = blockDim.x, j = threadIdx.x;
     const int T = (int)input_lengths[n], L = (int)target_lengths[n], S = 2 * L + 1, W = S_max + 4;
     const long long* e = ext + (long long)n * S_max;
+    const long long frame = (long long)N * C;
+    if (above > 0) {            // PyTorch's NaN: a NaN, +inf or `above` among the emissions the lattice reads (every frame
+        __shared__ int poisoned;                            // and state, in or out of the band) makes the sequence's
+        if (j == 0) poisoned = 0;                           // value and its gradients NaN (`poisoned_sequences`)
+        __syncthreads();
+        for (int t = 0; t < T; t++)
+            for (int st = j; st < S; st += B) {
+                const long long at = t * frame + n * (long long)C + e[st];
+                if (!((double)lp[at] < above) || (ALG == ALG_KL && !((double)lq[at] < above))) poisoned = 1;
+            }
+        __syncthreads();
+        if (poisoned) {
+            const double nan = (double)INFINITY - (double)INFINITY;
+            if (j == 0) { out[3 * n] = nan; out[3 * n + 1] = nan; out[3 * n + 2] = nan; }
+            if (with_grad)
+                for (long long i = j; i < (long long)T_max * C; i += B) {
+                    grad_p[i / C * frame + n * (long long)C + i % C] = (FLOAT)nan;
+                    if (ALG == ALG_KL) grad_q[i / C * frame + n * (long long)C + i % C] = (FLOAT)nan;
+                }
+            return;                                         // (the whole block)
+        }
+    }
     int repeats = 0;                                        // frames needed: labels, and a blank between equal ones
     for (int k = 1; k < L; k++) repeats += e[2 * k + 1] == e[2 * k - 1];
     if (T < L + repeats || T == 0) {                        // infeasible (no path), or no frames (the empty path)
@@ -38,7 +61,6 @@ extern "C" __global__ void ctc_divergence(
                       out[3 * n] = z; out[3 * n + 1] = z; out[3 * n + 2] = 0.0; }
         return;                                             // (the whole block: no barrier is skipped by some only)
     }
-    const long long frame = (long long)N * C;
     int* nxt = links + (long long)n * 2 * S_max;            // (read after the forward recursion's barriers)
     int* prv = nxt + S_max;
     if (with_grad)

@@ -1607,6 +1607,7 @@ def _divergence_prepare(a, backend, check):
     a.ext, a.il, a.tl, _ = extended_targets(lp, a.targets, a.input_lengths, a.target_lengths, a.blank, check,
                                             cuda=backend == 'cuda')
     a.lp, a.lq = lp, lq
+    a.kernel_checks = backend == 'cuda'       # the kernel finds the poisoned sequences (`poisoned_sequences`) itself
     return a
 
 def _divergence_numba(st):
@@ -1647,11 +1648,12 @@ _divergence_kernels = algebra_kernels('ctc_questions.cu', 'ctc_divergence', ('Lo
 _sample_kernel = load_kernel('ctc_questions.cu', 'ctc_sample', **Log.cuda_macros(torch.float64))      # (float64 states only)
 _kbest_kernels = dtype_kernels('ctc_questions.cu', 'ctc_kbest')
 
-def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad):
+def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad, check=False):
     """ctc_divergence (through the emulator on CPU tensors): one launch, one block per sequence. Returns out (N, 3)
     (log Z_p, log Z_q, accumulator, float64), the forward states of every frame (N, T, 3, S + 4) in float64 (as the CPU
     kernel keeps per sequence: the sampler walks them), and with `with_grad` the gradients (T, N, C) of the accumulator
-    (for KL also q's), else empty. No host reads: sync-free."""
+    (for KL also q's), else empty. `check`: a sequence whose emissions hold a NaN, +inf or `HUGE_LOG_PROB` or more gets
+    value, log Z and gradients NaN (`poisoned_sequences`, in the kernel). No host reads: sync-free."""
     T, N, C = lp.shape
     S_max, kl, dev, f64 = ext.shape[1], algebra == 'KL', lp.device, torch.float64
     grad_p = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if with_grad else lp.new_zeros(1)
@@ -1662,14 +1664,15 @@ def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad):
             (N,), (_DIVERGENCE_THREADS,), lp=lp, lq=lq, ext=ext, input_lengths=il, target_lengths=tl, fwd=fwd,
             back=torch.empty(N, 6, S_max + 4, dtype=f64, device=dev), gs=torch.empty(N, 2, S_max, dtype=f64, device=dev),
             links=torch.empty(N, 2, S_max, dtype=torch.int32, device=dev),
-            out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C, S_max=S_max, T_max=T, blank=blank, with_grad=int(with_grad))
+            out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C, S_max=S_max, T_max=T, blank=blank, with_grad=int(with_grad),
+            above=HUGE_LOG_PROB if check else 0.0)
     empty = lp.new_empty(0)
     return out, fwd, grad_p if with_grad else empty, grad_q if with_grad and kl else empty
 
 def _divergence_cuda(st):
     "The CUDA kernel: the same values and closed-form gradients as the CPU kernel (for g = 1, scaled in the backward)."
     out, _, grad_p, grad_q = _divergence_launch(st.lp.detach().contiguous(), st.lq.detach().contiguous(), st.ext, st.il,
-                                                st.tl, st.blank, st.algebra, st.with_grad)
+                                                st.tl, st.blank, st.algebra, st.with_grad, check=True)
     value, logz_p, logz_q = (out[:, j].to(st.lp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
     return value, logz_p, logz_q, grad_p, grad_q
 
@@ -1707,7 +1710,7 @@ ctc_divergence_op = Op(f'{_OPS}::ctc_divergence', "(Tensor log_probs_p, Tensor? 
                        backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
                        fake=_divergence_fake,
                        differentiable=('log_probs_p', 'log_probs_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
-                       consumable=('grad_p', 'grad_q'), poisoned=divergence_poisoned,
+                       consumable=('grad_p', 'grad_q'), poisoned=lambda st: None if st.kernel_checks else divergence_poisoned(st),
                        per_sequence={'value': 0, 'log_probs_p': 1, 'log_probs_q': 1})
 
 def _divergence(algebra, log_probs_p, log_probs_q, targets, input_lengths, target_lengths, blank, reduction, backend, what):

@@ -170,3 +170,22 @@ def test_the_sparse_cuda_path_flags_what_it_reads(where, bad):
     (v0, g0), (v1, g1) = run(False), run(True)
     assert torch.isfinite(v0).all() and v1[1].isnan() and g1[:, 1].isnan().all()
     for n in (0, 2): assert torch.equal(v1[n], v0[n]) and torch.equal(g1[:, n], g0[:, n])
+
+@pytest.mark.parametrize('at', [(0, 1, 2), (T - 1, 1, 3), (0, 1, 0), (T - 1, 1, 1)], ids=['t0-last-label', 'tT-first-label', 't0-blank', 'tT-blank'])
+def test_ctc_questions_cuda_kernel_finds_poison_outside_the_band(at):
+    """The CTC entropy/KL kernel looks for NaN at every frame and state of the lattice, not only the band it sums over
+    (at frame 0 the last label, at the last frame the first: no path reads them): as `poisoned_sequences` on the CPU,
+    the sequence's value and gradient NaN, the others' those of the CPU kernel."""
+    y = I['y'][1]
+    assert at[2] in (0, *y.tolist())                   # a class sequence 1's lattice has
+    got = {}
+    for backend in ('cpu', 'cuda'):
+        lp, lq = I['lp'].clone(), I['lp'].clone() * 0.9
+        lp[at] = math.nan
+        lp.requires_grad_()
+        v = ctc.alignment_kl(lp, lq, I['y'], I['il'], I['tl'], backend=backend)
+        got[backend] = (v.detach(), torch.autograd.grad(v.sum(), lp)[0])
+    for v, g in got.values(): assert v[1].isnan() and g[:, 1].isnan().all()
+    for n in (0, 2):
+        torch.testing.assert_close(got['cuda'][0][n], got['cpu'][0][n], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got['cuda'][1][:, n], got['cpu'][1][:, n], rtol=1e-10, atol=1e-12)
