@@ -7,7 +7,7 @@ __all__ = ['gather_columns', 'normalised_target_logp', 'kmer_transitions', 'add_
 
 # %% ../nbs/05_crf.ipynb #659fa279
 import math
-from functools import partial
+from functools import lru_cache, partial
 from types import SimpleNamespace
 import numpy as np
 import numba
@@ -118,6 +118,11 @@ normalised_target_logp = Op(f'{_OPS}::normalised_target_logp',
     per_sequence={'log_p': 0, 'scores': 1})
 
 # %% ../nbs/05_crf.ipynb #05e1fc0d
+@lru_cache(maxsize=None)
+def _place_values(n_base, state_len, device):
+    "n_base ** (state_len - 1 - i) for i < state_len: a k-mer's digits' place values (int64, made once a device)."
+    return torch.tensor([n_base ** (state_len - 1 - i) for i in range(state_len)], device=device)
+
 class CTC_CRF(SequenceDist):
     """A k-mer CTC-CRF over `alphabet` (the blank first, e.g. 'NACGT'): states are the n_base ** state_len k-mers, and
     scores (T, N, len(alphabet) * n_states) hold, for each state, its stay score then its n_base move scores."""
@@ -197,7 +202,7 @@ class CTC_CRF(SequenceDist):
             raise ValueError(f"targets must be (N, L) with L >= state_len = {self.state_len}, got {tuple(targets.shape)}")
         bases = (targets.long() - 1).clamp(min=0).to(scores.device)
         n = targets.shape[1] - self.state_len + 1
-        kmers = sum(bases[:, i:n + i] * self.n_base ** (self.state_len - 1 - i) for i in range(self.state_len))
+        kmers = (bases.unfold(1, self.state_len, 1) * _place_values(self.n_base, self.state_len, scores.device)).sum(2)      # (N, n): 2 ops
         stay = kmers * (self.n_base + 1)                                      # column 0 of each k-mer's group
         move = stay[:, 1:] + 1 + bases[:, :n - 1]                             # entered from the k-mer before it
         return torch.cat([stay, move], 1), n
