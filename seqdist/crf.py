@@ -113,8 +113,8 @@ normalised_target_logp = Op(f'{_OPS}::normalised_target_logp',
     backward={b: partial(_target_logp_backward, b) for b in ('cpu', 'cuda')},
     fake=_target_logp_fake, differentiable=('scores',),
     residuals=('crf_logz', 'crf_scores', 'crf_frame_scales', 'crf_exact', 'target_posteriors'),
-    poisoned=lambda st: None if st.crf.check else nonfinite_sequences(st.scores, 1),   # the CRF's logZ reads every
-                                                  # score: NaN in, NaN out (on a GPU its kernel flags it as it reads)
+    # the CRF's logZ reads every score: NaN in, NaN out (on the CUDA path its kernel flags them as it reads them)
+    poisoned=lambda st: None if st.crf.kernel_checks else nonfinite_sequences(st.scores, 1),
     per_sequence={'log_p': 0, 'scores': 1})
 
 # %% ../nbs/05_crf.ipynb #05e1fc0d

@@ -181,7 +181,7 @@ def _simple_prepare(a, backend, check):
     if bad is not None: stay, move = _padding_zeroed(stay, move, lengths)   # a NaN past a length: read by no path, nor
                                                                             # by any gradient (on a GPU: always)
     return SimpleNamespace(stay=stay, move=move, lengths=lengths, S=S, with_posteriors=a.with_posteriors, bad=bad,
-                           check=check and in_kernel)
+                           kernel_checks=check and in_kernel)
 
 def _padding_zeroed(stay, move, lengths):
     "stay (T, N, L) and move (T, N, L - 1) scores with 0 past each sequence's states (u >= L_n; moves u >= L_n - 1)."
@@ -204,7 +204,7 @@ def _simple_reference(st):
 
 def _simple_cuda(st):
     "The recursions' kernel, then (Log) the posterior kernel."
-    alpha, beta = _scores_cuda(st.stay, st.move, st.lengths, st.S, st.check)
+    alpha, beta = _scores_cuda(st.stay, st.move, st.lengths, st.S, st.kernel_checks)
     if st.S is Max or not st.with_posteriors: return _logz_and_posteriors(st, alpha, beta, _logz(st, alpha))
     logz = _logz(st, alpha)
     return logz, *_posteriors_cuda(st.stay, st.move, alpha, beta, logz, st.lengths)

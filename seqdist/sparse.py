@@ -515,7 +515,8 @@ def _sparse_prepare(a, backend, check):
     else: idx = tensor_cached(a.idx, ('graph', a.Ms.device), lambda: a.idx.to(device=a.Ms.device, dtype=torch.int64))
     S = SEMIRINGS[a.semiring]
     return SimpleNamespace(Ms=a.Ms if backend == 'reference' else a.Ms.detach(), idx=idx, v0=a.v0.detach(), vT=a.vT.detach(),
-                           S=S, for_backward=a.for_backward, K=a.K, check=backend == 'cuda' and S is Log)
+                           S=S, for_backward=a.for_backward, K=a.K,
+                           kernel_checks=backend == 'cuda' and S is Log)   # (NaN found by its kernel)
 
 def _sparse_reference(st):
     "logZ by the reference scan, -inf for a sequence with no path."
@@ -526,8 +527,8 @@ def _sparse_reference(st):
 def _sparse_poisoned(st):
     """The sequences whose Ms, v0 or vT hold a NaN or a +inf (every path sum reads all of them): logZ and its gradient
     NaN there, on every backend (the kernels' max-based sums would drop a NaN); on the CUDA path of the Log semiring
-    the forward recursion flags them as it reads them (`check`): none here."""
-    if st.check: return None
+    the forward recursion flags them as it reads them (`kernel_checks`): none here."""
+    if st.kernel_checks: return None
     return either_poisoned(nonfinite_sequences(st.Ms, 1), nonfinite_sequences(st.v0, 0), nonfinite_sequences(st.vT, 0))
 
 def _sparse_fake(a, backend):
@@ -542,7 +543,7 @@ sparse_logz = Op(f'{_OPS}::sparse_logz',
     " -> (Tensor logz, Tensor scores, Tensor frame_scales, Tensor exact)",
     prepare=_sparse_prepare,
     forward={'cpu': lambda st: _sparse_forward_numba(st.Ms, st.idx, st.v0, st.vT, st.S, st.for_backward),
-             'cuda': lambda st: _sparse_forward_cuda(st.Ms, st.idx, st.v0, st.vT, st.S, st.for_backward, st.K, st.check),
+             'cuda': lambda st: _sparse_forward_cuda(st.Ms, st.idx, st.v0, st.vT, st.S, st.for_backward, st.K, st.kernel_checks),
              'reference': _sparse_reference},
     backward={'cpu': _sparse_backward_numba, 'cuda': _sparse_backward_cuda, 'reference': AUTOGRAD},
     fake=_sparse_fake, differentiable=('Ms',), residuals=('scores', 'frame_scales', 'exact'),
