@@ -142,18 +142,20 @@ extern "C" __global__ void crf_sample(
 // `_sparse_kbest_cpu`: each state's k best scores into it, sorted, by merging its NZ in-edges' lists rank by rank (a
 // head per edge: its score plus its source's next best; the largest wins, ties to the lower edge), two frames of them
 // in `vals` (N x 2 x C x k), and for each (frame, state, rank) where it came from, 16 * j + the source's rank (`back`,
-// int16, T x N x C x k). A thread's heads live in `heads` (N x blockDim x NZ, global memory: no per-thread arrays).
-// Then thread 0 takes the k best ends (state, rank) with vT, in the states' order (an insertion into the sorted top k,
+// int16, T x N x C x k). A thread's heads (value and rank, NZ of each) live in dynamic shared memory, made once a state:
+// a rank then costs one load (the winner's next), where reading every head from global memory cost NZ. Then thread 0 takes the k best ends (state, rank) with vT, in the states' order (an insertion into the sorted top k,
 // as the CPU kernel does), and thread q < k walks the q-th back: edges[q, t, n] = c * NZ + j (left as they are where
 // there are fewer than k paths). Scores at or below -1e30 (the semiring's finite zero, or sums of it) are no edge.
 extern "C" __global__ void crf_kbest(
     const FLOAT* __restrict__ Ms, const long long* __restrict__ idx, const double* __restrict__ v0,
-    const double* __restrict__ vT, double* __restrict__ vals, short* __restrict__ back, unsigned char* __restrict__ heads,
-    long long* __restrict__ edges, int T, int N, int C, int NZ, int k)
+    const double* __restrict__ vT, double* __restrict__ vals, short* __restrict__ back, long long* __restrict__ edges,
+    int T, int N, int C, int NZ, int k)
 {
-    const int n = blockIdx.x;
+    extern __shared__ double smem_heads[];                  // head j of this thread at head[j * B], its rank at at[j * B]
+    const int n = blockIdx.x, B = blockDim.x;
     const double none_below = -1e30;                        // ZERO_BELOW
-    unsigned char* at = heads + ((long long)n * blockDim.x + threadIdx.x) * NZ;
+    double* head = smem_heads + threadIdx.x;
+    unsigned char* at = (unsigned char*)(smem_heads + (long long)NZ * B) + threadIdx.x;
     double* V = vals + (long long)n * 2 * C * k;            // frame t's lists (before its edges: v0) at V + (t % 2) * C * k
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         const double v = v0[(long long)n * C + c];
@@ -164,22 +166,25 @@ extern "C" __global__ void crf_kbest(
         const double* prev = V + (t % 2) * C * k;
         double* cur = V + ((t + 1) % 2) * C * k;
         const FLOAT* m = Ms + ((long long)t * N + n) * C * NZ;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            for (int j = 0; j < NZ; j++) at[j] = 0;
+        for (int c = threadIdx.x; c < C; c += B) {
+            const FLOAT* mc = m + (long long)c * NZ;
+            const long long* src = idx + (long long)c * NZ;
+            for (int j = 0; j < NZ; j++) {                  // each edge's head: its score plus its source's best
+                const double x = (double)mc[j];
+                at[j * B] = 0;
+                head[j * B] = x > none_below ? x + prev[src[j] * k] : -INFINITY;
+            }
             int r = 0;
             for (; r < k; r++) {
                 double best = -INFINITY;
                 int bj = -1;
-                for (int j = 0; j < NZ; j++) {
-                    const double x = (double)m[c * NZ + j];
-                    if (at[j] >= k || !(x > none_below)) continue;
-                    const double h = x + prev[idx[c * NZ + j] * k + at[j]];
-                    if (h > best) { best = h; bj = j; }
-                }
+                for (int j = 0; j < NZ; j++) if (head[j * B] > best) { best = head[j * B]; bj = j; }
                 if (bj < 0) break;
                 cur[c * k + r] = best;
-                back[(((long long)t * N + n) * C + c) * k + r] = (short)(16 * bj + at[bj]);
-                at[bj]++;
+                const int a = at[bj * B];
+                back[(((long long)t * N + n) * C + c) * k + r] = (short)(16 * bj + a);
+                at[bj * B] = (unsigned char)(a + 1);        // the winner's next head (none past its k)
+                head[bj * B] = a + 1 < k ? (double)mc[bj] + prev[src[bj] * k + a + 1] : -INFINITY;
             }
             for (; r < k; r++) cur[c * k + r] = -INFINITY;
         }
@@ -212,3 +217,4 @@ extern "C" __global__ void crf_kbest(
         c = (int)idx[c * NZ + j]; r = code & 15;
     }
 }
+

@@ -117,17 +117,22 @@ __device__ __forceinline__ int pick_log3(double a0, double a1, double a2, double
 
 // For the CUDA samplers over many candidates: the index that the uniform u picks among `count` log-weights w(k) (a
 // functor, called three times a candidate so that a thread keeps no array), as `choose_index` picks: the weights
-// relative to their largest, the first whose running sum exceeds u times the total, never one of weight 0.
+// relative to their largest, the first whose running sum exceeds u times the total, never one of weight 0. The loops
+// are unrolled so that eight candidates' loads are in flight together (the first pass waits on memory once, not once
+// a candidate; the later passes find them in the L1 cache).
 template <class Weights> __device__ __forceinline__ int choose_log(const Weights& w, int count, double u) {
     double m = -INFINITY, total = 0.0, c = 0.0;
+    #pragma unroll 8
     for (int k = 0; k < count; k++) m = fmax(m, w(k));
     int last = 0, pick = 0;
+    #pragma unroll 4
     for (int k = 0; k < count; k++) {
         const double x = w(k), e = x > -INFINITY ? exp(x - m) : 0.0;
         if (e > 0.0) last = k;
         total += e;
     }
     const double bound = u * total;
+    #pragma unroll 4
     for (int k = 0; k < count - 1; k++) {                   // the running sums at most u times the total
         const double x = w(k);
         c += x > -INFINITY ? exp(x - m) : 0.0;

@@ -17,9 +17,9 @@ from .core import semiring, Log, Max, SequenceDist, Entropy, KL, CrossEntropy, K
 from .core import question_backend, AlignmentPosterior
 from .core import ALG_ENTROPY, ALG_KL, ALGEBRAS, ZERO_BELOW, alg_plus3, fast_exp
 from . import sparse, ctc_simple
-from .kernel import load_kernel, dtype_kernels, algebra_kernels
+from .kernel import load_kernel, dtype_kernels, algebra_kernels, MAX_SHARED_MEM_PER_BLOCK
 from .compile_check import resource_budget
-from .ops import Op, op_namespace, parallel_for, AUTOGRAD
+from .ops import Op, op_namespace, parallel_for, max_threads, AUTOGRAD
 from .memory import empty_large, empty_gradient, tensor_cached
 from .checks import require, on_host, nonfinite_sequences, either_poisoned, refuse_nan
 from .sparse import LANES, bundle_lanes, lane_rows, frame_weights, frame_scales, positive_min, SHARE_MIN
@@ -790,23 +790,27 @@ def _divergence_cuda(st):
     value, logz_p, logz_q = (out[:, j].to(mp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
     return value, logz_p, logz_q, grad_p, grad_q
 
+_SAMPLE_BLOCK = 32              # crf_sample's block: a warp, so that a few hundred samples spread over the SMs
 _sample_kernels = dtype_kernels('crf_questions.cu', 'crf_sample')
-resource_budget(list(_sample_kernels.values()), block=256, min_threads=1024, why="one thread per sample and sequence, walking back")
+resource_budget(list(_sample_kernels.values()), block=_SAMPLE_BLOCK, min_threads=1024, why="one thread per sample and sequence, walking back")
 
+_KBEST_BLOCK = 1024             # crf_kbest's block: a state a thread at a basecaller's 1024 states
 _kbest_kernels = dtype_kernels('crf_questions.cu', 'crf_kbest')
-resource_budget(list(_kbest_kernels.values()), block=_DIVERGENCE_BLOCK, min_threads=_DIVERGENCE_BLOCK,
-                why="k-best: one block per sequence, k scores per state in global memory")
+resource_budget(list(_kbest_kernels.values()), block=_KBEST_BLOCK, shared_mem=9 * 5 * _KBEST_BLOCK, min_threads=_KBEST_BLOCK,
+                why="k-best: one block per sequence, a state a thread, its NZ heads in shared memory")
 
 def _kbest_edges_cuda(Ms, idx, v0, vT, k):
     """`_kbest_edges` by the CUDA kernel `crf_kbest` (one block per sequence: the states' merges frame by frame, then a
     thread per rank walking back): the CPU kernel's edges (k, T, N) and scores (k, N). No host reads."""
     T, N, C, NZ = Ms.shape
     ms, dev = Ms.detach().contiguous(), Ms.device
-    threads, f64 = min(_DIVERGENCE_BLOCK, 32 * math.ceil(C / 32)), (lambda v: v.detach().double().contiguous())
+    f64 = lambda v: v.detach().double().contiguous()
+    heads = 9 * NZ                                          # shared bytes a thread: its NZ heads (double) and ranks
+    threads = max(32, min(max_threads(_KBEST_BLOCK), 32 * math.ceil(C / 32), 32 * (MAX_SHARED_MEM_PER_BLOCK // (32 * heads))))
     edges = torch.full((k, T, N), -1, dtype=torch.long, device=dev)
-    if N * C: _kbest_kernels[ms.dtype]((N,), (threads,), Ms=ms, idx=idx.long().contiguous(), v0=f64(v0), vT=f64(vT),
+    if N * C: _kbest_kernels[ms.dtype]((N,), (threads,), shared_mem=heads * threads, Ms=ms, idx=idx.long().contiguous(), v0=f64(v0), vT=f64(vT),
         vals=torch.empty(N * 2 * C * k, dtype=torch.float64, device=dev), back=torch.empty(T * N * C * k, dtype=torch.int16, device=dev),
-        heads=torch.empty(N * threads * NZ, dtype=torch.uint8, device=dev), edges=edges, T=T, N=N, C=C, NZ=NZ, k=k)
+        edges=edges, T=T, N=N, C=C, NZ=NZ, k=k)
     none = edges[:, 0] < 0
     return edges, torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges.clamp(min=0)))
 
@@ -826,7 +830,7 @@ def _sample_edges_cuda(Ms, idx, v0, vT, u, regular=True):
     elif wanted: logz = sparse.logZ_reference(Ms, idx.long(), v0, vT, Log)
     else: logz = Log.exact_zero(Log.sum(alpha[-1] + vT, dim=-1))     # (log Z as the op gives it: -inf where no path)
     edges = torch.full((n, T, N), -1, dtype=torch.long, device=Ms.device)
-    if n * N: _sample_kernels[ms.dtype]((math.ceil(n * N / 256),), (256,), Ms=ms, idx=idx.long().contiguous(),
+    if n * N: _sample_kernels[ms.dtype]((math.ceil(n * N / _SAMPLE_BLOCK),), (_SAMPLE_BLOCK,), Ms=ms, idx=idx.long().contiguous(),
         alpha=alpha.contiguous(), vT=vT.detach().double().contiguous(), logz=logz.detach().double().contiguous(),
         u=u.contiguous(), edges=edges, n_samples=n, T=T, N=N, C=C, NZ=NZ)
     return _sampled(Ms, idx, v0, vT, edges, logz)

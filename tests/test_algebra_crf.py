@@ -6,6 +6,7 @@ import pytest, torch
 from seqdist import sparse, ctc_simple
 from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax, log_softmax_parts
 from seqdist.crf import CTC_CRF, _sample_edges, crf_divergence_op
+from seqdist.ops import launch_limits
 from sampling_checks import chi_square, chi_square_bound
 
 def close(a, b, rtol=1e-10, atol=1e-12): torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
@@ -355,6 +356,19 @@ def test_kernel_samples_and_kbest_equal_the_reference(state_len, T, T_read):
                 (g_ref,), (g_cpu,) = (torch.autograd.grad(torch.where(torch.isfinite(s), s, 0).sum(), xi)
                                       for s, xi in ((s_ref, xs[0]), (s_cpu, xs[1])))
                 close(g_cpu, g_ref, rtol=tol, atol=tol)
+
+def test_cuda_kbest_with_fewer_threads_than_states():
+    """crf_kbest (emulated) with 32 threads striding over 64 states (each thread's heads reused state after state),
+    and a frame with a ZERO_BELOW score: the reference's k best paths and scores, on the paths and on reads."""
+    crf = CTC_CRF(3, 'NACGT')
+    x = random_scores(crf, 5, 3, 7, scale=2.0)
+    x[2, 1, 5] = -1e38                                    # an edge that is no edge
+    tg, tl = torch.tensor([[1, 2, 3, 4], [2, 2, 4, 1], [3, 1, 1, 2]]), torch.tensor([4, 4, 3])
+    for t in ({}, dict(targets=tg, target_lengths=tl)):
+        ref = crf.kbest(x, 6, backend='reference', **t)
+        with launch_limits(max_threads=32): got = crf.kbest(x, 6, backend='cuda', **t)
+        assert torch.equal(got[0], ref[0])
+        close(got[1], ref[1])
 
 def test_float32_no_grad_and_a_single_frame():
     crf = CTC_CRF(1, 'NACGT')
