@@ -3,13 +3,16 @@
 
 
 // ---- the lattice questions (entropy, KL) on a sparse lattice: the CRF's paths, or a read's alignments ----
-// One block per sequence n, its threads striding over the C states. The forward recursion of the algebra ALG into `fwd`
-// (3, N, T+1, C): state c at frame t + 1 sums its NZ in-edges, each its source's state at frame t times the edge's
-// scores Ms[t, n, c, j] (p's, and q's for KL), folded three, then two more, at a time as `_sparse_alpha_row` folds them;
-// out[n] = (log Z_p, log Z_q, accumulator) over the final states times vT. With `with_grad` the backward recursion runs
-// over each state's out-edges (`rev`, (C, D) flat edge indices c * NZ + j, -1 past the last) in two frames of `bwd`
-// (3, N, 2, C), and each edge's closed-form gradient (`alg_edge_grad`) goes into grad_p (and grad_q), (T, N, C, NZ); they
-// are left as they are (zero) for a sequence with no path. Scores of -inf are no edge.
+// Block (n, 0) of sequence n, its threads striding over the C states: the forward recursion of the algebra ALG into
+// `fwd` (3, N, T+1, C): state c at frame t + 1 sums its NZ in-edges, each its source's state at frame t times the
+// edge's scores Ms[t, n, c, j] (p's, and q's for KL), folded three, then two more, at a time as `_sparse_alpha_row`
+// folds them; out[n] = (log Z_p, log Z_q, accumulator) over the final states times vT. With `with_grad` the backward
+// recursion runs over each state's out-edges (`rev`, (C, D) flat edge indices c * NZ + j, -1 past the last). `split`:
+// in block (n, 1), at the same time as the forward, into every frame of `bwd` (3, N, T+1, C), and `crf_divergence_grad`
+// takes the edges' gradients after; else (fused: a block a sequence, less memory) after the forward in the same block,
+// in two frames of `bwd` (3, N, 2, C), each frame's edges' closed-form gradients (`alg_edge_grad`) going into grad_p
+// (and grad_q), (T, N, C, NZ), as it goes. They are left as they are (zero) for a sequence with no path. Scores of
+// -inf are no edge.
 #include "semiring.cuh"
 #ifndef ALG
 #define ALG 1
@@ -26,44 +29,48 @@ extern "C" __global__ void crf_divergence(
     const FLOAT* __restrict__ Mp, const FLOAT* __restrict__ Mq, const long long* __restrict__ idx,
     const long long* __restrict__ rev, int D, const double* __restrict__ v0, const double* __restrict__ vT,
     double* __restrict__ fwd, double* __restrict__ bwd, FLOAT* __restrict__ grad_p, FLOAT* __restrict__ grad_q,
-    double* __restrict__ out, int T, int N, int C, int NZ, int with_grad)
+    double* __restrict__ out, int T, int N, int C, int NZ, int with_grad, int split)
 {
-    const int n = blockIdx.x;
+    const int n = blockIdx.x, kept = split ? T + 1 : 2;     // the backward frames kept
     const bool kl = ALG == ALG_KL;
     const AlgState zero = alg_state(-INFINITY, -INFINITY, 0.0);
-    const long long fs = (long long)N * (T + 1) * C, bs = (long long)N * 2 * C;   // a component's stride
+    const long long fs = (long long)N * (T + 1) * C, bs = (long long)N * kept * C;  // a component's stride
     double* F = fwd + (long long)n * (T + 1) * C;                                   // F[t * C + c]
-    double* Bk = bwd + (long long)n * 2 * C;                                        // Bk[(t % 2) * C + c]
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        const double v = v0[(long long)n * C + c];
-        alg_store(F, fs, c, alg_state(v, kl ? v : -INFINITY, 0.0));
-    }
-    __syncthreads();
-    // in-edge j of state c at frame t (zero past NZ)
-    #define IN_EDGE(t, c, j) ((j) < NZ ? crf_edge(F, fs, (long long)(t) * C + idx[(long long)(c) * NZ + (j)], Mp, Mq, \
-                                                  row + (long long)(c) * NZ + (j)) : zero)
-    for (int t = 0; t < T; t++) {
-        const long long row = ((long long)t * N + n) * C * NZ;                      // Ms[t, n]
+    double* Bk = bwd + (long long)n * kept * C;                                     // Bk[(t % kept) * C + c]
+    double zp = 0.0, zq = 0.0, total = 0.0;
+    if (blockIdx.y == 0) {                                  // the forward recursion
         for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            AlgState a = alg_plus3<ALG>(IN_EDGE(t, c, 0), IN_EDGE(t, c, 1), IN_EDGE(t, c, 2));
-            for (int j = 3; j < NZ; j += 2) a = alg_plus3<ALG>(a, IN_EDGE(t, c, j), IN_EDGE(t, c, j + 1));
-            alg_store(F, fs, (long long)(t + 1) * C + c, a);
+            const double v = v0[(long long)n * C + c];
+            alg_store(F, fs, c, alg_state(v, kl ? v : -INFINITY, 0.0));
         }
-        __syncthreads();                                    // frame t + 1 is written before it is read
+        __syncthreads();
+        // in-edge j of state c at frame t (zero past NZ)
+        #define IN_EDGE(t, c, j) ((j) < NZ ? crf_edge(F, fs, (long long)(t) * C + idx[(long long)(c) * NZ + (j)], \
+                                                      Mp, Mq, row + (long long)(c) * NZ + (j)) : zero)
+        for (int t = 0; t < T; t++) {
+            const long long row = ((long long)t * N + n) * C * NZ;                  // Ms[t, n]
+            for (int c = threadIdx.x; c < C; c += blockDim.x) {
+                AlgState a = alg_plus3<ALG>(IN_EDGE(t, c, 0), IN_EDGE(t, c, 1), IN_EDGE(t, c, 2));
+                for (int j = 3; j < NZ; j += 2) a = alg_plus3<ALG>(a, IN_EDGE(t, c, j), IN_EDGE(t, c, j + 1));
+                alg_store(F, fs, (long long)(t + 1) * C + c, a);
+            }
+            __syncthreads();                                // frame t + 1 is written before it is read
+        }
+        #undef IN_EDGE
+        AlgState fin = zero;                                // every thread folds the final states alike, two at a time
+        for (int c = 0; c < C; c += 2) {
+            const double e0 = vT[(long long)n * C + c], e1 = c + 1 < C ? vT[(long long)n * C + c + 1] : -INFINITY;
+            const AlgState x = alg_load(F, fs, (long long)T * C + c),
+                           y = alg_load(F, fs, (long long)T * C + (c + 1 < C ? c + 1 : c));
+            fin = alg_plus3<ALG>(fin, alg_times(x, e0, e0), alg_times(y, e1, e1));
+        }
+        zp = fin.p; zq = kl ? fin.q : zp; total = fin.c;
+        if (threadIdx.x == 0) { out[3 * n] = zp; out[3 * n + 1] = zq; out[3 * n + 2] = total; }
+        if (!with_grad || split || zp == -INFINITY || zq == -INFINITY) return;   // (the whole block: no barrier skipped)
     }
-    #undef IN_EDGE
-    AlgState fin = zero;                                    // every thread folds the final states alike, two at a time
-    for (int c = 0; c < C; c += 2) {
-        const double e0 = vT[(long long)n * C + c], e1 = c + 1 < C ? vT[(long long)n * C + c + 1] : -INFINITY;
-        const AlgState x = alg_load(F, fs, (long long)T * C + c), y = alg_load(F, fs, (long long)T * C + (c + 1 < C ? c + 1 : c));
-        fin = alg_plus3<ALG>(fin, alg_times(x, e0, e0), alg_times(y, e1, e1));
-    }
-    const double zp = fin.p, zq = kl ? fin.q : zp, total = fin.c;
-    if (threadIdx.x == 0) { out[3 * n] = zp; out[3 * n + 1] = zq; out[3 * n + 2] = total; }
-    if (!with_grad || zp == -INFINITY || zq == -INFINITY) return;     // (the whole block: no barrier is skipped by some)
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {     // the backward recursion
         const double v = vT[(long long)n * C + c];
-        alg_store(Bk, bs, (long long)(T % 2) * C + c, alg_state(v, v, 0.0));
+        alg_store(Bk, bs, (long long)(T % kept) * C + c, alg_state(v, v, 0.0));
     }
     __syncthreads();
     // out-edge i of state s at frame t: its end's backward state at frame t + 1 times the edge's scores (zero past D)
@@ -71,8 +78,8 @@ extern "C" __global__ void crf_divergence(
         ? crf_edge(Bk, bs, (long long)cur * C + rev[(long long)(s) * D + (i)] / NZ, Mp, Mq, row + rev[(long long)(s) * D + (i)]) : zero)
     for (int t = T - 1; t >= 0; t--) {
         const long long row = ((long long)t * N + n) * C * NZ;
-        const int cur = (t + 1) % 2;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {       // frame t's edges into c: their gradients
+        const int cur = (t + 1) % kept;
+        for (int c = threadIdx.x; c < C && !split; c += blockDim.x) {   // frame t's edges into c: their gradients
             const AlgState w = alg_load(Bk, bs, (long long)cur * C + c);
             for (int j = 0; j < NZ; j++) {
                 const long long e = row + (long long)c * NZ + j;
@@ -87,11 +94,33 @@ extern "C" __global__ void crf_divergence(
         for (int s = threadIdx.x; s < C; s += blockDim.x) {       // frame t's backward states: the out-edges, folded
             AlgState a = alg_plus3<ALG>(OUT_EDGE(s, 0), OUT_EDGE(s, 1), OUT_EDGE(s, 2));
             for (int i = 3; i < D; i += 2) a = alg_plus3<ALG>(a, OUT_EDGE(s, i), OUT_EDGE(s, i + 1));
-            alg_store(Bk, bs, (long long)(1 - cur) * C + s, a);
+            alg_store(Bk, bs, (long long)(t % kept) * C + s, a);
         }
         __syncthreads();                                    // frame t is written before the next step reads it
     }
     #undef OUT_EDGE
+}
+
+// `split`'s edge gradients: thread e of the (T, N, C, NZ) edges, from its source's forward state at frame t and its
+// end's backward state at frame t + 1 (`crf_divergence`'s tables, every frame), as the fused kernel takes them; left
+// as they are (zero) for a sequence with no path.
+extern "C" __global__ void crf_divergence_grad(
+    const FLOAT* __restrict__ Mp, const FLOAT* __restrict__ Mq, const long long* __restrict__ idx,
+    const double* __restrict__ fwd, const double* __restrict__ bwd, const double* __restrict__ out,
+    FLOAT* __restrict__ grad_p, FLOAT* __restrict__ grad_q, int T, int N, int C, int NZ)
+{
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (long long)T * N * C * NZ) return;
+    const int j = (int)(e % NZ), c = (int)(e / NZ % C), n = (int)(e / NZ / C % N), t = (int)(e / NZ / C / N);
+    const double zp = out[3 * n], zq = out[3 * n + 1], total = out[3 * n + 2];
+    if (zp == -INFINITY || zq == -INFINITY) return;
+    const long long fs = (long long)N * (T + 1) * C, at = (long long)n * (T + 1) * C;   // both tables' layout
+    const AlgState f = alg_load(fwd + at, fs, (long long)t * C + idx[(long long)c * NZ + j]);
+    const AlgState w = alg_load(bwd + at, fs, (long long)(t + 1) * C + c);
+    double gp, gq;
+    alg_edge_grad<ALG>(f, (double)Mp[e], ALG == ALG_KL ? (double)Mq[e] : 0.0, w, zp, zq, total, &gp, &gq);
+    grad_p[e] = (FLOAT)gp;
+    if (ALG == ALG_KL) grad_q[e] = (FLOAT)gq;
 }
 
 // Backward sampling over the forward scores `alpha` (T+1, N, C) in log space (the loss's, `sparse_fwd`): thread
@@ -217,4 +246,3 @@ extern "C" __global__ void crf_kbest(
         c = (int)idx[c * NZ + j]; r = code & 15;
     }
 }
-

@@ -6,7 +6,7 @@
 __all__ = ['gather_columns', 'normalised_target_logp', 'kmer_transitions', 'add_at_columns', 'CTC_CRF', 'crf_divergence_op', 'CTC_CRFAlignments']
 
 # %% ../nbs/05_crf.ipynb #659fa279
-import math
+import math, os
 from functools import lru_cache, partial
 from types import SimpleNamespace
 import numpy as np
@@ -761,15 +761,25 @@ def _fast_entropy(Ms, idx, v0, vT, with_grad):
     return value, logz, grad, ok & torch.isfinite(value) & (bound <= _CANCEL_TOL[Ms.dtype] * value)
 
 # %% ../nbs/05a_crf_questions.ipynb #crfq-cuda-glue
-_DIVERGENCE_BLOCK = 256          # crf_divergence's block: its threads stride over the states
+_DIVERGENCE_BLOCK = 512          # crf_divergence's block: its threads stride over the states (KL's 74 registers: <= 768)
 _divergence_kernels = algebra_kernels('crf_questions.cu', 'crf_divergence')
 resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_BLOCK, min_threads=_DIVERGENCE_BLOCK,
-                why="the lattice questions: one block per sequence, float64 states in global memory")
+                why="the lattice questions: one block per sequence and recursion, float64 states in global memory")
+_divergence_grad_kernels = algebra_kernels('crf_questions.cu', 'crf_divergence_grad')
+resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024, why="a thread an edge")
+
+def _divergence_variant():
+    "`$SEQDIST_CRF_DIVERGENCE` (read at each call: the variant the next GPU run compares): 'split' (unset) or 'fused'."
+    v = os.environ.get('SEQDIST_CRF_DIVERGENCE') or 'split'
+    if v not in ('split', 'fused'): raise ValueError(f"SEQDIST_CRF_DIVERGENCE must be 'split' or 'fused', got {v!r}")
+    return v == 'split'
 
 def _divergence_cuda(st):
-    """The CUDA kernel `crf_divergence` (both recursions and the edges' gradients, for g = 1, in one launch per batch):
-    the exact CPU kernel's values and gradients. The semiring's finite zero (a read's lattice has it) is written -inf
-    by a `where`, with no host read."""
+    """The CUDA kernel `crf_divergence`: the exact CPU kernel's values and gradients (for g = 1). Split (the default):
+    the forward and backward recursions at once, a block each a sequence, every frame of both kept, then
+    `crf_divergence_grad`, a thread an edge over every SM; fused (`$SEQDIST_CRF_DIVERGENCE=fused`): one block a
+    sequence, the gradients from the backward as it goes, two of its frames kept (3 N (T + 1) C doubles less). The
+    semiring's finite zero (a read's lattice has it) is written -inf by a `where`, with no host read."""
     kl = st.algebra == 'KL'
     as_inf = lambda x: torch.where(x <= ZERO_BELOW, -math.inf, x).contiguous()
     mp = as_inf(st.Ms_p.detach())
@@ -782,11 +792,16 @@ def _divergence_cuda(st):
     out = mp.new_zeros(N, 3, dtype=f64)
     grad_p = torch.zeros_like(mp) if st.with_grad else mp.new_empty(0)
     grad_q = torch.zeros_like(mq) if st.with_grad and kl else mp.new_empty(0)
+    split = st.with_grad and _divergence_variant()
+    fwd = mp.new_empty(3 * N * (T + 1) * C, dtype=f64)
+    bwd = mp.new_empty(3 * N * (T + 1 if split else 2) * C if st.with_grad else 3, dtype=f64)
+    gp, gq = grad_p if st.with_grad else mp.new_empty(1), grad_q if st.with_grad and kl else mp.new_empty(1)
     if N * C: _divergence_kernels[(mp.dtype, st.algebra)](
-        (N,), (min(_DIVERGENCE_BLOCK, 32 * math.ceil(C / 32)),), Mp=mp, Mq=mq, idx=idx, rev=rev, D=rev.shape[1], v0=v0,
-        vT=vT, fwd=mp.new_empty(3 * N * (T + 1) * C, dtype=f64), bwd=mp.new_empty(3 * N * 2 * C if st.with_grad else 3, dtype=f64),
-        grad_p=grad_p if st.with_grad else mp.new_empty(1), grad_q=grad_q if st.with_grad and kl else mp.new_empty(1),
-        out=out, T=T, N=N, C=C, NZ=NZ, with_grad=int(st.with_grad))
+        (N, 2 if split else 1), (min(max_threads(_DIVERGENCE_BLOCK), 32 * math.ceil(C / 32)),), Mp=mp, Mq=mq, idx=idx,
+        rev=rev, D=rev.shape[1], v0=v0, vT=vT, fwd=fwd, bwd=bwd, grad_p=gp, grad_q=gq, out=out, T=T, N=N, C=C, NZ=NZ,
+        with_grad=int(st.with_grad), split=int(split))
+    if split and N * C: _divergence_grad_kernels[(mp.dtype, st.algebra)]((math.ceil(T * N * C * NZ / 256),), (256,),
+        Mp=mp, Mq=mq, idx=idx, fwd=fwd, bwd=bwd, out=out, grad_p=gp, grad_q=gq, T=T, N=N, C=C, NZ=NZ)
     value, logz_p, logz_q = (out[:, j].to(mp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
     return value, logz_p, logz_q, grad_p, grad_q
 
@@ -1102,8 +1117,7 @@ def _kbest_edges_cpu(Ms, idx, v0, vT, k):
     none = edges[:, 0] < 0
     return edges, torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges.clamp(min=0)))
 
-
-# %% ../nbs/05a_crf_questions.ipynb #f7a883da
+# %% ../nbs/05c_crf_alignments.ipynb #f7a883da
 class CTC_CRFAlignments(AlignmentPosterior):
     """A CTC-CRF's distribution over paths, as `torch.distributions` names things, built on `CTC_CRF`'s questions:
     without targets the CRF's own, P(path) = exp(score - logZ) over every path (a path is the score column of each

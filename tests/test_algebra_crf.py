@@ -124,7 +124,6 @@ def test_gradcheck(backend):
         assert check(lambda x, y: crf.kl(x, y, **t), sp, sq)
         assert check(lambda x, y: crf.cross_entropy(x, y, **t), sp, sq)
         assert check(lambda x: crf.sample(x, n=4, generator=torch.Generator().manual_seed(0), **t)[1], sp)
-        if backend == 'cuda': continue                     # (k-best: no CUDA kernel yet)
         assert check(lambda x: crf.kbest(x, k=3, **t)[1], sp)
 
 @DIVERGENCE_BACKENDS
@@ -369,6 +368,24 @@ def test_cuda_kbest_with_fewer_threads_than_states():
         with launch_limits(max_threads=32): got = crf.kbest(x, 6, backend='cuda', **t)
         assert torch.equal(got[0], ref[0])
         close(got[1], ref[1])
+
+@pytest.mark.parametrize('variant', ['split', 'fused'])
+def test_cuda_divergence_variants_equal_the_cpu_kernel(variant, monkeypatch):
+    """Both variants of the CUDA entropy and KL ($SEQDIST_CRF_DIVERGENCE; emulated), with 32 threads striding over 64
+    states: the exact CPU kernel's values and gradients, on the paths and on reads. A variant it does not know: refused."""
+    monkeypatch.setenv('SEQDIST_CRF_DIVERGENCE', variant)
+    crf = CTC_CRF(3, 'NACGT')
+    sp, sq = (random_scores(crf, 5, 3, seed, scale=2.0).requires_grad_() for seed in (8, 9))
+    tg, tl = torch.tensor([[1, 2, 3, 4], [2, 2, 4, 1], [3, 1, 1, 2]]), torch.tensor([4, 4, 3])
+    for t in ({}, dict(targets=tg, target_lengths=tl)):
+        for f, xs in ((lambda b: crf.entropy(sp, backend=b, **t), (sp,)), (lambda b: crf.kl(sp, sq, backend=b, **t), (sp, sq))):
+            with launch_limits(max_threads=32): got = f('cuda')
+            want = f('cpu')
+            close(got, want)
+            for a, b in zip(torch.autograd.grad(got.sum(), xs), torch.autograd.grad(want.sum(), xs)): close(a, b)
+    monkeypatch.setenv('SEQDIST_CRF_DIVERGENCE', 'both')
+    with pytest.raises(ValueError, match="SEQDIST_CRF_DIVERGENCE must be 'split' or 'fused'"):
+        crf.entropy(sp, backend='cuda')
 
 def test_float32_no_grad_and_a_single_frame():
     crf = CTC_CRF(1, 'NACGT')

@@ -67,6 +67,14 @@ def sparse_variant_rows(ctc_crf):
         return [dict(r, op=f"{r['op']} [SEQDIST_SPARSE_BOUNDS=1]") for r in ctc_crf() if not r['op'].startswith('ctc_simple')]
 
 
+def crf_divergence_variant_rows(crf_questions):
+    """The crf_questions family's entropy rows with the CUDA entropy fused ($SEQDIST_CRF_DIVERGENCE=fused, read at each
+    call: one block a sequence, the backward after the forward), beside the default's (split: both recursions at once,
+    then a thread an edge for the gradients): the rows that choose the default."""
+    with _env('SEQDIST_CRF_DIVERGENCE', 'fused'):
+        return [dict(r, op=f"{r['op']} [SEQDIST_CRF_DIVERGENCE=fused]") for r in crf_questions() if 'entropy' in r['op']]
+
+
 def launch_rows(device, quick):
     """Host time per launch (µs, from 2,000 back-to-back launches of a one-block kernel, then a sync): through
     seqdist's Kernel (argument checks, marshalling, CuPy), CuPy's function called directly with the marshalled
@@ -409,6 +417,7 @@ def main():
              ('ctc_questions', fams['ctc_questions']), ('forced_align', fams['forced_align']),
              ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']), ('tdt', fams['tdt']),
              ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
+             ('crf_questions_variants', lambda: crf_divergence_variant_rows(fams['crf_questions'])),
              ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick)),
              ('decode', lambda: decode_rows(dev, a.quick)), ('graph', lambda: graph_rows(dev, a.quick))]
     if a.profiles: order.insert([n for n, _ in order].index('cross_entropy'), ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
