@@ -124,11 +124,11 @@ extern "C" __global__ void crf_divergence_grad(
 }
 
 // Backward sampling over the forward scores `alpha` (T+1, N, C) in log space (the loss's, `sparse_fwd`): thread
-// i * N + n walks sample i of sequence n back, frame T - 1 taking an edge e = c * NZ + j among all in proportion to
+// n * n_samples + i walks sample i of sequence n back, frame T - 1 taking an edge e = c * NZ + j among all in proportion to
 // exp(alpha[T-1, idx[e]] + Ms[T-1, n, e] + vT[n, c]), each earlier frame t one of the edges into the state that frame
 // t + 1's edge leaves, by the uniform u[i, t, n]: `choose_index`'s rule (weights relative to their largest, the first
 // whose running sum exceeds u times the total, never one of weight 0), in three passes over the candidates (no
-// per-thread arrays: semiring.cuh's `choose_log`), so the same uniforms give the reference's samples.
+// per-thread arrays: semiring.cuh's `choose_log`, its loads unrolled), so the same uniforms give the reference's samples.
 // edges[i, t, n] = e; nothing is written for a sequence with no path (log Z at the semiring's zero).
 struct CrfEdgeWeights {   // the log-weight of candidate edge first + k: its source's alpha, its score, (last frame) its end's vT
     const FLOAT* alpha_t; const FLOAT* ms_t; const long long* idx; const double* vT; int first, NZ;
@@ -150,8 +150,8 @@ extern "C" __global__ void crf_sample(
 {
     const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (long long)n_samples * N) return;
-    const int n = (int)(id % N);
-    const long long i = id / N;
+    const int n = (int)(id / n_samples);                    // a sequence's samples side by side: at the last frame they
+    const long long i = id % n_samples;                     // read the same candidates at once (one load serves them)
     if (logz[n] <= -1e30) return;
     const long long E = (long long)C * NZ;
     #define AT(t) ((long long)(i * T + (t)) * N + n)                   // [i, t, n] of u and edges
@@ -246,3 +246,4 @@ extern "C" __global__ void crf_kbest(
         c = (int)idx[c * NZ + j]; r = code & 15;
     }
 }
+
