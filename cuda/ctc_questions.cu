@@ -10,7 +10,9 @@
 // grad_q) by the thread that owns the label's first state in the frame's band, in the states' order: no atomics, and
 // the CPU kernel's order of addition. A label's states are found along `links` (N x 2 x S_max: each label state's
 // next and previous state of the same label, -1: none; made once a sequence), the blank's two apart. Thread j owns states j, j + blockDim.x, ...; one barrier per frame and pass. Rows live in global
-// memory (a block reads what its own threads wrote before the barrier).
+// memory (a block reads what its own threads wrote before the barrier). `split` (with `with_grad`): block (n, 1) runs
+// the backward recursion at the same time as the forward, every frame kept in `back` (N, T_max, 3, S_max + 4), and
+// `ctc_divergence_grad` takes the gradients after, a thread a (frame, sequence, label): the same sums.
 #ifndef ALG
 #define ALG 1
 #endif
@@ -21,19 +23,49 @@ __device__ __forceinline__ void alg_put(double* row, int stride, int i, AlgState
     row[i] = x.p; row[stride + i] = x.q; row[2 * stride + i] = x.c;
 }
 __device__ __forceinline__ AlgState alg_zero() { AlgState z; z.p = -INFINITY; z.q = -INFINITY; z.c = 0.0; return z; }
+// The closed-form gradient of the accumulator w.r.t. state st's emission at a frame, from its forward row f and its
+// backward row b (components p, q, c, each W long; state st at index st + 2).
+__device__ __forceinline__ void ctc_state_grad(const double* f, const double* b, int W, int st, double zp, double zq,
+                                               double total, double* gp, double* gq) {
+    const double lmp = f[st + 2] + b[st + 2] - zp;
+    const double mp = lmp > -INFINITY ? exp(lmp) : 0.0;
+    if (ALG == ALG_ENTROPY) {
+        *gp = mp > 0.0 ? -mp * (lmp - f[2 * W + st + 2] - b[2 * W + st + 2] + total) : 0.0;
+        *gq = 0.0;
+    } else {
+        const double lmq = f[W + st + 2] + b[W + st + 2] - zq;
+        const double mq = lmq > -INFINITY ? exp(lmq) : 0.0;
+        *gp = mp > 0.0 ? mp * (lmp - lmq + f[2 * W + st + 2] + b[2 * W + st + 2] - total) : 0.0;
+        *gq = mq - mp;
+    }
+}
+// Frame t's band of states: those on a path of T frames (S states).
+__device__ __forceinline__ int band_lo(int S, int T, int t) { return max(0, S - 2 * (T - t)); }
+__device__ __forceinline__ int band_hi(int S, int t) { return min(S - 1, 2 * t + 1); }
+// State k's backward state at a frame (its row) times the frame's emission at `at` + its label (zero outside the band).
+__device__ __forceinline__ AlgState ctc_times_emission(const double* row, int W, int k, int lo, int hi, const long long* e,
+                                                       const FLOAT* lp, const FLOAT* lq, long long at) {
+    AlgState x = alg_zero();
+    if (k >= lo && k <= hi) {
+        x = alg_at(row, W, k + 2);
+        x.p += (double)lp[at + e[k]];
+        if (ALG == ALG_KL) x.q += (double)lq[at + e[k]];
+    }
+    return x;
+}
 
 extern "C" __global__ void ctc_divergence(
     const FLOAT* __restrict__ lp, const FLOAT* __restrict__ lq, const long long* __restrict__ ext,
     const long long* __restrict__ input_lengths, const long long* __restrict__ target_lengths, double* __restrict__ fwd,
     double* __restrict__ back, double* __restrict__ gs, int* __restrict__ links, double* __restrict__ out,
     FLOAT* __restrict__ grad_p, FLOAT* __restrict__ grad_q, int N, int C, int S_max, int T_max, int blank, int with_grad,
-    double above)
+    double above, int split)
 {
-    const int n = blockIdx.x, B = blockDim.x, j = threadIdx.x;
+    const int n = blockIdx.x, B = blockDim.x, j = threadIdx.x, backward = blockIdx.y;   // (block (n, 1): split's)
     const int T = (int)input_lengths[n], L = (int)target_lengths[n], S = 2 * L + 1, W = S_max + 4;
     const long long* e = ext + (long long)n * S_max;
     const long long frame = (long long)N * C;
-    if (above > 0) {            // PyTorch's NaN: a NaN, +inf or `above` among the emissions the lattice reads (every frame
+    if (above > 0 && !backward) {   // PyTorch's NaN: a NaN, +inf or `above` among the emissions the lattice reads (every frame
         __shared__ int poisoned;                            // and state, in or out of the band) makes the sequence's
         if (j == 0) poisoned = 0;                           // value and its gradients NaN (`poisoned_sequences`)
         __syncthreads();
@@ -63,13 +95,39 @@ extern "C" __global__ void ctc_divergence(
     }
     int* nxt = links + (long long)n * 2 * S_max;            // (read after the forward recursion's barriers)
     int* prv = nxt + S_max;
-    if (with_grad)
+    if (with_grad && backward == split)                     // (the block that runs the backward recursion)
         for (int s = 2 * j + 1; s < S; s += 2 * B) {        // label states: the next and previous of the same label
             int p = s - 2, q = s + 2;
             while (p >= 0 && e[p] != e[s]) p -= 2;
             while (q < S && e[q] != e[s]) q += 2;
             prv[s] = p; nxt[s] = q < S ? q : -1;
         }
+    if (backward) {                                         // split: the backward recursion, every frame kept
+        double* Bn = back + (long long)n * T_max * 3 * W;   // row t: Bn + t * 3 * W
+        for (int s = j; s < W; s += B) {
+            AlgState x = alg_zero();
+            if (s == S + 1 || (S > 1 && s == S)) { x.p = 0.0; x.q = ALG == ALG_KL ? 0.0 : -INFINITY; }
+            alg_put(Bn + (long long)(T - 1) * 3 * W, W, s, x);
+        }
+        for (int t = T - 2; t >= 0; t--) {
+            __syncthreads();                                // frame t + 1 is written
+            const double* nx = Bn + (long long)(t + 1) * 3 * W;
+            const int lo = band_lo(S, T, t), hi = band_hi(S, t), lo1 = band_lo(S, T, t + 1), hi1 = band_hi(S, t + 1);
+            const long long at = (t + 1) * frame + n * (long long)C;
+            for (int s = j; s < W; s += B) {                // state st sums st, st + 1 and (a skip) st + 2 of frame t + 1
+                const int st = s - 2;
+                AlgState x = alg_zero();
+                if (st >= lo && st <= hi) {
+                    const bool skip = st + 2 < S && e[st + 2] != blank && e[st + 2] != e[st];
+                    x = alg_plus3<ALG>(ctc_times_emission(nx, W, st, lo1, hi1, e, lp, lq, at),
+                                       ctc_times_emission(nx, W, st + 1, lo1, hi1, e, lp, lq, at),
+                                       skip ? ctc_times_emission(nx, W, st + 2, lo1, hi1, e, lp, lq, at) : alg_zero());
+                }
+                alg_put(Bn + (long long)t * 3 * W, W, s, x);
+            }
+        }
+        return;
+    }
     double* F = fwd + (long long)n * T_max * 3 * W;         // row t: F + t * 3 * W, components p, q, c
     for (int s = j; s < W; s += B) {                        // frame 0: a blank or the first label
         const int st = s - 2;
@@ -84,7 +142,7 @@ extern "C" __global__ void ctc_divergence(
         __syncthreads();
         const double* prev = F + (long long)(t - 1) * 3 * W;
         double* cur = F + (long long)t * 3 * W;
-        const int lo = max(0, S - 2 * (T - t)), hi = min(S - 1, 2 * t + 1);
+        const int lo = band_lo(S, T, t), hi = band_hi(S, t);
         for (int s = j; s < W; s += B) {
             const int st = s - 2;
             AlgState x = alg_zero();
@@ -103,7 +161,7 @@ extern "C" __global__ void ctc_divergence(
     const AlgState fin = S == 1 ? alg_at(last, W, S + 1)
                                 : alg_plus3<ALG>(alg_at(last, W, S + 1), alg_at(last, W, S), alg_zero());
     if (j == 0) { out[3 * n] = fin.p; out[3 * n + 1] = ALG == ALG_KL ? fin.q : fin.p; out[3 * n + 2] = fin.c; }
-    if (!with_grad || fin.p == -INFINITY || (ALG == ALG_KL && fin.q == -INFINITY)) return;
+    if (!with_grad || split || fin.p == -INFINITY || (ALG == ALG_KL && fin.q == -INFINITY)) return;
     const double zp = fin.p, zq = ALG == ALG_KL ? fin.q : fin.p, total = fin.c;
     double* cb = back + (long long)n * 6 * W;               // frame t's backward states
     double* nb = cb + 3 * W;                                // frame t + 1's, times its emissions
@@ -115,7 +173,7 @@ extern "C" __global__ void ctc_divergence(
         alg_put(cb, W, s, x);
     }
     for (int t = T - 1; t >= 0; t--) {
-        const int lo = max(0, S - 2 * (T - t)), hi = min(S - 1, 2 * t + 1);
+        const int lo = band_lo(S, T, t), hi = band_hi(S, t);
         __syncthreads();
         if (t < T - 1)
             for (int s = j; s < W; s += B) {                // state st sums st, st + 1 and (a skip) st + 2 of frame t + 1
@@ -130,18 +188,8 @@ extern "C" __global__ void ctc_divergence(
             }
         __syncthreads();
         const double* f = F + (long long)t * 3 * W;
-        for (int st = lo + j; st <= hi; st += B) {          // the gradient at each node of the frame
-            const double lmp = f[st + 2] + cb[st + 2] - zp;
-            const double mp = lmp > -INFINITY ? exp(lmp) : 0.0;
-            if (ALG == ALG_ENTROPY) {
-                gp[st] = mp > 0.0 ? -mp * (lmp - f[2 * W + st + 2] - cb[2 * W + st + 2] + total) : 0.0;
-            } else {
-                const double lmq = f[W + st + 2] + cb[W + st + 2] - zq;
-                const double mq = lmq > -INFINITY ? exp(lmq) : 0.0;
-                gp[st] = mp > 0.0 ? mp * (lmp - lmq + f[2 * W + st + 2] + cb[2 * W + st + 2] - total) : 0.0;
-                gq[st] = mq - mp;
-            }
-        }
+        for (int st = lo + j; st <= hi; st += B)            // the gradient at each node of the frame
+            ctc_state_grad(f, cb, W, st, zp, zq, total, gp + st, gq + st);
         __syncthreads();
         FLOAT* rp = grad_p + t * frame + n * (long long)C;
         FLOAT* rq = grad_q + t * frame + n * (long long)C;
@@ -168,6 +216,44 @@ extern "C" __global__ void ctc_divergence(
             alg_put(nb, W, s, x);
         }
     }
+}
+
+// `split`'s gradients: thread (t, n, st) for the first state st of each label of sequence n's target (the blank's:
+// state 0) sums the gradient at that label's states in frame t's band, in the states' order, into grad_p[t, n, label]
+// (and grad_q), as the fused kernel's owner of the label's first state in the band does. Nothing is written for a
+// sequence with no path, or a poisoned one (ctc_divergence wrote its NaN gradients).
+extern "C" __global__ void ctc_divergence_grad(
+    const double* __restrict__ fwd, const double* __restrict__ back, const long long* __restrict__ ext,
+    const int* __restrict__ links, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, const double* __restrict__ out, FLOAT* __restrict__ grad_p,
+    FLOAT* __restrict__ grad_q, int N, int C, int S_max, int T_max)
+{
+    const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (id >= (long long)T_max * N * S_max) return;
+    const int st = (int)(id % S_max), n = (int)(id / S_max % N), t = (int)(id / S_max / N);
+    const int T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1, W = S_max + 4;
+    if (t >= T || st >= S) return;
+    const double zp = out[3 * n], zq = out[3 * n + 1], total = out[3 * n + 2];
+    if (!(zp > -INFINITY) || !(zq > -INFINITY)) return;     // (also NaN: poisoned)
+    const int* nxt = links + (long long)n * 2 * S_max;
+    if (st & 1 ? nxt[S_max + st] >= 0 : st > 0) return;     // not its label's first state
+    const long long* e = ext + (long long)n * S_max;
+    const double* f = fwd + ((long long)n * T_max + t) * 3 * W;
+    const double* b = back + ((long long)n * T_max + t) * 3 * W;
+    const int lo = band_lo(S, T, t), hi = band_hi(S, t);
+    double sp = 0.0, sq = 0.0, gp, gq;
+    bool any = false;
+    for (int s2 = st; s2 >= 0 && s2 <= hi; s2 = st & 1 ? nxt[s2] : s2 + 2) {
+        if (s2 < lo) continue;
+        ctc_state_grad(f, b, W, s2, zp, zq, total, &gp, &gq);
+        sp += gp;
+        if (ALG == ALG_KL) sq += gq;
+        any = true;
+    }
+    if (!any) return;
+    const long long at = (long long)t * N * C + n * (long long)C + e[st];
+    grad_p[at] = (FLOAT)sp;
+    if (ALG == ALG_KL) grad_q[at] = (FLOAT)sq;
 }
 
 // Backward sampling over the forward states that ctc_divergence keeps (ALG_LOG: their p is log alpha): thread i * N + n
@@ -235,7 +321,7 @@ extern "C" __global__ void ctc_kbest(
         __syncthreads();
         const double* prev = V + ((t - 1) % 2) * W * k;
         double* cur = V + (t % 2) * W * k;
-        const int lo = max(0, S - 2 * (T - t)), hi = min(S - 1, 2 * t + 1);
+        const int lo = band_lo(S, T, t), hi = band_hi(S, t);
         for (int s = j; s < S; s += B) {
             double* o = cur + (s + 2) * k;
             if (s < lo || s > hi) { for (int r = 0; r < k; r++) o[r] = -INFINITY; continue; }

@@ -1647,9 +1647,19 @@ _DIVERGENCE_THREADS = 256        # ctc_divergence's block: states loop over the 
 _divergence_kernels = algebra_kernels('ctc_questions.cu', 'ctc_divergence', ('Log', 'Entropy', 'KL'))
 _sample_kernel = load_kernel('ctc_questions.cu', 'ctc_sample', **Log.cuda_macros(torch.float64))      # (float64 states only)
 _kbest_kernels = dtype_kernels('ctc_questions.cu', 'ctc_kbest')
+_divergence_grad_kernels = algebra_kernels('ctc_questions.cu', 'ctc_divergence_grad')
+
+def _divergence_split():
+    "`$SEQDIST_CTC_DIVERGENCE` (read at each call: the variant the next GPU run compares): 'split' (unset) or 'fused'."
+    v = os.environ.get('SEQDIST_CTC_DIVERGENCE') or 'split'
+    if v not in ('split', 'fused'): raise ValueError(f"SEQDIST_CTC_DIVERGENCE must be 'split' or 'fused', got {v!r}")
+    return v == 'split'
 
 def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad, check=False):
-    """ctc_divergence (through the emulator on CPU tensors): one launch, one block per sequence. Returns out (N, 3)
+    """ctc_divergence (through the emulator on CPU tensors), one block per sequence; with `with_grad`, split (the
+    default): a second block per sequence runs the backward recursion beside the forward, then `ctc_divergence_grad`
+    the gradients, a thread a (frame, sequence, label); fused (`$SEQDIST_CTC_DIVERGENCE=fused`): the backward and the
+    gradients after the forward in the same block, two frames kept. Returns out (N, 3)
     (log Z_p, log Z_q, accumulator, float64), the forward states of every frame (N, T, 3, S + 4) in float64 (as the CPU
     kernel keeps per sequence: the sampler walks them), and with `with_grad` the gradients (T, N, C) of the accumulator
     (for KL also q's), else empty. `check`: a sequence whose emissions hold a NaN, +inf or `HUGE_LOG_PROB` or more gets
@@ -1659,13 +1669,19 @@ def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad, check=Fal
     grad_p = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if with_grad else lp.new_zeros(1)
     grad_q = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if with_grad and kl else grad_p
     out, fwd = torch.zeros(N, 3, dtype=f64, device=dev), torch.empty(N, max(T, 1), 3, S_max + 4, dtype=f64, device=dev)
+    split = with_grad and _divergence_split()
+    back = torch.empty_like(fwd) if split else torch.empty(N, 6, S_max + 4, dtype=f64, device=dev)
+    links = torch.empty(N, 2, S_max, dtype=torch.int32, device=dev)
     if N > 0:
         _divergence_kernels[(lp.dtype, algebra)](
-            (N,), (_DIVERGENCE_THREADS,), lp=lp, lq=lq, ext=ext, input_lengths=il, target_lengths=tl, fwd=fwd,
-            back=torch.empty(N, 6, S_max + 4, dtype=f64, device=dev), gs=torch.empty(N, 2, S_max, dtype=f64, device=dev),
-            links=torch.empty(N, 2, S_max, dtype=torch.int32, device=dev),
+            (N, 2 if split else 1), (max_threads(_DIVERGENCE_THREADS),), lp=lp, lq=lq, ext=ext, input_lengths=il, target_lengths=tl,
+            fwd=fwd, back=back, gs=torch.empty(N, 1 if split else 2, S_max, dtype=f64, device=dev), links=links,
             out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C, S_max=S_max, T_max=T, blank=blank, with_grad=int(with_grad),
-            above=HUGE_LOG_PROB if check else 0.0)
+            above=HUGE_LOG_PROB if check else 0.0, split=int(split))
+    if split and N * T * S_max > 0:
+        _divergence_grad_kernels[(lp.dtype, algebra)]((math.ceil(T * N * S_max / 256),), (256,), fwd=fwd, back=back,
+            ext=ext, links=links, input_lengths=il, target_lengths=tl, out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C,
+            S_max=S_max, T_max=T)
     empty = lp.new_empty(0)
     return out, fwd, grad_p if with_grad else empty, grad_q if with_grad and kl else empty
 
@@ -1999,6 +2015,7 @@ resource_budget(list(_viterbi_kernels.values()), block=1024, shared_mem=2 * (_VI
 resource_budget([_prepare_kernel], block=256, min_threads=1024, why="a pass over the extended labels (N, 2L+1)")
 resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_THREADS, min_threads=_DIVERGENCE_THREADS,
                 why="the lattice questions: one block per sequence, float64 states in global memory")
+resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024, why="a thread a (frame, sequence, label)")
 resource_budget([_sample_kernel], block=256, min_threads=1024, why="one thread per sample and sequence, walking back")
 resource_budget(list(_kbest_kernels.values()), block=_DIVERGENCE_THREADS, min_threads=_DIVERGENCE_THREADS,
                 why="k-best: one block per sequence, k scores per state in global memory")

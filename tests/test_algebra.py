@@ -6,6 +6,7 @@ import pytest, torch
 from seqdist.core import Log, Max, Entropy, KL, CrossEntropy, KMax, log_softmax_parts
 from seqdist.ctc import (alignments_brute_force, interleave_blanks, logz_reference, posteriors, alignment_entropy,
                          alignment_kl, alignment_cross_entropy, kbest_alignments, sample_alignments, ctc_loss)
+from seqdist.ops import launch_limits
 from sampling_checks import chi_square, chi_square_bound, check_counts
 
 BACKENDS = ['cpu', 'reference']     # every question runs on both, against the same enumeration
@@ -402,17 +403,26 @@ def test_ctc_alignments_distribution_object():
 # -- the CUDA kernel (ctc_divergence), through the emulator on CPU tensors
 
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
-def test_cuda_kernel_matches_the_cpu_kernel(dtype):
-    "Entropy, KL and cross-entropy and their gradients: the CUDA kernel (emulated) as the CPU kernel, in both dtypes."
+def test_cuda_kernel_matches_the_cpu_kernel(dtype, monkeypatch):
+    """Entropy, KL and cross-entropy and their gradients: the CUDA kernel (emulated) as the CPU kernel, in both dtypes;
+    its two variants ($SEQDIST_CTC_DIVERGENCE split and fused) bitwise alike, also with 32 threads striding over the
+    states."""
     lp, lq, tg, il, tl = longer_batch(5, dtype=dtype)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
     for f, xs in ((alignment_entropy, (lp,)), (alignment_kl, (lp, lq)), (alignment_cross_entropy, (lp, lq))):
         got = {}
-        for backend in ('cpu', 'cuda'):
+        for backend, variant, threads in (('cpu', None, None), ('cuda', 'split', None), ('cuda', 'fused', None),
+                                          ('cuda', 'split', 32), ('cuda', 'fused', 32)):
             ys = [x.detach().requires_grad_() for x in xs]
-            v = f(*ys, tg, il, tl, backend=backend)
-            got[backend] = [v.detach(), *torch.autograd.grad(v.sum(), ys)]
-        for a, b in zip(got['cpu'], got['cuda']): torch.testing.assert_close(b, a, **tol)
+            if variant: monkeypatch.setenv('SEQDIST_CTC_DIVERGENCE', variant)
+            with launch_limits(max_threads=threads): v = f(*ys, tg, il, tl, backend=backend)
+            got[backend, variant, threads] = [v.detach(), *torch.autograd.grad(v.sum(), ys)]
+        for key, values in got.items():
+            for a, b in zip(got['cpu', None, None], values): torch.testing.assert_close(b, a, **tol)
+            for a, b in zip(got['cuda', 'fused', None], values): assert key[0] == 'cpu' or torch.equal(a, b), key
+    monkeypatch.setenv('SEQDIST_CTC_DIVERGENCE', 'both')
+    with pytest.raises(ValueError, match="SEQDIST_CTC_DIVERGENCE must be 'split' or 'fused'"):
+        alignment_entropy(lp.requires_grad_(), tg, il, tl, backend='cuda')
 
 def test_cuda_kernel_on_the_enumerated_batch_and_gradcheck():
     "The emulated CUDA kernel against enumeration's batch (repeats, an empty target, infeasible targets), and gradcheck."

@@ -67,6 +67,15 @@ def sparse_variant_rows(ctc_crf):
         return [dict(r, op=f"{r['op']} [SEQDIST_SPARSE_BOUNDS=1]") for r in ctc_crf() if not r['op'].startswith('ctc_simple')]
 
 
+def ctc_divergence_variant_rows(ctc_questions):
+    """The ctc_questions family's entropy and KL rows with the CUDA kernel fused ($SEQDIST_CTC_DIVERGENCE=fused, read
+    at each call: the backward and the gradients after the forward, in the same block), beside the default's (split:
+    both recursions at once, then a thread a (frame, sequence, label) for the gradients)."""
+    with _env('SEQDIST_CTC_DIVERGENCE', 'fused'):
+        return [dict(r, op=f"{r['op']} [SEQDIST_CTC_DIVERGENCE=fused]") for r in ctc_questions()
+                if r['op'].startswith(('alignment_entropy', 'alignment_kl'))]
+
+
 def crf_divergence_variant_rows(crf_questions):
     """The crf_questions family's entropy rows with the CUDA entropy fused ($SEQDIST_CRF_DIVERGENCE=fused, read at each
     call: one block a sequence, the backward after the forward), beside the default's (split: both recursions at once,
@@ -414,7 +423,9 @@ def main():
              ('joint', lambda: joint_rows(dev, a.quick)), ('linear_cross_entropy', lambda: linear_ce_rows(dev, a.quick)),
              ('cross_entropy', lambda: __import__('seqdist.benchmarks.cross_entropy', fromlist=['x']).bench_cross_entropy(
                  quick=a.quick, ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[], stats_shapes=[], device=dev)),
-             ('ctc_questions', fams['ctc_questions']), ('forced_align', fams['forced_align']),
+             ('ctc_questions', fams['ctc_questions']),
+             ('ctc_questions_variants', lambda: ctc_divergence_variant_rows(fams['ctc_questions'])),
+             ('forced_align', fams['forced_align']),
              ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']), ('tdt', fams['tdt']),
              ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
              ('crf_questions_variants', lambda: crf_divergence_variant_rows(fams['crf_questions'])),
