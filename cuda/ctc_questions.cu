@@ -256,36 +256,35 @@ extern "C" __global__ void ctc_divergence_grad(
     if (ALG == ALG_KL) grad_q[at] = (FLOAT)sq;
 }
 
-// Backward sampling over the forward states that ctc_divergence keeps (ALG_LOG: their p is log alpha): thread i * N + n
-// walks sample i of sequence n back from frame T - 1, picking a final state (the last blank, the last label) and then
-// at each frame a predecessor of the state after it (stay, move, skip) in proportion to exp(alpha), with the uniform
-// u[i, n, t], as `pick_log3` (semiring.cuh) picks: the CPU kernel's candidates in its order, so the same uniforms give
-// the same samples. states[i, n, t] gets the state; nothing is written for a sequence with no path (log Z, out[3 n],
-// -inf) or no frames.
+// Backward sampling over the loss's forward scores (`ctc_alpha_beta`'s alpha, log space, T_max x N x S_max, in
+// float64): thread i * N + n walks sample i of sequence n back from frame T - 1, picking a final state (the last
+// blank, the last label) and then at each frame a predecessor of the state after it (stay, move, skip) in proportion
+// to exp(alpha), with the uniform u[i, n, t], as `pick_log3` (semiring.cuh) picks: the CPU kernel's candidates in its
+// order, so the same uniforms give the same samples. states[i, n, t] gets the state; nothing is written for a
+// sequence with no path (log Z -inf) or no frames.
 
 extern "C" __global__ void ctc_sample(
-    const double* __restrict__ fwd, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
-    const long long* __restrict__ target_lengths, const double* __restrict__ u, const double* __restrict__ out,
+    const double* __restrict__ alpha, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
+    const long long* __restrict__ target_lengths, const double* __restrict__ u, const double* __restrict__ logz,
     long long* __restrict__ states, int N, int S_max, int T_max, int n_samples, int blank)
 {
     const long long id = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (id >= (long long)n_samples * N) return;
     const int n = (int)(id % N);
-    const int T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1, W = S_max + 4;
-    if (T == 0 || !(out[3 * n] > -INFINITY)) return;
+    const int T = (int)input_lengths[n], S = 2 * (int)target_lengths[n] + 1;
+    if (T == 0 || !(logz[n] > -INFINITY)) return;
     const long long* e = ext + (long long)n * S_max;
-    const double* F = fwd + (long long)n * T_max * 3 * W;              // row t: F + t * 3 * W; p first
     const double* ui = u + id * T_max;                                  // u[i, n, :]
     long long* si = states + id * T_max;
-    const double* last = F + (long long)(T - 1) * 3 * W;
-    int s = S - 1 - pick_log3(last[S + 1], S > 1 ? last[S] : -INFINITY, -INFINITY, ui[T - 1]);
+    #define ALPHA(t, s) ((s) >= 0 ? alpha[((long long)(t) * N + n) * S_max + (s)] : -INFINITY)
+    int s = S - 1 - pick_log3(ALPHA(T - 1, S - 1), ALPHA(T - 1, S - 2), -INFINITY, ui[T - 1]);
     si[T - 1] = s;
     for (int t = T - 2; t >= 0; t--) {
-        const double* a = F + (long long)t * 3 * W;
         const bool skip = s >= 2 && e[s] != blank && e[s] != e[s - 2];
-        s -= pick_log3(a[s + 2], a[s + 1], skip ? a[s] : -INFINITY, ui[t]);
+        s -= pick_log3(ALPHA(t, s), ALPHA(t, s - 1), skip ? ALPHA(t, s - 2) : -INFINITY, ui[t]);
         si[t] = s;
     }
+    #undef ALPHA
 }
 
 // The k best paths (KMax(k), k <= 16), one block per sequence, as the CPU kernel `_ctc_kbest_cpu`: each state keeps

@@ -420,7 +420,7 @@ def _ctc_cuda(st):
     else:
         launch(_FORWARD, 1, *one)
         if posteriors: launch(_BACKWARD, 1, *one)
-    if not posteriors: return logz, lp.new_empty(0)
+    if not posteriors: return logz, w if getattr(st, 'alpha', False) else lp.new_empty(0)   # (alpha: ctc_sample's)
     by_state = st.posteriors_of == 'states'
     minus_posteriors = lp.new_zeros(T, N, width if by_state else C)
     common = dict(w=w, wb=wb, ext=ext, input_lengths=il, target_lengths=tl, logz=logz, out=minus_posteriors, T_max=T, N=N,
@@ -1644,7 +1644,7 @@ def _exact_divergence(st):
     return value, logz_p, logz_q, grad_p, grad_q if st.algebra == 'KL' else lp.new_empty(0)
 
 _DIVERGENCE_THREADS = 256        # ctc_divergence's block: states loop over the threads
-_divergence_kernels = algebra_kernels('ctc_questions.cu', 'ctc_divergence', ('Log', 'Entropy', 'KL'))
+_divergence_kernels = algebra_kernels('ctc_questions.cu', 'ctc_divergence')
 _sample_kernel = load_kernel('ctc_questions.cu', 'ctc_sample', **Log.cuda_macros(torch.float64))      # (float64 states only)
 _kbest_kernels = dtype_kernels('ctc_questions.cu', 'ctc_kbest')
 _divergence_grad_kernels = algebra_kernels('ctc_questions.cu', 'ctc_divergence_grad')
@@ -1660,9 +1660,8 @@ def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad, check=Fal
     default): a second block per sequence runs the backward recursion beside the forward, then `ctc_divergence_grad`
     the gradients, a thread a (frame, sequence, label); fused (`$SEQDIST_CTC_DIVERGENCE=fused`): the backward and the
     gradients after the forward in the same block, two frames kept. Returns out (N, 3)
-    (log Z_p, log Z_q, accumulator, float64), the forward states of every frame (N, T, 3, S + 4) in float64 (as the CPU
-    kernel keeps per sequence: the sampler walks them), and with `with_grad` the gradients (T, N, C) of the accumulator
-    (for KL also q's), else empty. `check`: a sequence whose emissions hold a NaN, +inf or `HUGE_LOG_PROB` or more gets
+    (log Z_p, log Z_q, accumulator, float64) and with `with_grad` the gradients (T, N, C) of the accumulator (for KL
+    also q's), else empty. `check`: a sequence whose emissions hold a NaN, +inf or `HUGE_LOG_PROB` or more gets
     value, log Z and gradients NaN (`poisoned_sequences`, in the kernel). No host reads: sync-free."""
     T, N, C = lp.shape
     S_max, kl, dev, f64 = ext.shape[1], algebra == 'KL', lp.device, torch.float64
@@ -1683,11 +1682,11 @@ def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad, check=Fal
             ext=ext, links=links, input_lengths=il, target_lengths=tl, out=out, grad_p=grad_p, grad_q=grad_q, N=N, C=C,
             S_max=S_max, T_max=T)
     empty = lp.new_empty(0)
-    return out, fwd, grad_p if with_grad else empty, grad_q if with_grad and kl else empty
+    return out, grad_p if with_grad else empty, grad_q if with_grad and kl else empty
 
 def _divergence_cuda(st):
     "The CUDA kernel: the same values and closed-form gradients as the CPU kernel (for g = 1, scaled in the backward)."
-    out, _, grad_p, grad_q = _divergence_launch(st.lp.detach().contiguous(), st.lq.detach().contiguous(), st.ext, st.il,
+    out, grad_p, grad_q = _divergence_launch(st.lp.detach().contiguous(), st.lq.detach().contiguous(), st.ext, st.il,
                                                 st.tl, st.blank, st.algebra, st.with_grad, check=True)
     value, logz_p, logz_q = (out[:, j].to(st.lp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
     return value, logz_p, logz_q, grad_p, grad_q
@@ -1874,15 +1873,16 @@ def sample_alignments(log_probs, targets, input_lengths, target_lengths, blank=0
     T, N, _ = lp.shape
     u = torch.rand((int(n), N, T), generator=generator, dtype=torch.float64,
                    device=generator.device if generator is not None else 'cpu').to(lp.device)
-    if backend == 'cuda':                # ctc_divergence's Log forward keeps alpha; ctc_sample walks back, a thread a sample
+    if backend == 'cuda':                # the loss's forward recursion keeps alpha (float64); ctc_sample walks back, a thread a sample
         states = torch.full((int(n), N, T), -1, dtype=torch.long, device=lp.device)
-        x = lp.detach().contiguous()
-        out, fwd, _, _ = _divergence_launch(x, x, ext, il, tl, int(blank), 'Log', False)
+        logz64 = torch.where(tl == 0, 0.0, -math.inf).double()      # (no frames: the empty target's empty path alone)
         if N > 0 and T > 0:
-            _sample_kernel((math.ceil(int(n) * N / 256),), (256,), fwd=fwd, ext=ext, input_lengths=il, target_lengths=tl,
-                           u=u.contiguous(), out=out, states=states, N=N, S_max=ext.shape[1], T_max=T, n_samples=int(n),
+            logz64, alpha = _ctc_cuda(SimpleNamespace(lp=lp.detach().double().contiguous(), ext=ext, input_lengths=il,
+                target_lengths=tl, blank=int(blank), use_max=False, posteriors_of='none', delay_penalty=0.0, alpha=True))
+            _sample_kernel((math.ceil(int(n) * N / 256),), (256,), alpha=alpha, ext=ext, input_lengths=il, target_lengths=tl,
+                           u=u.contiguous(), logz=logz64, states=states, N=N, S_max=ext.shape[1], T_max=T, n_samples=int(n),
                            blank=int(blank))
-        logz = _differentiable_logz(out[:, 0].to(lp.dtype), lp, ext, il, tl, blank)
+        logz = _differentiable_logz(logz64.to(lp.dtype), lp, ext, il, tl, blank)
         states = torch.where(torch.arange(T, device=lp.device) < il[:, None], states, -1)
     elif backend == 'cpu':
         states, logz = torch.full((int(n), N, T), -1, dtype=torch.long), np.empty(N)

@@ -582,7 +582,7 @@ def test_joint_rnnt_loss_all_four_gradients_agree_with_the_composition_in_float6
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_gpu_ctc_samples_equal_the_reference_without_a_host_sync(dtype, record):
-    """CTC sample_alignments on the GPU (ctc_divergence's forward, ctc_sample's walk): the reference's samples for the same
+    """CTC sample_alignments on the GPU (the loss's forward in float64, ctc_sample's walk): the reference's samples for the same
     generator (the uniforms come from the generator's device), log-probabilities as the reference's, no host sync."""
     from seqdist.ctc import sample_alignments
     g = _gen(0)
