@@ -1,6 +1,45 @@
 // Sparse-transition CRF: forward and backward scores and edge posteriors, in log space, in any semiring
 // (written by nbs/04_sparse.ipynb). Ms (T, N, C, NZ): score of entering state c by its j-th edge, from idx[c, j].
 #include "semiring.cuh"
+#ifndef SPARSE_GROUP
+#define SPARSE_GROUP 5     // a state's edges read this many at a time: a DNA CTC-CRF's 5 (4 moves, a stay) in one
+#endif                     // group (8 spill float's 32 registers on sm_90)
+
+// The semiring's sum of `count` terms x(j) (a functor) as SUM_TERM and SUM_END take it: their max first, then the
+// others in order (the max's own term, once, is SUM_END's). The terms are read SPARSE_GROUP at a time, past `count`
+// the last again and masked, so that a group's loads are in flight together (no branch between them: one wait on
+// memory a group, where a loop over the edges waited once an edge). Past the first pass they come from the L1 cache.
+template <class Terms> __device__ __forceinline__ FLOAT grouped_sum(const Terms& x, int count) {
+    FLOAT m = ZERO, s = 0;
+    for (int j0 = 0; j0 < count; j0 += SPARSE_GROUP) {
+        #pragma unroll
+        for (int g = 0; g < SPARSE_GROUP; g++) {
+            const FLOAT v = x(min(j0 + g, count - 1));
+            m = j0 + g < count ? max2(m, v) : m;
+        }
+    }
+    bool top = false;
+    for (int j0 = 0; j0 < count; j0 += SPARSE_GROUP) {
+        #pragma unroll
+        for (int g = 0; g < SPARSE_GROUP; g++) {
+            const FLOAT v = x(min(j0 + g, count - 1));
+            const bool real = j0 + g < count, own = real && !top && v == m;
+            top = top || own;
+            s += real && !own ? SUM_TERM(v, m) : (FLOAT)0;
+        }
+    }
+    return SUM_END(m, s);                 // (no term equal to m: m is ZERO, whose own term that is)
+}
+// State c's in-edges at a frame: term j its score times its source's score (`bad`: a NaN or +inf score seen).
+struct InEdges {
+    const FLOAT* M; const int* idx; const FLOAT* prev; bool* bad;
+    __device__ FLOAT operator()(int j) const { const FLOAT w = M[j]; *bad |= !(w < (FLOAT)INFINITY); return MUL(w, prev[idx[j]]); }
+};
+// State s's out-edges at a frame: term k its score times its end's backward score.
+struct OutEdges {
+    const FLOAT* M; const int* out; const FLOAT* next; int NZ;
+    __device__ FLOAT operator()(int k) const { const int e = out[k]; return MUL(M[e], next[e / NZ]); }
+};
 
 // One block per sequence; thread i owns states i, i + blockDim.x, ... (K = C / blockDim.x of them: a tuning knob).
 // The previous frame's scores are in shared memory (buf), double-buffered: one barrier per frame. With `poisoned` (N
@@ -20,17 +59,9 @@ __device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restri
         FLOAT* cur = buf + ((t + 1) % 2) * C;
         const FLOAT* M = Ms + ((long long)t * N + n) * C * NZ;
         for (int c = threadIdx.x; c < C; c += blockDim.x) {      // an n-ary sum (SUM_TERM): the terms independent
-            FLOAT m = ZERO, s = 0;
-            for (int j = 0; j < NZ; j++) {
-                if (poisoned && !(M[c * NZ + j] < (FLOAT)INFINITY)) poisoned[n] = 1;
-                m = max2(m, MUL(M[c * NZ + j], prev[idx[c * NZ + j]]));
-            }
-            bool top = false;                                     // the max's own term (1) is SUM_END's
-            for (int j = 0; j < NZ; j++) {
-                const FLOAT x = MUL(M[c * NZ + j], prev[idx[c * NZ + j]]);
-                if (!top && x == m) top = true; else s += SUM_TERM(x, m);
-            }
-            const FLOAT a = SUM_END(m, s);       // (no term equal to m: m is ZERO, whose own term that is)
+            bool bad = false;
+            const FLOAT a = grouped_sum(InEdges{M + (long long)c * NZ, idx + (long long)c * NZ, prev, &bad}, NZ);
+            if (poisoned && bad) poisoned[n] = 1;
             cur[c] = a;
             alpha[((long long)(t + 1) * N + n) * C + c] = a;
         }
@@ -54,15 +85,7 @@ __device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restr
         FLOAT* cur = buf + (t % 2) * C;
         const FLOAT* M = Ms + ((long long)t * N + n) * C * NZ;
         for (int s = threadIdx.x; s < C; s += blockDim.x) {
-            FLOAT m = ZERO, sum = 0;
-            for (int k = 0; k < NZ; k++) { const int e = out_edges[s * NZ + k]; m = max2(m, MUL(M[e], next[e / NZ])); }
-            bool top = false;
-            for (int k = 0; k < NZ; k++) {
-                const int e = out_edges[s * NZ + k];
-                const FLOAT x = MUL(M[e], next[e / NZ]);
-                if (!top && x == m) top = true; else sum += SUM_TERM(x, m);
-            }
-            const FLOAT b = SUM_END(m, sum);
+            const FLOAT b = grouped_sum(OutEdges{M, out_edges + (long long)s * NZ, next, NZ}, NZ);
             cur[s] = b;
             beta[((long long)t * N + n) * C + s] = b;
         }

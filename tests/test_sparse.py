@@ -35,15 +35,23 @@ def brute_force(Ms, idx, v0, vT, S):
     return torch.stack(out)
 
 @pytest.mark.parametrize('S', [Log, Max])
-def test_brute_force(S):
+@pytest.mark.parametrize('offsets', [(0, 1, 3), (0, 1, 3, 2, 1, 0, 3)])   # NZ 3 and 7: the CUDA kernel's groups of 5 masked
+def test_brute_force(S, offsets):
+    """logZ against enumeration on every backend, and its gradient (the edges' posteriors) as the reference's, with
+    NZ edges into each state from states c + offsets (mod C): also multi-edges, and NZ other than the CTC-CRF's 5."""
     torch.manual_seed(0)
-    T, N, C, NZ = 3, 2, 4, 3
+    T, N, C, NZ = 3, 2, 4, len(offsets)
     Ms = torch.randn(T, N, C, NZ, dtype=torch.float64)
-    idx = torch.tensor([[c, (c + 1) % C, (c + 3) % C] for c in range(C)], dtype=torch.int32)
+    idx = torch.tensor([[(c + o) % C for o in offsets] for c in range(C)], dtype=torch.int32)
     v0, vT = torch.randn(N, C, dtype=torch.float64), torch.randn(N, C, dtype=torch.float64)
     truth = brute_force(Ms, idx, v0, vT, S)
+    grads = {}
     for backend in ('reference', 'cpu', 'cuda'):
-        torch.testing.assert_close(logZ(Ms, idx, v0, vT, S, backend=backend), truth, rtol=1e-12, atol=1e-12)
+        x = Ms.clone().requires_grad_()
+        z = logZ(x, idx, v0, vT, S, backend=backend)
+        torch.testing.assert_close(z, truth, rtol=1e-12, atol=1e-12)
+        grads[backend] = torch.autograd.grad(z.sum(), x)[0]
+    for backend in ('cpu', 'cuda'): torch.testing.assert_close(grads[backend], grads['reference'], rtol=1e-10, atol=1e-10)
 
 @pytest.mark.parametrize('S', [Log, Max])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
