@@ -366,6 +366,18 @@ def profiles(device, path, quick):
     xc = torch.randn(*((64, 512) if quick else (4096, 32768)), generator=g).to(device).requires_grad_()
     tc = torch.randint(0, xc.shape[1], (xc.shape[0],), generator=g).to(device)
     cases.append((f"cross_entropy N={xc.shape[0]} V={xc.shape[1]}", lambda: torch.autograd.grad(cross_entropy(xc, tc), xc)))
+    from seqdist.crf import CTC_CRF                                         # the questions farthest from their targets
+    from seqdist.ctc import alignment_entropy
+    crf = CTC_CRF(3 if quick else 5, 'NACGT')
+    xs_crf = torch.randn(50 if quick else 1000, 2 if quick else 16, crf.n_score(), generator=g).to(device).requires_grad_()
+    shape = f"T={xs_crf.shape[0]} N={xs_crf.shape[1]} state_len={crf.state_len}"
+    cases += [(f"CTC_CRF.entropy fwd+bwd, the paths, {shape}", lambda: torch.autograd.grad(crf.entropy(xs_crf).sum(), xs_crf)),
+              (f"CTC_CRF.sample n=8, the paths, {shape}", lambda: crf.sample(xs_crf.detach(), 8, torch.Generator(device).manual_seed(0))),
+              (f"CTC_CRF.kbest k=4, the paths, {shape}", lambda: crf.kbest(xs_crf.detach(), 4))]
+    lq, tq, ilq, tlq = ctc_inputs_for(*((50, 2, 8, 5, 10) if quick else (500, 32, 20, 80, 100)), device)
+    xq = lq.detach().requires_grad_()
+    cases.append((f"CTC alignment_entropy fwd+bwd T={xq.shape[0]} N={xq.shape[1]}",
+                  lambda: torch.autograd.grad(alignment_entropy(xq, tq, ilq, tlq, reduction='sum'), xq)))
     gru = GRU(256, 256, backend='cuda').to(device)
     xg = torch.randn(200, 32, 256, device=device, requires_grad=True)
     cases.append(("GRU backend='cuda' T=200 N=32 I=H=256", lambda: torch.autograd.grad(gru(xg)[0].sum(), [xg, *gru.parameters()])))
