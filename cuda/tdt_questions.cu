@@ -10,6 +10,8 @@
 // gradient of the accumulator w.r.t. each of its edges' scores goes into `gedge` (2, K, B, T, U+1: p's, then q's), 0 for
 // an edge that leaves the lattice; `tdt_divergence_grad` turns them into gradients w.r.t. the logits. gedge is left as
 // it is (zero) for a sequence with no path. Edge scores are `edge_score`'s with the question's sigma, no delay offset.
+// `split` (with `with_grad`): block (b, 1) runs the backward recursion at the same time as the forward (the states
+// alone), and `tdt_divergence_edges` takes the edges' gradients after, a thread a node: the same gedge.
 #ifndef ALG
 #define ALG 1
 #endif
@@ -19,77 +21,115 @@ __device__ __forceinline__ void alg_fold(AlgState& acc, AlgState& pend, bool& ha
     if (has) acc = alg_plus3<ALG>(acc, pend, x); else pend = x;
     has = !has;
 }
+#define SCORE_P(e, m, t, u) edge_score(xp, lse_p, y, e, m, t, u, Tb, V, W, sigma, 0.0, 0.0)
+#define SCORE_Q(e, m, t, u) (ALG == ALG_KL ? edge_score(xq, lse_q, y, e, m, t, u, Tb, V, W, sigma, 0.0, 0.0) : 0.0)
+
+// Node n = (b, t, u)'s out-edges: its backward state (their ends' states times the edges, folded as `_fold` folds them)
+// and, with `grads`, each edge's gradient (`alg_edge_grad`, from the node's forward state f) into gedge, 0 for an edge
+// that leaves the lattice.
+__device__ __forceinline__ AlgState tdt_out_edges(
+    const FLOAT* xp, const FLOAT* xq, const double* lse_p, const double* lse_q, const long long* y, const int* table,
+    int K, const double* bwd, double* gedge, long long nodes, int b, int t, int u, int Tb, int Ub, int T, int U1, int V,
+    int W, double sigma, bool grads, AlgState f, double zp, double zq, double total)
+{
+    const AlgState zero = alg_state(-INFINITY, -INFINITY, 0.0);
+    const long long n = node_index(b, t, u, T, U1);
+    AlgState acc = zero, pend = zero;
+    bool has = false;
+    for (int k = 0; k < K; k++) {                           // edge k leaves (t, u) for (t + d_k, u + label_k)
+        const int* e = table + 6 * k;
+        const int tt = t + e[2], uu = u + e[1];
+        double* gp = gedge + k * nodes + n;
+        double* gq = gedge + (K + k) * nodes + n;
+        AlgState w;
+        if (uu <= Ub && tt < Tb) w = alg_load(bwd, nodes, node_index(b, tt, uu, T, U1));
+        else if (!e[1] && tt == Tb && u == Ub) w = alg_state(0.0, 0.0, 0.0);     // onto the end
+        else { if (grads) { *gp = 0.0; *gq = 0.0; } continue; }
+        const double sp = SCORE_P(e, n, t, u), sq = SCORE_Q(e, n, t, u);
+        if (grads) alg_edge_grad<ALG>(f, sp, sq, w, zp, zq, total, gp, gq);
+        alg_fold(acc, pend, has, alg_times(w, sp, sq));
+    }
+    if (has) acc = alg_plus3<ALG>(acc, pend, zero);
+    return acc;
+}
 
 extern "C" __global__ void tdt_divergence(
     const FLOAT* __restrict__ xp, const FLOAT* __restrict__ xq, const double* __restrict__ lse_p,
     const double* __restrict__ lse_q, const long long* __restrict__ targets, const long long* __restrict__ logit_lengths,
     const long long* __restrict__ target_lengths, const int* __restrict__ table, int K, double* __restrict__ fwd,
     double* __restrict__ bwd, double* __restrict__ gedge, double* __restrict__ out, int B, int T, int U1, int V, int W,
-    double sigma, int with_grad)
+    double sigma, int with_grad, int split)
 {
     const int b = blockIdx.x, Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
     const long long nodes = (long long)B * T * U1;
     const long long* y = targets + (long long)b * U1;
     const bool kl = ALG == ALG_KL;
     const AlgState zero = alg_state(-INFINITY, -INFINITY, 0.0);
-    #define SCORE_P(e, m, t, u) edge_score(xp, lse_p, y, e, m, t, u, Tb, V, W, sigma, 0.0, 0.0)
-    #define SCORE_Q(e, m, t, u) (kl ? edge_score(xq, lse_q, y, e, m, t, u, Tb, V, W, sigma, 0.0, 0.0) : 0.0)
-    for (int d = 0; d < Tb + Ub; d++) {
-        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
-            AlgState acc = d == 0 ? alg_state(0.0, 0.0, 0.0) : zero, pend = zero;
-            bool has = false;
-            for (int k = 0; d > 0 && k < K; k++) {          // edge k enters (t, u) from (t - d_k, u - label_k)
-                const int* e = table + 6 * k;
-                const int ts = t - e[2], us = u - e[1];
-                if (ts < 0 || us < 0) continue;
-                const long long m = node_index(b, ts, us, T, U1);
-                alg_fold(acc, pend, has, alg_times(alg_load(fwd, nodes, m), SCORE_P(e, m, ts, us), SCORE_Q(e, m, ts, us)));
+    double zp = 0.0, zq = 0.0, total = 0.0;
+    if (blockIdx.y == 0) {                                  // the forward recursion
+        for (int d = 0; d < Tb + Ub; d++) {
+            FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
+                AlgState acc = d == 0 ? alg_state(0.0, 0.0, 0.0) : zero, pend = zero;
+                bool has = false;
+                for (int k = 0; d > 0 && k < K; k++) {      // edge k enters (t, u) from (t - d_k, u - label_k)
+                    const int* e = table + 6 * k;
+                    const int ts = t - e[2], us = u - e[1];
+                    if (ts < 0 || us < 0) continue;
+                    const long long m = node_index(b, ts, us, T, U1);
+                    alg_fold(acc, pend, has,
+                             alg_times(alg_load(fwd, nodes, m), SCORE_P(e, m, ts, us), SCORE_Q(e, m, ts, us)));
+                }
+                if (has) acc = alg_plus3<ALG>(acc, pend, zero);
+                alg_store(fwd, nodes, node_index(b, t, u, T, U1), acc);
             }
-            if (has) acc = alg_plus3<ALG>(acc, pend, zero);
-            alg_store(fwd, nodes, node_index(b, t, u, T, U1), acc);
+            __syncthreads();                                // the diagonal is written before a later one reads it
         }
-        __syncthreads();                                    // the diagonal is written before a later one reads it
-    }
-    AlgState fin = zero, pend = zero;                       // every thread folds the final blanks alike
-    bool has = false;
-    for (int k = 0; k < K; k++) {
-        const int* e = table + 6 * k;
-        const int s = Tb - e[2];
-        if (e[1] || s < 0) continue;
-        const long long m = node_index(b, s, Ub, T, U1);
-        alg_fold(fin, pend, has, alg_times(alg_load(fwd, nodes, m), SCORE_P(e, m, s, Ub), SCORE_Q(e, m, s, Ub)));
-    }
-    if (has) fin = alg_plus3<ALG>(fin, pend, zero);
-    const double zp = fin.p, zq = kl ? fin.q : zp, total = fin.c;
-    if (threadIdx.x == 0) { out[3 * b] = zp; out[3 * b + 1] = zq; out[3 * b + 2] = total; }
-    if (!with_grad || zp == -INFINITY || zq == -INFINITY) return;     // (the whole block: no barrier is skipped by some)
-    for (int d = Tb + Ub - 1; d >= 0; d--) {
+        AlgState fin = zero, pend = zero;                   // every thread folds the final blanks alike
+        bool has = false;
+        for (int k = 0; k < K; k++) {
+            const int* e = table + 6 * k;
+            const int s = Tb - e[2];
+            if (e[1] || s < 0) continue;
+            const long long m = node_index(b, s, Ub, T, U1);
+            alg_fold(fin, pend, has,
+                     alg_times(alg_load(fwd, nodes, m), SCORE_P(e, m, s, Ub), SCORE_Q(e, m, s, Ub)));
+        }
+        if (has) fin = alg_plus3<ALG>(fin, pend, zero);
+        zp = fin.p; zq = kl ? fin.q : zp; total = fin.c;
+        if (threadIdx.x == 0) { out[3 * b] = zp; out[3 * b + 1] = zq; out[3 * b + 2] = total; }
+        if (!with_grad || split || zp == -INFINITY || zq == -INFINITY) return;   // (the whole block: no barrier
+    }                                                                                // is skipped by some only)
+    for (int d = Tb + Ub - 1; d >= 0; d--) {                // the backward recursion (fused: the edges' gradients too)
         FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
-            const AlgState f = alg_load(fwd, nodes, n);
-            AlgState acc = zero, pend = zero;
-            bool has = false;
-            for (int k = 0; k < K; k++) {                   // edge k leaves (t, u) for (t + d_k, u + label_k)
-                const int* e = table + 6 * k;
-                const int tt = t + e[2], uu = u + e[1];
-                double* gp = gedge + k * nodes + n;
-                double* gq = gedge + (K + k) * nodes + n;
-                AlgState w;
-                if (uu <= Ub && tt < Tb) w = alg_load(bwd, nodes, node_index(b, tt, uu, T, U1));
-                else if (!e[1] && tt == Tb && u == Ub) w = alg_state(0.0, 0.0, 0.0);     // onto the end
-                else { *gp = 0.0; *gq = 0.0; continue; }
-                const double sp = SCORE_P(e, n, t, u), sq = SCORE_Q(e, n, t, u);
-                alg_edge_grad<ALG>(f, sp, sq, w, zp, zq, total, gp, gq);
-                alg_fold(acc, pend, has, alg_times(w, sp, sq));
-            }
-            if (has) acc = alg_plus3<ALG>(acc, pend, zero);
-            alg_store(bwd, nodes, n, acc);
+            const AlgState f = split ? zero : alg_load(fwd, nodes, n);      // (split: the forward's, being written)
+            alg_store(bwd, nodes, n, tdt_out_edges(xp, xq, lse_p, lse_q, y, table, K, bwd, gedge, nodes, b, t, u, Tb,
+                                                   Ub, T, U1, V, W, sigma, !split, f, zp, zq, total));
         }
         __syncthreads();
     }
-    #undef SCORE_P
-    #undef SCORE_Q
 }
+
+// `split`'s edge gradients: thread n of the B T (U+1) nodes, from its forward state and its edges' ends' backward
+// states, as the fused kernel's backward writes them (nothing for a sequence with no path, or outside its lattice).
+extern "C" __global__ void tdt_divergence_edges(
+    const FLOAT* __restrict__ xp, const FLOAT* __restrict__ xq, const double* __restrict__ lse_p,
+    const double* __restrict__ lse_q, const long long* __restrict__ targets, const long long* __restrict__ logit_lengths,
+    const long long* __restrict__ target_lengths, const int* __restrict__ table, int K, const double* __restrict__ fwd,
+    const double* __restrict__ bwd, const double* __restrict__ out, double* __restrict__ gedge, int B, int T, int U1,
+    int V, int W, double sigma)
+{
+    const long long n = (long long)blockIdx.x * blockDim.x + threadIdx.x, nodes = (long long)B * T * U1;
+    if (n >= nodes) return;
+    const int u = (int)(n % U1), t = (int)(n / U1 % T), b = (int)(n / U1 / T);
+    const int Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
+    const double zp = out[3 * b], zq = out[3 * b + 1], total = out[3 * b + 2];
+    if (t >= Tb || u > Ub || zp == -INFINITY || zq == -INFINITY) return;
+    tdt_out_edges(xp, xq, lse_p, lse_q, targets + (long long)b * U1, table, K, bwd, gedge, nodes, b, t, u, Tb, Ub, T, U1,
+                  V, W, sigma, true, alg_load(fwd, nodes, n), zp, zq, total);
+}
+#undef SCORE_P
+#undef SCORE_Q
 
 // grad[row] = the gradient w.r.t. the logits of row n = (b, t, u) from the gradients g_k w.r.t. its edges' scores
 // (`tdt_divergence`'s gedge, one side): an edge's score is its token's log-softmax plus its duration's, so token v gets

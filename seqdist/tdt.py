@@ -6,7 +6,7 @@
 __all__ = ['MAX_DURATIONS', 'tdt_op', 'check_durations', 'tdt_inputs', 'multiblank_inputs', 'tdt_edges', 'multiblank_edges', 'edge_table', 'edge_scores', 'logz_reference', 'tdt_brute_force', 'multiblank_brute_force', 'grad_from_edges', 'tdt_loss', 'multiblank_rnnt_loss', 'TDTLoss', 'MultiblankRNNTLoss', 'delay_offsets', 'tdt_loss', 'tdt_best_path', 'multiblank_rnnt_loss', 'lattice_edges', 'tdt_alignments', 'multiblank_alignments', 'tdt_divergence_op', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_alignments', 'multiblank_alignment_entropy', 'multiblank_alignment_kl', 'multiblank_alignment_cross_entropy', 'multiblank_kbest_alignments', 'multiblank_sample_alignments', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_alignments', 'multiblank_alignment_entropy', 'multiblank_alignment_kl', 'multiblank_alignment_cross_entropy', 'multiblank_kbest_alignments', 'multiblank_sample_alignments', 'tdt_alignments', 'multiblank_alignments', 'TDTAlignments', 'MultiblankAlignments']
 
 # %% ../nbs/09_tdt.ipynb #e1e4e656
-import math
+import math, os
 from functools import lru_cache
 from types import SimpleNamespace
 import numpy as np
@@ -1249,8 +1249,16 @@ from .core import ALGEBRAS
 _DIVERGENCE_BLOCK = 256          # tdt_divergence's block: an anti-diagonal's nodes loop over its threads
 _divergence_kernels = algebra_kernels('tdt_questions.cu', 'tdt_divergence')
 _divergence_grad_kernels = dtype_kernels('tdt_questions.cu', 'tdt_divergence_grad')
+_divergence_edge_kernels = algebra_kernels('tdt_questions.cu', 'tdt_divergence_edges')
 resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_BLOCK, min_threads=_DIVERGENCE_BLOCK,
                 why="the lattice questions: one block per sequence, float64 states in global memory")
+resource_budget(list(_divergence_edge_kernels.values()), block=256, min_threads=1024, why="a thread a node")
+
+def _divergence_split():
+    "`$SEQDIST_TDT_DIVERGENCE` (read at each call: the variant the next GPU run compares): 'split' (unset) or 'fused'."
+    v = os.environ.get('SEQDIST_TDT_DIVERGENCE') or 'split'
+    if v not in ('split', 'fused'): raise ValueError(f"SEQDIST_TDT_DIVERGENCE must be 'split' or 'fused', got {v!r}")
+    return v == 'split'
 resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024,
                 why="a memory-bound pass over the logits' rows: half the SM's threads in flight")
 
@@ -1263,9 +1271,11 @@ def _row_lse(x, il, tl, V):
     return out
 
 def _divergence_cuda(s):
-    """The CUDA kernels: tdt_lse per side, tdt_divergence (both recursions, one block per sequence) and, with
-    `with_grad`, tdt_divergence_grad per side: the CPU kernel's values and closed-form gradients (for g = 1, scaled in
-    the backward). No host reads."""
+    """The CUDA kernels: tdt_lse per side, tdt_divergence (both recursions) and, with `with_grad`,
+    tdt_divergence_grad per side: the CPU kernel's values and closed-form gradients (for g = 1, scaled in the
+    backward). Split (the default, with a gradient): a block a recursion and sequence, both at once, then
+    `tdt_divergence_edges` the edges' gradients, a thread a node; fused (`$SEQDIST_TDT_DIVERGENCE=fused`): one block a
+    sequence, the backward after the forward with the gradients as it goes. The same numbers. No host reads."""
     xp, kl = s.xp.detach().contiguous(), s.algebra == 'KL'
     xq = s.xq.detach().contiguous() if kl else xp
     B, T, U1, W = xp.shape
@@ -1275,11 +1285,13 @@ def _divergence_cuda(s):
     lse_q = _row_lse(xq, s.il, s.tl, s.V) if kl else lse_p
     kept = nodes if s.with_grad else 1                     # the backward's states and edge gradients, if asked for
     out, gedge = xp.new_zeros(B, 3, dtype=f64), xp.new_zeros(2 * K * kept, dtype=f64)
-    if B: _divergence_kernels[(xp.dtype, s.algebra)](
-        (B,), (min(_DIVERGENCE_BLOCK, _threads(U1)),), xp=xp, xq=xq, lse_p=lse_p, lse_q=lse_q, targets=s.y,
-        logit_lengths=s.il, target_lengths=s.tl, table=table, K=K, fwd=xp.new_empty(3 * max(nodes, 1), dtype=f64),
-        bwd=xp.new_empty(3 * kept, dtype=f64), gedge=gedge, out=out, B=B, T=T, U1=U1, V=s.V, W=W,
-        sigma=float(s.sigma), with_grad=int(s.with_grad))
+    split, fwd = s.with_grad and _divergence_split(), xp.new_empty(3 * max(nodes, 1), dtype=f64)
+    bwd, common = xp.new_empty(3 * kept, dtype=f64), dict(xp=xp, xq=xq, lse_p=lse_p, lse_q=lse_q, targets=s.y,
+        logit_lengths=s.il, target_lengths=s.tl, table=table, K=K, B=B, T=T, U1=U1, V=s.V, W=W, sigma=float(s.sigma))
+    if B: _divergence_kernels[(xp.dtype, s.algebra)]((B, 2 if split else 1), (min(_DIVERGENCE_BLOCK, _threads(U1)),),
+        fwd=fwd, bwd=bwd, gedge=gedge, out=out, with_grad=int(s.with_grad), split=int(split), **common)
+    if split and nodes: _divergence_edge_kernels[(xp.dtype, s.algebra)]((math.ceil(nodes / 256),), (256,), fwd=fwd,
+        bwd=bwd, out=out, gedge=gedge, **common)
     def grad(x, lse, g):
         out = torch.empty_like(x)
         if nodes: _divergence_grad_kernels[x.dtype]((nodes,), (_threads(W, 256),), logits=x, lse=lse, targets=s.y,

@@ -76,6 +76,14 @@ def ctc_divergence_variant_rows(ctc_questions):
                 if r['op'].startswith(('alignment_entropy', 'alignment_kl'))]
 
 
+def tdt_divergence_variant_rows(tdt_questions):
+    """The tdt_questions family's entropy and KL rows with the CUDA kernel fused ($SEQDIST_TDT_DIVERGENCE=fused, read
+    at each call), beside the default's (split: both recursions at once, then a thread a node for the edges' gradients)."""
+    with _env('SEQDIST_TDT_DIVERGENCE', 'fused'):
+        return [dict(r, op=f"{r['op']} [SEQDIST_TDT_DIVERGENCE=fused]") for r in tdt_questions()
+                if r['op'].startswith(('alignment_entropy', 'alignment_kl'))]
+
+
 def crf_divergence_variant_rows(crf_questions):
     """The crf_questions family's entropy rows with the CUDA entropy fused ($SEQDIST_CRF_DIVERGENCE=fused, read at each
     call: one block a sequence, the backward after the forward), beside the default's (split: both recursions at once,
@@ -439,7 +447,9 @@ def main():
              ('ctc_questions_variants', lambda: ctc_divergence_variant_rows(fams['ctc_questions'])),
              ('forced_align', fams['forced_align']),
              ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']), ('tdt', fams['tdt']),
-             ('tdt_questions', fams['tdt_questions']), ('crf_questions', fams['crf_questions']),
+             ('tdt_questions', fams['tdt_questions']),
+             ('tdt_questions_variants', lambda: tdt_divergence_variant_rows(fams['tdt_questions'])),
+             ('crf_questions', fams['crf_questions']),
              ('crf_questions_variants', lambda: crf_divergence_variant_rows(fams['crf_questions'])),
              ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick)),
              ('decode', lambda: decode_rows(dev, a.quick)), ('graph', lambda: graph_rows(dev, a.quick))]
