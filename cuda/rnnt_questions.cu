@@ -8,65 +8,105 @@
 // the backward recursion of the same algebra runs in `bwd` (3, B, T, U+1), and at each node the closed-form gradient
 // of the accumulator w.r.t. its two edges' scores goes into `gedge` (4, B, T, U+1: p's blank and label edges, then
 // q's), which `rnnt_divergence_grad` turns into gradients w.r.t. the logits. gedge is left as it is (zero) where there
-// is no path. Edge scores are the logits minus their row's log-sum-exp (`edge_lp`; lse 0 unless fused).
+// is no path. Edge scores are the logits minus their row's log-sum-exp (`edge_lp`; lse 0 unless fused). `split` (with
+// `with_grad`): block (b, 1) runs the backward recursion at the same time as the forward, and `rnnt_divergence_edges`
+// takes the edges' gradients after, a thread a node: the same gedge.
 #ifndef ALG
 #define ALG 1
 #endif
 // (The states' helpers alg_load, alg_store, alg_state, alg_times and alg_edge_grad are semiring.cuh's: tdt.cu's
 // questions use them too.)
+// the scores of node n's blank edge and of its label edge (u < U_b), under p and q (q only for KL)
+#define BLANK_P(n) edge_lp(xp, lse_p, n, V, blank)
+#define BLANK_Q(n) (ALG == ALG_KL ? edge_lp(xq, lse_q, n, V, blank) : 0.0)
+#define LABEL_P(n, u) ((u) < Ub ? edge_lp(xp, lse_p, n, V, y[u]) : -INFINITY)
+#define LABEL_Q(n, u) (ALG == ALG_KL && (u) < Ub ? edge_lp(xq, lse_q, n, V, y[u]) : (ALG == ALG_KL ? -INFINITY : 0.0))
+
+// Node n = (b, t, u)'s two out-edges: their scores and their ends' backward states (the end's (0, 0, 0) past the last
+// frame at U_b; zero off the lattice).
+struct RnntOutEdges { AlgState after_blank, after_label; double bp, bq, ep, eq; };
+__device__ __forceinline__ RnntOutEdges rnnt_out_edges(const FLOAT* xp, const FLOAT* xq, const double* lse_p,
+    const double* lse_q, const long long* y, const double* bwd, long long nodes, long long n, int t, int u, int Tb,
+    int Ub, int U1, int V, int blank) {
+    const AlgState zero = alg_state(-INFINITY, -INFINITY, 0.0);
+    return {t < Tb - 1 ? alg_load(bwd, nodes, n + U1) : (u == Ub ? alg_state(0.0, 0.0, 0.0) : zero),
+            u < Ub ? alg_load(bwd, nodes, n + 1) : zero, BLANK_P(n), BLANK_Q(n), LABEL_P(n, u), LABEL_Q(n, u)};
+}
+// Their gradients into gedge (4 x nodes: p's blank and label edges, then q's), from the node's forward state f.
+__device__ __forceinline__ void rnnt_edge_grads(const RnntOutEdges& o, AlgState f, double zp, double zq, double total,
+                                                double* gedge, long long nodes, long long n) {
+    alg_edge_grad<ALG>(f, o.bp, o.bq, o.after_blank, zp, zq, total, gedge + n, gedge + 2 * nodes + n);
+    alg_edge_grad<ALG>(f, o.ep, o.eq, o.after_label, zp, zq, total, gedge + nodes + n, gedge + 3 * nodes + n);
+}
 extern "C" __global__ void rnnt_divergence(
     const FLOAT* __restrict__ xp, const FLOAT* __restrict__ xq, const double* __restrict__ lse_p,
     const double* __restrict__ lse_q, const long long* __restrict__ targets, const long long* __restrict__ logit_lengths,
     const long long* __restrict__ target_lengths, double* __restrict__ fwd, double* __restrict__ bwd,
-    double* __restrict__ gedge, double* __restrict__ out, int B, int T, int U1, int V, int blank, int with_grad)
+    double* __restrict__ gedge, double* __restrict__ out, int B, int T, int U1, int V, int blank, int with_grad,
+    int split)
 {
     const int b = blockIdx.x, Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
     const long long nodes = (long long)B * T * U1;
     const long long* y = targets + (long long)b * U1;
     const bool kl = ALG == ALG_KL;
     const AlgState zero = alg_state(-INFINITY, -INFINITY, 0.0);
-    // the scores of node n's blank edge and of its label edge (u < U_b), under p and q (q only for KL)
-    #define BLANK_P(n) edge_lp(xp, lse_p, n, V, blank)
-    #define BLANK_Q(n) (kl ? edge_lp(xq, lse_q, n, V, blank) : 0.0)
-    #define LABEL_P(n, u) ((u) < Ub ? edge_lp(xp, lse_p, n, V, y[u]) : -INFINITY)
-    #define LABEL_Q(n, u) (kl && (u) < Ub ? edge_lp(xq, lse_q, n, V, y[u]) : (kl ? -INFINITY : 0.0))
-    for (int d = 0; d < Tb + Ub; d++) {
-        FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
-            const long long n = node_index(b, t, u, T, U1);
-            AlgState x = alg_state(0.0, 0.0, 0.0);
-            if (d > 0) {
-                const AlgState from_blank = t > 0 ? alg_times(alg_load(fwd, nodes, n - U1), BLANK_P(n - U1), BLANK_Q(n - U1)) : zero;
-                const AlgState from_label = u > 0 ? alg_times(alg_load(fwd, nodes, n - 1), LABEL_P(n - 1, u - 1), LABEL_Q(n - 1, u - 1)) : zero;
-                x = alg_plus3<ALG>(from_blank, from_label, zero);
+    double zp = 0.0, zq = 0.0, total = 0.0;
+    if (blockIdx.y == 0) {                                  // the forward recursion
+        for (int d = 0; d < Tb + Ub; d++) {
+            FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
+                const long long n = node_index(b, t, u, T, U1);
+                AlgState x = alg_state(0.0, 0.0, 0.0);
+                if (d > 0) {
+                    const AlgState from_blank = t > 0 ? alg_times(alg_load(fwd, nodes, n - U1), BLANK_P(n - U1),
+                                                                  BLANK_Q(n - U1)) : zero;
+                    const AlgState from_label = u > 0 ? alg_times(alg_load(fwd, nodes, n - 1), LABEL_P(n - 1, u - 1),
+                                                                  LABEL_Q(n - 1, u - 1)) : zero;
+                    x = alg_plus3<ALG>(from_blank, from_label, zero);
+                }
+                alg_store(fwd, nodes, n, x);
             }
-            alg_store(fwd, nodes, n, x);
+            __syncthreads();                                // the diagonal is written before the next one reads it
         }
-        __syncthreads();                                    // the diagonal is written before the next one reads it
-    }
-    const long long last = node_index(b, Tb - 1, Ub, T, U1);
-    const AlgState fin = alg_load(fwd, nodes, last);
-    const double zp = fin.p + BLANK_P(last), zq = kl ? fin.q + BLANK_Q(last) : zp, total = fin.c;
-    if (threadIdx.x == 0) { out[3 * b] = zp; out[3 * b + 1] = zq; out[3 * b + 2] = total; }
-    if (!with_grad || zp == -INFINITY || zq == -INFINITY) return;     // (the whole block: no barrier is skipped by some)
-    for (int d = Tb + Ub - 1; d >= 0; d--) {
+        const long long last = node_index(b, Tb - 1, Ub, T, U1);
+        const AlgState fin = alg_load(fwd, nodes, last);
+        zp = fin.p + BLANK_P(last); zq = kl ? fin.q + BLANK_Q(last) : zp; total = fin.c;
+        if (threadIdx.x == 0) { out[3 * b] = zp; out[3 * b + 1] = zq; out[3 * b + 2] = total; }
+        if (!with_grad || split || zp == -INFINITY || zq == -INFINITY) return;   // (the whole block: no barrier
+    }                                                                                // is skipped by some only)
+    for (int d = Tb + Ub - 1; d >= 0; d--) {                // the backward recursion (fused: the edges' gradients too)
         FOR_EACH_NODE_OF_DIAGONAL(d, t, u) {
             const long long n = node_index(b, t, u, T, U1);
-            const AlgState after_blank = t < Tb - 1 ? alg_load(bwd, nodes, n + U1)
-                                                    : (u == Ub ? alg_state(0.0, 0.0, 0.0) : zero);
-            const AlgState after_label = u < Ub ? alg_load(bwd, nodes, n + 1) : zero;
-            const double bp = BLANK_P(n), bq = BLANK_Q(n), ep = LABEL_P(n, u), eq = LABEL_Q(n, u);
-            alg_store(bwd, nodes, n, alg_plus3<ALG>(alg_times(after_blank, bp, bq), alg_times(after_label, ep, eq), zero));
-            const AlgState f = alg_load(fwd, nodes, n);
-            alg_edge_grad<ALG>(f, bp, bq, after_blank, zp, zq, total, gedge + n, gedge + 2 * nodes + n);
-            alg_edge_grad<ALG>(f, ep, eq, after_label, zp, zq, total, gedge + nodes + n, gedge + 3 * nodes + n);
+            const RnntOutEdges o = rnnt_out_edges(xp, xq, lse_p, lse_q, y, bwd, nodes, n, t, u, Tb, Ub, U1, V, blank);
+            alg_store(bwd, nodes, n, alg_plus3<ALG>(alg_times(o.after_blank, o.bp, o.bq),
+                                                    alg_times(o.after_label, o.ep, o.eq), zero));
+            if (!split) rnnt_edge_grads(o, alg_load(fwd, nodes, n), zp, zq, total, gedge, nodes, n);
         }
         __syncthreads();
     }
-    #undef BLANK_P
-    #undef BLANK_Q
-    #undef LABEL_P
-    #undef LABEL_Q
 }
+
+// `split`'s edge gradients: thread n of the B T (U+1) nodes, from its forward state and its edges' ends' backward
+// states, as the fused kernel's backward writes them (nothing for a sequence with no path, or outside its lattice).
+extern "C" __global__ void rnnt_divergence_edges(
+    const FLOAT* __restrict__ xp, const FLOAT* __restrict__ xq, const double* __restrict__ lse_p,
+    const double* __restrict__ lse_q, const long long* __restrict__ targets, const long long* __restrict__ logit_lengths,
+    const long long* __restrict__ target_lengths, const double* __restrict__ fwd, const double* __restrict__ bwd,
+    double* __restrict__ gedge, const double* __restrict__ out, int B, int T, int U1, int V, int blank)
+{
+    const long long n = (long long)blockIdx.x * blockDim.x + threadIdx.x, nodes = (long long)B * T * U1;
+    if (n >= nodes) return;
+    const int u = (int)(n % U1), t = (int)(n / U1 % T), b = (int)(n / U1 / T);
+    const int Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
+    const double zp = out[3 * b], zq = out[3 * b + 1], total = out[3 * b + 2];
+    if (t >= Tb || u > Ub || zp == -INFINITY || zq == -INFINITY) return;
+    const RnntOutEdges o = rnnt_out_edges(xp, xq, lse_p, lse_q, targets + (long long)b * U1, bwd, nodes, n, t, u, Tb,
+                                          Ub, U1, V, blank);
+    rnnt_edge_grads(o, alg_load(fwd, nodes, n), zp, zq, total, gedge, nodes, n);
+}
+#undef BLANK_P
+#undef BLANK_Q
+#undef LABEL_P
+#undef LABEL_Q
 
 // grad[row] = the gradient w.r.t. the logits of row n = (b, t, u), from the gradients gb, ge w.r.t. its blank and label
 // edges' scores (`rnnt_divergence`'s gedge): with the log-softmax (fused), -(gb + ge) softmax + gb at the blank + ge at

@@ -6,7 +6,7 @@
 __all__ = ['rnnt_op', 'rnnt_edges_op', 'edge_log_probs', 'delay_offsets', 'logz_reference', 'logz_brute_force', 'row_offsets', 'rnnt_inputs', 'check_targets', 'clean_targets', 'lattice_nodes', 'padding_zeroed', 'poisoned_lattices', 'grad_from_edges', 'rnnt_loss', 'RNNTLoss', 'posteriors', 'viterbi_alignments', 'nan_sequences', 'best_path', 'rnnt_divergence_op', 'rnnt_loss', 'alignment_entropy', 'alignment_kl', 'kbest_alignments', 'sample_alignments', 'best_path', 'alignment_cross_entropy', 'posteriors', 'viterbi_alignments', 'transducer_divergence_backward', 'transducer_divergence_poisoned', 'transducer_divergence_fake', 'alignment_scores', 'sample_frames', 'RNNTAlignments']
 
 # %% ../nbs/06_rnnt.ipynb #f11e832e
-import math
+import math, os
 from types import SimpleNamespace
 import numpy as np
 import numba
@@ -757,6 +757,13 @@ def _rnnt_kbest_cpu(x, y, Tl, Ul, blank, fused, precise, k, frames, best, lo, hi
 _DIVERGENCE_BLOCK = 256          # rnnt_divergence's block: an anti-diagonal's nodes loop over its threads
 _divergence_kernels = algebra_kernels('rnnt_questions.cu', 'rnnt_divergence')
 _divergence_grad_kernels = dtype_kernels('rnnt_questions.cu', 'rnnt_divergence_grad')
+_divergence_edge_kernels = algebra_kernels('rnnt_questions.cu', 'rnnt_divergence_edges')
+
+def _divergence_split():
+    "`$SEQDIST_RNNT_DIVERGENCE` (read at each call: the variant the next GPU run compares): 'split' (unset) or 'fused'."
+    v = os.environ.get('SEQDIST_RNNT_DIVERGENCE') or 'split'
+    if v not in ('split', 'fused'): raise ValueError(f"SEQDIST_RNNT_DIVERGENCE must be 'split' or 'fused', got {v!r}")
+    return v == 'split'
 
 def _cuda_lse(x, il, tl, fused):
     "Each node's log-sum-exp (B, T, U+1) in float64 (0 outside the lattice, or if not `fused`), by rnnt_lse."
@@ -767,9 +774,11 @@ def _cuda_lse(x, il, tl, fused):
     return lse
 
 def _divergence_cuda(s):
-    """The CUDA kernels: rnnt_lse, rnnt_divergence (both recursions, one block per sequence) and, with `with_grad`,
-    rnnt_divergence_grad per side: the CPU kernel's values and closed-form gradients (for g = 1, scaled in the backward).
-    No host reads: sync-free."""
+    """The CUDA kernels: rnnt_lse, rnnt_divergence (both recursions) and, with `with_grad`, rnnt_divergence_grad per
+    side: the CPU kernel's values and closed-form gradients (for g = 1, scaled in the backward). Split (the default,
+    with a gradient): a block a recursion and sequence, both at once, then `rnnt_divergence_edges` the edges'
+    gradients, a thread a node; fused (`$SEQDIST_RNNT_DIVERGENCE=fused`): one block a sequence, the backward after the
+    forward. The same numbers. No host reads: sync-free."""
     xp, kl = s.xp.detach().contiguous(), s.algebra == 'KL'
     xq = s.xq.detach().contiguous() if kl else xp
     B, T, U1, V = xp.shape
@@ -778,11 +787,12 @@ def _divergence_cuda(s):
     lse_q = _cuda_lse(xq, s.il, s.tl, fused) if kl else lse_p
     nodes = (B, T, U1) if s.with_grad else (1,)
     out, gedge = xp.new_zeros(B, 3, dtype=f64), xp.new_zeros(4, *nodes, dtype=f64)
-    _divergence_kernels[(xp.dtype, s.algebra)](
-        (B,), (min(_DIVERGENCE_BLOCK, _threads(U1)),), xp=xp, xq=xq, lse_p=lse_p, lse_q=lse_q, targets=s.y,
-        logit_lengths=s.il, target_lengths=s.tl, fwd=xp.new_empty(3, B, T, U1, dtype=f64),
-        bwd=xp.new_empty(3, *nodes, dtype=f64), gedge=gedge, out=out, B=B, T=T, U1=U1, V=V, blank=s.blank,
-        with_grad=int(s.with_grad))
+    split, fwd, bwd = s.with_grad and _divergence_split(), xp.new_empty(3, B, T, U1, dtype=f64), xp.new_empty(3, *nodes, dtype=f64)
+    common = dict(xp=xp, xq=xq, lse_p=lse_p, lse_q=lse_q, targets=s.y, logit_lengths=s.il, target_lengths=s.tl, fwd=fwd,
+                  bwd=bwd, gedge=gedge, out=out, B=B, T=T, U1=U1, V=V, blank=s.blank)
+    _divergence_kernels[(xp.dtype, s.algebra)]((B, 2 if split else 1), (min(_DIVERGENCE_BLOCK, _threads(U1)),),
+                                               with_grad=int(s.with_grad), split=int(split), **common)
+    if split and B * T * U1: _divergence_edge_kernels[(xp.dtype, s.algebra)]((math.ceil(B * T * U1 / 256),), (256,), **common)
     def grad(x, lse, gb, ge):
         g = torch.empty_like(x)
         _divergence_grad_kernels[x.dtype]((B * T * U1,), (min(256, _threads(V)),), logits=x, lse=lse, targets=s.y,
@@ -826,6 +836,7 @@ resource_budget(list(_divergence_kernels.values()) + list(_kbest_kernels.values(
                 min_threads=_DIVERGENCE_BLOCK, why="the lattice questions: one block per sequence, float64 states in global memory")
 resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024,
                 why="a memory-bound pass over the logits' rows: half the SM's threads in flight")
+resource_budget(list(_divergence_edge_kernels.values()), block=256, min_threads=1024, why="a thread a node")
 resource_budget(list(_sample_kernels.values()), block=256, min_threads=1024, why="one thread per sample and sequence, walking back")
 
 # %% ../nbs/06a_rnnt_questions.ipynb #b7e1a0c1

@@ -91,6 +91,26 @@ def test_entropy_kl_cross_entropy_equal_enumeration(seed, blank, backend):
     loss = rnnt_loss(x, targets, il.int(), tl.int(), blank, reduction='none')
     close(rnnt_loss(x, targets, il.int(), tl.int(), blank, reduction='mean'), loss.mean())
 
+@pytest.mark.parametrize('fused', [True, False])
+def test_cuda_variants_give_the_same_bits(fused, monkeypatch):
+    """The CUDA entropy and KL ($SEQDIST_RNNT_DIVERGENCE: split, the default, and fused; emulated): the same values and
+    gradients bit for bit, with and without the fused log-softmax. A variant it does not know is refused."""
+    x, z, targets, il, tl = batch(4)
+    if not fused: x, z = x.log_softmax(-1), z.log_softmax(-1)
+    got = {}
+    for variant in ('split', 'fused'):
+        monkeypatch.setenv('SEQDIST_RNNT_DIVERGENCE', variant)
+        a, b = x.detach().requires_grad_(), z.detach().requires_grad_()
+        h = alignment_entropy(a, targets, il, tl, fused_log_softmax=fused, backend='cuda')
+        kl = alignment_kl(a, b, targets, il, tl, fused_log_softmax=fused, backend='cuda')
+        w = torch.rand(len(il), generator=torch.Generator().manual_seed(0), dtype=h.dtype)
+        got[variant] = [h.detach(), kl.detach(), *torch.autograd.grad((w * h).sum() + (w * kl).sum(), (a, b))]
+    for u, v in zip(got['split'], got['fused']): assert torch.equal(u, v)
+    assert got['split'][0].abs().gt(0.1).sum() >= 2                       # not a test of zeros
+    monkeypatch.setenv('SEQDIST_RNNT_DIVERGENCE', 'both')
+    with pytest.raises(ValueError, match="SEQDIST_RNNT_DIVERGENCE must be 'split' or 'fused'"):
+        alignment_entropy(x.detach().requires_grad_(), targets, il, tl, backend='cuda')
+
 @pytest.mark.parametrize('backend', ['cpu', 'cuda', 'reference'])
 def test_uniform_model_has_the_entropy_of_a_uniform_choice(backend):
     x = torch.zeros(2, 7, 4, 5, dtype=torch.float64)                 # every edge alike: every alignment alike

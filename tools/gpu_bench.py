@@ -76,6 +76,14 @@ def ctc_divergence_variant_rows(ctc_questions):
                 if r['op'].startswith(('alignment_entropy', 'alignment_kl'))]
 
 
+def rnnt_divergence_variant_rows(rnnt_questions):
+    """The rnnt_questions family's entropy and KL rows with the CUDA kernel fused ($SEQDIST_RNNT_DIVERGENCE=fused, read
+    at each call), beside the default's (split: both recursions at once, then a thread a node for the edges' gradients)."""
+    with _env('SEQDIST_RNNT_DIVERGENCE', 'fused'):
+        return [dict(r, op=f"{r['op']} [SEQDIST_RNNT_DIVERGENCE=fused]") for r in rnnt_questions()
+                if r['op'].startswith(('alignment_entropy', 'alignment_kl'))]
+
+
 def tdt_divergence_variant_rows(tdt_questions):
     """The tdt_questions family's entropy and KL rows with the CUDA kernel fused ($SEQDIST_TDT_DIVERGENCE=fused, read
     at each call), beside the default's (split: both recursions at once, then a thread a node for the edges' gradients)."""
@@ -446,7 +454,8 @@ def main():
              ('ctc_questions', fams['ctc_questions']),
              ('ctc_questions_variants', lambda: ctc_divergence_variant_rows(fams['ctc_questions'])),
              ('forced_align', fams['forced_align']),
-             ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']), ('tdt', fams['tdt']),
+             ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']),
+             ('rnnt_questions_variants', lambda: rnnt_divergence_variant_rows(fams['rnnt_questions'])), ('tdt', fams['tdt']),
              ('tdt_questions', fams['tdt_questions']),
              ('tdt_questions_variants', lambda: tdt_divergence_variant_rows(fams['tdt_questions'])),
              ('crf_questions', fams['crf_questions']),
