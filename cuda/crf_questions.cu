@@ -246,4 +246,3 @@ extern "C" __global__ void crf_kbest(
         c = (int)idx[c * NZ + j]; r = code & 15;
     }
 }
-

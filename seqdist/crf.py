@@ -6,7 +6,7 @@
 __all__ = ['gather_columns', 'normalised_target_logp', 'kmer_transitions', 'add_at_columns', 'CTC_CRF', 'crf_divergence_op', 'CTC_CRFAlignments']
 
 # %% ../nbs/05_crf.ipynb #659fa279
-import math, os
+import math
 from functools import lru_cache, partial
 from types import SimpleNamespace
 import numpy as np
@@ -19,7 +19,7 @@ from .core import ALG_ENTROPY, ALG_KL, ALGEBRAS, ZERO_BELOW, alg_plus3, fast_exp
 from . import sparse, ctc_simple
 from .kernel import load_kernel, dtype_kernels, algebra_kernels, MAX_SHARED_MEM_PER_BLOCK
 from .compile_check import resource_budget
-from .ops import Op, op_namespace, parallel_for, max_threads, AUTOGRAD
+from .ops import Op, op_namespace, parallel_for, max_threads, AUTOGRAD, env_choice
 from .memory import empty_large, empty_gradient, tensor_cached
 from .checks import require, on_host, nonfinite_sequences, either_poisoned, refuse_nan
 from .sparse import LANES, bundle_lanes, lane_rows, frame_weights, frame_scales, positive_min, SHARE_MIN
@@ -768,12 +768,6 @@ resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_BLOCK, min
 _divergence_grad_kernels = algebra_kernels('crf_questions.cu', 'crf_divergence_grad')
 resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024, why="a thread an edge")
 
-def _divergence_variant():
-    "`$SEQDIST_CRF_DIVERGENCE` (read at each call: the variant the next GPU run compares): 'split' (unset) or 'fused'."
-    v = os.environ.get('SEQDIST_CRF_DIVERGENCE') or 'split'
-    if v not in ('split', 'fused'): raise ValueError(f"SEQDIST_CRF_DIVERGENCE must be 'split' or 'fused', got {v!r}")
-    return v == 'split'
-
 def _divergence_cuda(st):
     """The CUDA kernel `crf_divergence`: the exact CPU kernel's values and gradients (for g = 1). Split (the default):
     the forward and backward recursions at once, a block each a sequence, every frame of both kept, then
@@ -792,7 +786,7 @@ def _divergence_cuda(st):
     out = mp.new_zeros(N, 3, dtype=f64)
     grad_p = torch.zeros_like(mp) if st.with_grad else mp.new_empty(0)
     grad_q = torch.zeros_like(mq) if st.with_grad and kl else mp.new_empty(0)
-    split = st.with_grad and _divergence_variant()
+    split = st.with_grad and env_choice('SEQDIST_CRF_DIVERGENCE', ('split', 'fused')) == 'split'
     fwd = mp.new_empty(3 * N * (T + 1) * C, dtype=f64)
     bwd = mp.new_empty(3 * N * (T + 1 if split else 2) * C if st.with_grad else 3, dtype=f64)
     gp, gq = grad_p if st.with_grad else mp.new_empty(1), grad_q if st.with_grad and kl else mp.new_empty(1)

@@ -19,7 +19,7 @@ from .kernel import load_kernel, dtype_kernels, algebra_kernels, EMULATOR_MAX_SH
 from .checks import (to_device, on_host, require, check_labels, refuse_nan, either_poisoned, nonfinite_sequences,
                             HUGE_LOG_PROB, LOG_PROB_POISON)
 from .compile_check import resource_budget
-from .ops import Op, op_namespace, resolve_backend, max_threads, parallel_for, AUTOGRAD
+from .ops import Op, op_namespace, resolve_backend, max_threads, parallel_for, AUTOGRAD, env_choice
 from numba import literally
 
 # %% ../nbs/02_ctc.ipynb #30579401
@@ -374,12 +374,6 @@ _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': {v: {spt: load_kernel('ctc.cu', '
 _prepare_kernel = load_kernel('ctc.cu', 'ctc_prepare', **Log.cuda_macros(torch.float32))   # (labels and lengths: any float type)
 _POSTERIORS_VARIANTS = ('thread', 'warp')    # $SEQDIST_CTC_POSTERIORS: ctc_posteriors (unset: a thread a frame) or _warp
 
-def _posteriors_variant():
-    "The posteriors kernel `$SEQDIST_CTC_POSTERIORS` names (read at each call, as the recursion's variant)."
-    v = os.environ.get('SEQDIST_CTC_POSTERIORS') or 'thread'
-    if v not in _POSTERIORS_VARIANTS: raise ValueError(f"SEQDIST_CTC_POSTERIORS must be 'thread' or 'warp', got {v!r}")
-    return v
-
 _FORWARD, _BACKWARD = 1, 2    # ctc_alpha_beta's `recursions`, a bit set (the enum of ctc.cu): alpha, beta, or both at once
 
 def _recursion_launch(spts, width, elsize, n_recursions, threads_bound, labels=0):
@@ -672,7 +666,7 @@ def _ctc_prepare(a, backend, check):
     a.lp, a.backend = lp, backend
     cuda = backend == 'cuda'
     width = a.targets.shape[1] if a.targets.dim() == 2 and a.posteriors_of == 'states' else 0   # (states: the padded width)
-    a.posteriors_variant = _posteriors_variant() if cuda else 'thread'
+    a.posteriors_variant = env_choice('SEQDIST_CTC_POSTERIORS', _POSTERIORS_VARIANTS) if cuda else 'thread'
     a.ext, a.input_lengths, a.target_lengths, a.links = extended_targets(
         lp, a.targets, a.input_lengths, a.target_lengths, a.blank, check, width, cuda,
         links=cuda and a.posteriors_variant == 'warp' and a.posteriors_of == 'labels')
@@ -1649,12 +1643,6 @@ _sample_kernel = load_kernel('ctc_questions.cu', 'ctc_sample', **Log.cuda_macros
 _kbest_kernels = dtype_kernels('ctc_questions.cu', 'ctc_kbest')
 _divergence_grad_kernels = algebra_kernels('ctc_questions.cu', 'ctc_divergence_grad')
 
-def _divergence_split():
-    "`$SEQDIST_CTC_DIVERGENCE` (read at each call: the variant the next GPU run compares): 'split' (unset) or 'fused'."
-    v = os.environ.get('SEQDIST_CTC_DIVERGENCE') or 'split'
-    if v not in ('split', 'fused'): raise ValueError(f"SEQDIST_CTC_DIVERGENCE must be 'split' or 'fused', got {v!r}")
-    return v == 'split'
-
 def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad, check=False):
     """ctc_divergence (through the emulator on CPU tensors), one block per sequence; with `with_grad`, split (the
     default): a second block per sequence runs the backward recursion beside the forward, then `ctc_divergence_grad`
@@ -1668,7 +1656,7 @@ def _divergence_launch(lp, lq, ext, il, tl, blank, algebra, with_grad, check=Fal
     grad_p = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if with_grad else lp.new_zeros(1)
     grad_q = torch.zeros(T, N, C, dtype=lp.dtype, device=dev) if with_grad and kl else grad_p
     out, fwd = torch.zeros(N, 3, dtype=f64, device=dev), torch.empty(N, max(T, 1), 3, S_max + 4, dtype=f64, device=dev)
-    split = with_grad and _divergence_split()
+    split = with_grad and env_choice('SEQDIST_CTC_DIVERGENCE', ('split', 'fused')) == 'split'
     back = torch.empty_like(fwd) if split else torch.empty(N, 6, S_max + 4, dtype=f64, device=dev)
     links = torch.empty(N, 2, S_max, dtype=torch.int32, device=dev)
     if N > 0:

@@ -6,7 +6,7 @@
 __all__ = ['rnnt_op', 'rnnt_edges_op', 'edge_log_probs', 'delay_offsets', 'logz_reference', 'logz_brute_force', 'row_offsets', 'rnnt_inputs', 'check_targets', 'clean_targets', 'lattice_nodes', 'padding_zeroed', 'poisoned_lattices', 'grad_from_edges', 'rnnt_loss', 'RNNTLoss', 'posteriors', 'viterbi_alignments', 'nan_sequences', 'best_path', 'rnnt_divergence_op', 'rnnt_loss', 'alignment_entropy', 'alignment_kl', 'kbest_alignments', 'sample_alignments', 'best_path', 'alignment_cross_entropy', 'posteriors', 'viterbi_alignments', 'transducer_divergence_backward', 'transducer_divergence_poisoned', 'transducer_divergence_fake', 'alignment_scores', 'sample_frames', 'RNNTAlignments']
 
 # %% ../nbs/06_rnnt.ipynb #f11e832e
-import math, os
+import math
 from types import SimpleNamespace
 import numpy as np
 import numba
@@ -20,7 +20,7 @@ from .kernel import load_kernel, dtype_kernels, algebra_kernels
 from .memory import empty_gradient
 from .checks import on_host, require, to_device, check_labels, finite_real, refuse_nan, nonfinite_sequences, either_poisoned
 from .compile_check import resource_budget
-from .ops import Op, AUTOGRAD, op_namespace, max_threads, parallel_for
+from .ops import Op, AUTOGRAD, op_namespace, max_threads, parallel_for, env_choice
 from .timing import paired_median_ms, load_torchaudio, peak_rss_mb
 _OPS = op_namespace(__name__)    # 'seqdist', or 'seqdist_notebook' in this notebook's own cells
 
@@ -759,12 +759,6 @@ _divergence_kernels = algebra_kernels('rnnt_questions.cu', 'rnnt_divergence')
 _divergence_grad_kernels = dtype_kernels('rnnt_questions.cu', 'rnnt_divergence_grad')
 _divergence_edge_kernels = algebra_kernels('rnnt_questions.cu', 'rnnt_divergence_edges')
 
-def _divergence_split():
-    "`$SEQDIST_RNNT_DIVERGENCE` (read at each call: the variant the next GPU run compares): 'split' (unset) or 'fused'."
-    v = os.environ.get('SEQDIST_RNNT_DIVERGENCE') or 'split'
-    if v not in ('split', 'fused'): raise ValueError(f"SEQDIST_RNNT_DIVERGENCE must be 'split' or 'fused', got {v!r}")
-    return v == 'split'
-
 def _cuda_lse(x, il, tl, fused):
     "Each node's log-sum-exp (B, T, U+1) in float64 (0 outside the lattice, or if not `fused`), by rnnt_lse."
     B, T, U1, V = x.shape
@@ -787,7 +781,8 @@ def _divergence_cuda(s):
     lse_q = _cuda_lse(xq, s.il, s.tl, fused) if kl else lse_p
     nodes = (B, T, U1) if s.with_grad else (1,)
     out, gedge = xp.new_zeros(B, 3, dtype=f64), xp.new_zeros(4, *nodes, dtype=f64)
-    split, fwd, bwd = s.with_grad and _divergence_split(), xp.new_empty(3, B, T, U1, dtype=f64), xp.new_empty(3, *nodes, dtype=f64)
+    split = s.with_grad and env_choice('SEQDIST_RNNT_DIVERGENCE', ('split', 'fused')) == 'split'
+    fwd, bwd = xp.new_empty(3, B, T, U1, dtype=f64), xp.new_empty(3, *nodes, dtype=f64)
     common = dict(xp=xp, xq=xq, lse_p=lse_p, lse_q=lse_q, targets=s.y, logit_lengths=s.il, target_lengths=s.tl, fwd=fwd,
                   bwd=bwd, gedge=gedge, out=out, B=B, T=T, U1=U1, V=V, blank=s.blank)
     _divergence_kernels[(xp.dtype, s.algebra)]((B, 2 if split else 1), (min(_DIVERGENCE_BLOCK, _threads(U1)),),

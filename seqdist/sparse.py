@@ -6,7 +6,7 @@
 __all__ = ['device', 'LANES', 'SHARE_MIN', 'RECURSION_THREADS', 'sparse_logz', 'logZ_bwd_cupy', 'ctc_loss_scan_py', 'ctc_loss_scan', 'ctc_loss', 'Mv_scan_py', 'forward_scores_reference', 'logZ_reference', 'bwd_scores_py', 'n_bundles', 'lane_rows', 'frame_weights', 'bundle_lanes', 'positive_min', 'frame_scales', 'out_edges_padded', 'scaled_start', 'check_sparse_inputs', 'logZ', 'fwd_scores_cupy', 'bwd_scores_cupy', 'logZ_scan_py', 'logZ_fwd_cupy', 'Mv_scan_cupy', 'logZ_scan', 'logZ']
 
 # %% ../nbs/04_sparse.ipynb #1dffb7b6
-import math, os
+import math
 from functools import partial
 from types import SimpleNamespace
 import numpy as np
@@ -18,7 +18,7 @@ from .memory import empty_large, tensor_cached
 from .checks import nonfinite_sequences, either_poisoned
 from .compile_check import resource_budget
 from .ctc import interleave_blanks
-from .ops import Op, AUTOGRAD, op_namespace, resolve_backend, max_threads, parallel_for
+from .ops import Op, AUTOGRAD, op_namespace, resolve_backend, max_threads, parallel_for, env_choice
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
@@ -391,9 +391,7 @@ _sparse_kernels = {(dtype, S, bounds): {name: load_kernel('sparse.cu', name, SPA
 def _kernels(dtype, S):
     """The kernels for `dtype` and `S`: the recursions of float on sm_90 bounded to two blocks an SM, or with
     `$SEQDIST_SPARSE_BOUNDS=1` (read at each call: the variant the next GPU run compares) not bounded."""
-    bounds = os.environ.get('SEQDIST_SPARSE_BOUNDS') or '2'
-    if bounds not in ('1', '2'): raise ValueError(f"SEQDIST_SPARSE_BOUNDS must be '1' or '2', got {bounds!r}")
-    return _sparse_kernels[(dtype, S, bounds)]
+    return _sparse_kernels[(dtype, S, env_choice('SEQDIST_SPARSE_BOUNDS', ('2', '1')))]
 RECURSION_THREADS = 1024   # at most, per block of the recursion kernels (fewer inside `launch_limits`)
 
 def _threads(C, K):

@@ -6,7 +6,7 @@
 __all__ = ['MAX_DURATIONS', 'tdt_op', 'check_durations', 'tdt_inputs', 'multiblank_inputs', 'tdt_edges', 'multiblank_edges', 'edge_table', 'edge_scores', 'logz_reference', 'tdt_brute_force', 'multiblank_brute_force', 'grad_from_edges', 'tdt_loss', 'multiblank_rnnt_loss', 'TDTLoss', 'MultiblankRNNTLoss', 'delay_offsets', 'tdt_loss', 'tdt_best_path', 'multiblank_rnnt_loss', 'lattice_edges', 'tdt_alignments', 'multiblank_alignments', 'tdt_divergence_op', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_alignments', 'multiblank_alignment_entropy', 'multiblank_alignment_kl', 'multiblank_alignment_cross_entropy', 'multiblank_kbest_alignments', 'multiblank_sample_alignments', 'alignment_entropy', 'alignment_kl', 'alignment_cross_entropy', 'kbest_alignments', 'sample_alignments', 'multiblank_alignment_entropy', 'multiblank_alignment_kl', 'multiblank_alignment_cross_entropy', 'multiblank_kbest_alignments', 'multiblank_sample_alignments', 'tdt_alignments', 'multiblank_alignments', 'TDTAlignments', 'MultiblankAlignments']
 
 # %% ../nbs/09_tdt.ipynb #e1e4e656
-import math, os
+import math
 from functools import lru_cache
 from types import SimpleNamespace
 import numpy as np
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .core import semiring, Log, Max, compute_dtype, fast_exp, fast_exp8, fast_logsumexp, softmax_normaliser
 from .rnnt import delay_offsets
 from .utils import load_kernel, dtype_kernels, algebra_kernels, empty_gradient, on_host, require, to_device, finite_real, resource_budget
-from .ops import Op, op_namespace, max_threads, resolve_backend, parallel_for
+from .ops import Op, op_namespace, max_threads, resolve_backend, parallel_for, env_choice
 from .rnnt import rnnt_loss, rnnt_inputs, clean_targets, poisoned_lattices, nan_sequences, padding_zeroed
 from .checks import refuse_nan
 from .timing import alternated_median_ms, peak_rss_mb, markdown_table
@@ -1253,12 +1253,6 @@ _divergence_edge_kernels = algebra_kernels('tdt_questions.cu', 'tdt_divergence_e
 resource_budget(list(_divergence_kernels.values()), block=_DIVERGENCE_BLOCK, min_threads=_DIVERGENCE_BLOCK,
                 why="the lattice questions: one block per sequence, float64 states in global memory")
 resource_budget(list(_divergence_edge_kernels.values()), block=256, min_threads=1024, why="a thread a node")
-
-def _divergence_split():
-    "`$SEQDIST_TDT_DIVERGENCE` (read at each call: the variant the next GPU run compares): 'split' (unset) or 'fused'."
-    v = os.environ.get('SEQDIST_TDT_DIVERGENCE') or 'split'
-    if v not in ('split', 'fused'): raise ValueError(f"SEQDIST_TDT_DIVERGENCE must be 'split' or 'fused', got {v!r}")
-    return v == 'split'
 resource_budget(list(_divergence_grad_kernels.values()), block=256, min_threads=1024,
                 why="a memory-bound pass over the logits' rows: half the SM's threads in flight")
 
@@ -1285,7 +1279,8 @@ def _divergence_cuda(s):
     lse_q = _row_lse(xq, s.il, s.tl, s.V) if kl else lse_p
     kept = nodes if s.with_grad else 1                     # the backward's states and edge gradients, if asked for
     out, gedge = xp.new_zeros(B, 3, dtype=f64), xp.new_zeros(2 * K * kept, dtype=f64)
-    split, fwd = s.with_grad and _divergence_split(), xp.new_empty(3 * max(nodes, 1), dtype=f64)
+    split = s.with_grad and env_choice('SEQDIST_TDT_DIVERGENCE', ('split', 'fused')) == 'split'
+    fwd = xp.new_empty(3 * max(nodes, 1), dtype=f64)
     bwd, common = xp.new_empty(3 * kept, dtype=f64), dict(xp=xp, xq=xq, lse_p=lse_p, lse_q=lse_q, targets=s.y,
         logit_lengths=s.il, target_lengths=s.tl, table=table, K=K, B=B, T=T, U1=U1, V=s.V, W=W, sigma=float(s.sigma))
     if B: _divergence_kernels[(xp.dtype, s.algebra)]((B, 2 if split else 1), (min(_DIVERGENCE_BLOCK, _threads(U1)),),

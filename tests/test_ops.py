@@ -284,3 +284,18 @@ def test_each_input_check_runs_once_per_forward_and_backward(family, backend):
         loss(backend).sum().backward()
     twice = {k: n for k, n in counts.items() if n > 1}
     assert not twice, f"{family} ({backend}): checks run more than once: {twice}"
+
+def test_env_choice_reads_the_variable_at_each_call(monkeypatch):
+    "A kernel variant from the environment: the first choice when unset or empty, the value when one of the choices, else refused by name."
+    from seqdist.ops import env_choice
+    monkeypatch.delenv('SEQDIST_TEST_VARIANT', raising=False)
+    assert env_choice('SEQDIST_TEST_VARIANT', ('a', 'b', 'c')) == 'a'
+    monkeypatch.setenv('SEQDIST_TEST_VARIANT', '')
+    assert env_choice('SEQDIST_TEST_VARIANT', ('a', 'b', 'c')) == 'a'
+    monkeypatch.setenv('SEQDIST_TEST_VARIANT', 'c')
+    assert env_choice('SEQDIST_TEST_VARIANT', ('a', 'b', 'c')) == 'c'
+    monkeypatch.setenv('SEQDIST_TEST_VARIANT', 'd')
+    with pytest.raises(ValueError, match="SEQDIST_TEST_VARIANT must be 'a', 'b' or 'c', got 'd'"):
+        env_choice('SEQDIST_TEST_VARIANT', ('a', 'b', 'c'))
+    with pytest.raises(ValueError, match="SEQDIST_TEST_VARIANT must be 'a' or 'b', got 'd'"):
+        env_choice('SEQDIST_TEST_VARIANT', ('a', 'b'))

@@ -294,4 +294,4 @@ def test_unbounded_variant_runs_and_agrees(monkeypatch):
         runs.append((z.detach(), torch.autograd.grad(z.sum(), Ms)[0]))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     monkeypatch.setenv('SEQDIST_SPARSE_BOUNDS', '3')
-    with pytest.raises(ValueError, match="SEQDIST_SPARSE_BOUNDS must be '1' or '2', got '3'"): logZ(Ms, idx, v0, v0, backend='cuda')
+    with pytest.raises(ValueError, match="SEQDIST_SPARSE_BOUNDS must be '2' or '1', got '3'"): logZ(Ms, idx, v0, v0, backend='cuda')
