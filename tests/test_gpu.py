@@ -453,6 +453,22 @@ def test_gpu_agrees_with_cpu(family, dtype, size, record):
     err = _compare(got, _outputs(ref), tol, f"{family} ({size}) {case}")
     record(family, launches, err)
 
+DIVERGENCE_VARIANTS = {'ctc_divergence': 'SEQDIST_CTC_DIVERGENCE', 'rnnt_divergence': 'SEQDIST_RNNT_DIVERGENCE',
+                       'tdt_divergence': 'SEQDIST_TDT_DIVERGENCE', 'crf_divergence': 'SEQDIST_CRF_DIVERGENCE'}
+
+@pytest.mark.parametrize('size', ['small', 'long'])
+@pytest.mark.parametrize('family', list(DIVERGENCE_VARIANTS))
+def test_gpu_divergence_variants_give_the_same_bits(family, size, monkeypatch, record):
+    """The lattice questions' two CUDA variants (split, the default: both recursions at once, then the edges'
+    gradients a thread each; fused: one block a sequence), which the benchmark compares: the same values and
+    gradients, bit for bit, in float64."""
+    got = {}
+    for variant in ('split', 'fused'):
+        monkeypatch.setenv(DIVERGENCE_VARIANTS[family], variant)
+        got[variant] = _outputs(FAMILIES[family](size, torch.float64, 'cuda'))
+    for i, (u, v) in enumerate(zip(got['split'], got['fused'])): assert torch.equal(u, v), f"{family} ({size}): output {i}"
+    record(family)
+
 @pytest.mark.parametrize('family', list(FAMILIES))
 def test_gpu_bitwise_repeatable(family, record):
     "The same inputs give bit-identical outputs and gradients (no float atomics in reductions)."
