@@ -81,8 +81,9 @@ def _crf_inputs(scores, idx):
     return SimpleNamespace(Ms=Ms, idx=idx, v0=ends, vT=ends, semiring='Log', for_backward=True, K=1)
 
 def _target_logp_prepare(a, backend, check):
-    return SimpleNamespace(crf=sparse.sparse_logz.prepare(_crf_inputs(a.scores.detach(), a.idx), backend, check),
-                           scores=a.scores.detach(), cols=a.cols, lengths=a.lengths, n=a.n)
+    crf = sparse.sparse_logz.prepare(_crf_inputs(a.scores.detach(), a.idx), backend, check)
+    return SimpleNamespace(crf=crf, scores=a.scores.detach(), cols=a.cols, lengths=a.lengths, n=a.n,
+                           kernel_checks=crf.kernel_checks)     # (the CRF's logZ kernel finds the poisoned sequences)
 
 def _target_logp_forward(backend, st):
     "log P(target) = the target lattice's logZ minus the CRF's, and what the backward pass needs."
@@ -114,7 +115,7 @@ normalised_target_logp = Op(f'{_OPS}::normalised_target_logp',
     fake=_target_logp_fake, differentiable=('scores',),
     residuals=('crf_logz', 'crf_scores', 'crf_frame_scales', 'crf_exact', 'target_posteriors'),
     # the CRF's logZ reads every score: NaN in, NaN out (on the CUDA path its kernel flags them as it reads them)
-    poisoned=lambda st: None if st.crf.kernel_checks else nonfinite_sequences(st.scores, 1),
+    poisoned=lambda st: nonfinite_sequences(st.scores, 1),
     per_sequence={'log_p': 0, 'scores': 1})
 
 # %% ../nbs/05_crf.ipynb #05e1fc0d

@@ -1713,7 +1713,7 @@ ctc_divergence_op = Op(f'{_OPS}::ctc_divergence', "(Tensor log_probs_p, Tensor? 
                        backward={'cpu': _divergence_backward, 'cuda': _divergence_backward, 'reference': AUTOGRAD},
                        fake=_divergence_fake,
                        differentiable=('log_probs_p', 'log_probs_q'), residuals=('logz_p', 'logz_q', 'grad_p', 'grad_q'),
-                       consumable=('grad_p', 'grad_q'), poisoned=lambda st: None if st.kernel_checks else divergence_poisoned(st),
+                       consumable=('grad_p', 'grad_q'), poisoned=divergence_poisoned,
                        per_sequence={'value': 0, 'log_probs_p': 1, 'log_probs_q': 1})
 
 def _divergence(algebra, log_probs_p, log_probs_q, targets, input_lengths, target_lengths, blank, reduction, backend, what):

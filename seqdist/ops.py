@@ -123,7 +123,9 @@ class Op:
       (or a +inf, a score no kernel can take) where the op reads them, or None where none does (the CPU's one-pass
       check). Its per-sequence outputs and its gradients are then NaN, on every backend alike: `per_sequence` names
       those outputs and differentiable inputs, with the dimension that indexes the sequence, e.g. {'value': 0,
-      'log_probs': 1}. (The kernels' max-based sums drop a NaN, and a +inf becomes a -inf or a 0.)
+      'log_probs': 1}. (The kernels' max-based sums drop a NaN, and a +inf becomes a -inf or a 0.) A prepare whose
+      backend's kernel finds them itself, as it reads the scores, says so by `state.kernel_checks` True: the layer
+      then does not call `poisoned`.
     `op(*inputs, backend='auto')` resolves the backend once, then runs the forward: eagerly through one
     autograd.Function (no dispatcher: host time matters for small calls; with nothing to differentiate, no_grad or
     no differentiable input requiring a gradient, the forward alone), or, while torch.compile traces, through the
@@ -182,11 +184,15 @@ class Op:
         bad = bad.to(x.device).view(shape)
         return x + torch.where(bad, math.nan, 0.0).to(x.dtype) if tracked else torch.where(bad, math.nan, x)
 
+    def _poisoned(self, state):
+        "`poisoned(state)`, or None where the backend's kernel finds the poisoned sequences itself (`kernel_checks`)."
+        return None if getattr(state, 'kernel_checks', False) else self.poisoned(state)
+
     def _forward(self, backend, state):
         "The backend's outputs, NaN for the sequences `poisoned` names (kept in the state for the backward)."
         outs = tuple(self.forward[backend](state))
         if self.poisoned is None: return outs
-        state.poisoned = bad = self.poisoned(state)
+        state.poisoned = bad = self._poisoned(state)
         if bad is None: return outs
         tracked = self.backward[backend] is AUTOGRAD
         return tuple(self._nan_at(bad, o, n, tracked) if n in self.per_sequence and o.numel() else o for n, o in zip(self.outputs, outs))
@@ -194,7 +200,7 @@ class Op:
     def _poison_grads(self, state, grads):
         "The backward's gradients {input: tensor}, NaN for the sequences the forward found poisoned."
         if self.poisoned is None: return grads
-        bad = state.poisoned if hasattr(state, 'poisoned') else self.poisoned(state)
+        bad = state.poisoned if hasattr(state, 'poisoned') else self._poisoned(state)
         if bad is None: return grads
         return {n: self._nan_at(bad, g, n) if n in self.per_sequence and g is not None else g for n, g in grads.items()}
     def _ns(self, args): return SimpleNamespace(**dict(zip(self.inputs, args)))

@@ -524,9 +524,8 @@ def _sparse_reference(st):
 
 def _sparse_poisoned(st):
     """The sequences whose Ms, v0 or vT hold a NaN or a +inf (every path sum reads all of them): logZ and its gradient
-    NaN there, on every backend (the kernels' max-based sums would drop a NaN); on the CUDA path of the Log semiring
-    the forward recursion flags them as it reads them (`kernel_checks`): none here."""
-    if st.kernel_checks: return None
+    NaN there, on every backend (the kernels' max-based sums would drop a NaN; on the CUDA path of the Log semiring
+    the forward recursion flags them as it reads them, `kernel_checks`, and the op layer does not ask)."""
     return either_poisoned(nonfinite_sequences(st.Ms, 1), nonfinite_sequences(st.v0, 0), nonfinite_sequences(st.vT, 0))
 
 def _sparse_fake(a, backend):
