@@ -2,8 +2,15 @@
 // nbs/03_ctc_simple.ipynb). Grid (N, 2): block (n, 0) runs the forward recursion of sequence n, block (n, 1) the
 // backward one, at the same time (as seqdist 0.0.3 did): T steps in all, where two launches in turn took 2T.
 // Thread i owns states i, i + blockDim.x, ... (the loop is the path for targets longer than the block); the
-// previous frame is double-buffered in shared memory, so one barrier per frame suffices.
+// previous frame is double-buffered in shared memory, so one barrier per frame suffices. Each thread loads its first
+// state's scores of the next frame before that barrier (`NEXT`), so their latency overlaps the barrier's wait, not
+// the recursion's path; a thread's other states (targets longer than the block) load theirs in turn.
 #include "semiring.cuh"
+// stay[t, n, s] and move[t, n, s] as the forward recursion reads them (ZERO past the sequence's states)...
+#define STAY(t, s) ((s) < Ln ? stay[((long long)(t) * N + n) * L + (s)] : ZERO)
+#define MOVE_IN(t, s) ((s) > 0 && (s) < Ln ? move[((long long)(t) * N + n) * (L - 1) + (s) - 1] : ZERO)
+// ... and the move out of s, as the backward one does
+#define MOVE_OUT(t, s) ((s) + 1 < Ln ? move[((long long)(t) * N + n) * (L - 1) + (s)] : ZERO)
 
 // With `poisoned` (N flags, else null): the forward recursion reads every score of the lattice once (stay u < L_n, move
 // u < L_n - 1) and flags a NaN or +inf; a flagged sequence's alpha_T(L_n - 1), its logZ, is NaN (PyTorch's semantics:
@@ -12,19 +19,22 @@ __device__ void simple_alpha(const FLOAT* __restrict__ stay, const FLOAT* __rest
                              FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int L, int n, int* poisoned) {
     for (int s = threadIdx.x; s < L; s += blockDim.x) buf[s] = alpha[(long long)n * L + s] = s == 0 ? ONE : ZERO;
     if (poisoned && threadIdx.x == 0) poisoned[n] = 0;
+    const int s0 = threadIdx.x;                             // this thread's first state
+    FLOAT x0 = T > 0 && s0 < L ? STAY(0, s0) : ZERO, y0 = T > 0 && s0 < L ? MOVE_IN(0, s0) : ZERO;   // (NEXT)
     __syncthreads();
     for (int t = 0; t < T; t++) {
         const FLOAT* prev = buf + (t % 2) * L;
         FLOAT* cur = buf + ((t + 1) % 2) * L;
         const long long row = ((long long)t * N + n);
-        for (int s = threadIdx.x; s < L; s += blockDim.x) {
-            const FLOAT x = s < Ln ? stay[row * L + s] : ZERO, y = s > 0 && s < Ln ? move[row * (L - 1) + s - 1] : ZERO;
+        for (int s = s0; s < L; s += blockDim.x) {
+            const FLOAT x = s == s0 ? x0 : STAY(t, s), y = s == s0 ? y0 : MOVE_IN(t, s);
             if (poisoned && !(x < (FLOAT)INFINITY && y < (FLOAT)INFINITY)) poisoned[n] = 1;
             FLOAT a = s < Ln ? MUL(x, prev[s]) : ZERO;
             if (s > 0 && s < Ln) a = SUM(a, MUL(y, prev[s - 1]));
             cur[s] = a;
             alpha[(row + N) * L + s] = a;
         }
+        if (t + 1 < T && s0 < L) { x0 = STAY(t + 1, s0); y0 = MOVE_IN(t + 1, s0); }   // NEXT
         __syncthreads();
     }
     if (poisoned && threadIdx.x == 0 && poisoned[n]) alpha[((long long)T * N + n) * L + Ln - 1] = (FLOAT)INFINITY - (FLOAT)INFINITY;
@@ -34,20 +44,28 @@ __device__ void simple_beta(const FLOAT* __restrict__ stay, const FLOAT* __restr
                             FLOAT* __restrict__ beta, FLOAT* buf, int T, int N, int L, int n) {
     for (int s = threadIdx.x; s < L; s += blockDim.x)
         buf[(T % 2) * L + s] = beta[((long long)T * N + n) * L + s] = s == Ln - 1 ? ONE : ZERO;
+    const int s0 = threadIdx.x;
+    FLOAT x0 = T > 0 && s0 < L ? STAY(T - 1, s0) : ZERO, y0 = T > 0 && s0 < L ? MOVE_OUT(T - 1, s0) : ZERO;   // (NEXT)
     __syncthreads();
     for (int t = T - 1; t >= 0; t--) {
         const FLOAT* next = buf + ((t + 1) % 2) * L;
         FLOAT* cur = buf + (t % 2) * L;
         const long long row = ((long long)t * N + n);
-        for (int s = threadIdx.x; s < L; s += blockDim.x) {
-            FLOAT b = s < Ln ? MUL(stay[row * L + s], next[s]) : ZERO;
-            if (s + 1 < Ln) b = SUM(b, MUL(move[row * (L - 1) + s], next[s + 1]));
+        for (int s = s0; s < L; s += blockDim.x) {
+            const FLOAT x = s == s0 ? x0 : STAY(t, s), y = s == s0 ? y0 : MOVE_OUT(t, s);
+            FLOAT b = s < Ln ? MUL(x, next[s]) : ZERO;
+            if (s + 1 < Ln) b = SUM(b, MUL(y, next[s + 1]));
             cur[s] = b;
             beta[row * L + s] = b;
         }
+        if (t > 0 && s0 < L) { x0 = STAY(t - 1, s0); y0 = MOVE_OUT(t - 1, s0); }     // NEXT
         __syncthreads();
     }
 }
+
+#undef STAY
+#undef MOVE_IN
+#undef MOVE_OUT
 
 extern "C" __global__ void simple_alpha_beta(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move,
                                              const long long* __restrict__ lengths, FLOAT* __restrict__ alpha,
