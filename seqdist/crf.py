@@ -795,8 +795,9 @@ def _divergence_cuda(st):
         (N, 2 if split else 1), (min(max_threads(_DIVERGENCE_BLOCK), 32 * math.ceil(C / 32)),), Mp=mp, Mq=mq, idx=idx,
         rev=rev, D=rev.shape[1], v0=v0, vT=vT, fwd=fwd, bwd=bwd, grad_p=gp, grad_q=gq, out=out, T=T, N=N, C=C, NZ=NZ,
         with_grad=int(st.with_grad), split=int(split))
-    if split and N * C: _divergence_grad_kernels[(mp.dtype, st.algebra)]((math.ceil(T * N * C * NZ / 256),), (256,),
-        Mp=mp, Mq=mq, idx=idx, fwd=fwd, bwd=bwd, out=out, grad_p=gp, grad_q=gq, T=T, N=N, C=C, NZ=NZ)
+    if split and T * N * C * NZ:
+        _divergence_grad_kernels[(mp.dtype, st.algebra)]((math.ceil(T * N * C * NZ / 256),), (256,), Mp=mp, Mq=mq,
+            idx=idx, fwd=fwd, bwd=bwd, out=out, grad_p=gp, grad_q=gq, T=T, N=N, C=C, NZ=NZ)
     value, logz_p, logz_q = (out[:, j].to(mp.dtype).clone() for j in (2, 0, 1))   # (a custom op's outputs may not alias)
     return value, logz_p, logz_q, grad_p, grad_q
 
