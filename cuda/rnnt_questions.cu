@@ -95,13 +95,11 @@ extern "C" __global__ void rnnt_divergence_edges(
 {
     const long long n = (long long)blockIdx.x * blockDim.x + threadIdx.x, nodes = (long long)B * T * U1;
     if (n >= nodes) return;
-    const int u = (int)(n % U1), t = (int)(n / U1 % T), b = (int)(n / U1 / T);
-    const int Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
-    const double zp = out[3 * b], zq = out[3 * b + 1], total = out[3 * b + 2];
-    if (t >= Tb || u > Ub || zp == -INFINITY || zq == -INFINITY) return;
-    const RnntOutEdges o = rnnt_out_edges(xp, xq, lse_p, lse_q, targets + (long long)b * U1, bwd, nodes, n, t, u, Tb,
-                                          Ub, U1, V, blank);
-    rnnt_edge_grads(o, alg_load(fwd, nodes, n), zp, zq, total, gedge, nodes, n);
+    const LatticeNode x = lattice_node(n, T, U1, logit_lengths, target_lengths, out);
+    if (!x.live) return;
+    const RnntOutEdges o = rnnt_out_edges(xp, xq, lse_p, lse_q, targets + (long long)x.b * U1, bwd, nodes, n, x.t, x.u,
+                                          x.Tb, x.Ub, U1, V, blank);
+    rnnt_edge_grads(o, alg_load(fwd, nodes, n), x.zp, x.zq, x.total, gedge, nodes, n);
 }
 #undef BLANK_P
 #undef BLANK_Q

@@ -121,12 +121,10 @@ extern "C" __global__ void tdt_divergence_edges(
 {
     const long long n = (long long)blockIdx.x * blockDim.x + threadIdx.x, nodes = (long long)B * T * U1;
     if (n >= nodes) return;
-    const int u = (int)(n % U1), t = (int)(n / U1 % T), b = (int)(n / U1 / T);
-    const int Tb = (int)logit_lengths[b], Ub = (int)target_lengths[b];
-    const double zp = out[3 * b], zq = out[3 * b + 1], total = out[3 * b + 2];
-    if (t >= Tb || u > Ub || zp == -INFINITY || zq == -INFINITY) return;
-    tdt_out_edges(xp, xq, lse_p, lse_q, targets + (long long)b * U1, table, K, bwd, gedge, nodes, b, t, u, Tb, Ub, T, U1,
-                  V, W, sigma, true, alg_load(fwd, nodes, n), zp, zq, total);
+    const LatticeNode x = lattice_node(n, T, U1, logit_lengths, target_lengths, out);
+    if (!x.live) return;
+    tdt_out_edges(xp, xq, lse_p, lse_q, targets + (long long)x.b * U1, table, K, bwd, gedge, nodes, x.b, x.t, x.u, x.Tb,
+                  x.Ub, T, U1, V, W, sigma, true, alg_load(fwd, nodes, n), x.zp, x.zq, x.total);
 }
 #undef SCORE_P
 #undef SCORE_Q

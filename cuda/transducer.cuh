@@ -14,3 +14,17 @@ __device__ __forceinline__ long long node_index(int b, int t, int u, int T, int 
 #define FOR_EACH_NODE_OF_DIAGONAL(d, t, u) \
     for (int u = threadIdx.x; u <= Ub; u += blockDim.x) \
         if (const int t = (d) - u; t >= 0 && t < Tb)
+
+// Node n of the padded (B, T, U+1) grid as the thread-a-node kernels of the lattice questions take it: its sequence,
+// frame and row, its lattice's size, the sequence's (log Z_p, log Z_q, accumulator) (out[3 b ...]), and whether it
+// has work: inside its lattice (t < T_b, u <= U_b) of a sequence with a path (neither log Z -inf).
+struct LatticeNode { int b, t, u, Tb, Ub; double zp, zq, total; bool live; };
+__device__ __forceinline__ LatticeNode lattice_node(long long n, int T, int U1, const long long* logit_lengths,
+                                                    const long long* target_lengths, const double* out) {
+    LatticeNode x;
+    x.u = (int)(n % U1); x.t = (int)(n / U1 % T); x.b = (int)(n / U1 / T);
+    x.Tb = (int)logit_lengths[x.b]; x.Ub = (int)target_lengths[x.b];
+    x.zp = out[3 * x.b]; x.zq = out[3 * x.b + 1]; x.total = out[3 * x.b + 2];
+    x.live = x.t < x.Tb && x.u <= x.Ub && x.zp != -INFINITY && x.zq != -INFINITY;
+    return x;
+}
