@@ -816,12 +816,13 @@ def _kbest_edges_cuda(Ms, idx, v0, vT, k):
     T, N, C, NZ = Ms.shape
     ms, dev = Ms.detach().contiguous(), Ms.device
     f64 = lambda v: v.detach().double().contiguous()
-    heads = 9 * NZ                                          # shared bytes a thread: its NZ heads (double) and ranks
-    threads = max(32, min(max_threads(_KBEST_BLOCK), 32 * math.ceil(C / 32), 32 * (MAX_SHARED_MEM_PER_BLOCK // (32 * heads))))
+    heads = 9 * NZ                                          # shared bytes a thread: NZ heads (double) and their ranks
+    room = MAX_SHARED_MEM_PER_BLOCK - 1024                  # (the kernel's static shared memory besides)
+    threads = max(32, min(max_threads(_KBEST_BLOCK), 32 * math.ceil(C / 32), 32 * (room // (32 * heads))))
     edges = torch.full((k, T, N), -1, dtype=torch.long, device=dev)
-    if N * C: _kbest_kernels[ms.dtype]((N,), (threads,), shared_mem=heads * threads, Ms=ms, idx=idx.long().contiguous(), v0=f64(v0), vT=f64(vT),
-        vals=torch.empty(N * 2 * C * k, dtype=torch.float64, device=dev), back=torch.empty(T * N * C * k, dtype=torch.int16, device=dev),
-        edges=edges, T=T, N=N, C=C, NZ=NZ, k=k)
+    if N * C: _kbest_kernels[ms.dtype]((N,), (threads,), shared_mem=heads * threads, Ms=ms, idx=idx.long().contiguous(),
+        v0=f64(v0), vT=f64(vT), vals=torch.empty(N * 2 * C * k, dtype=torch.float64, device=dev),
+        back=torch.empty(T * N * C * k, dtype=torch.int16, device=dev), edges=edges, T=T, N=N, C=C, NZ=NZ, k=k)
     none = edges[:, 0] < 0
     return edges, torch.where(none, -math.inf, _path_scores(Ms, idx, v0, vT, edges.clamp(min=0)))
 
