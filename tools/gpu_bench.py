@@ -67,37 +67,13 @@ def sparse_variant_rows(ctc_crf):
         return [dict(r, op=f"{r['op']} [SEQDIST_SPARSE_BOUNDS=1]") for r in ctc_crf() if not r['op'].startswith('ctc_simple')]
 
 
-def ctc_divergence_variant_rows(ctc_questions):
-    """The ctc_questions family's entropy and KL rows with the CUDA kernel fused ($SEQDIST_CTC_DIVERGENCE=fused, read
-    at each call: the backward and the gradients after the forward, in the same block), beside the default's (split:
-    both recursions at once, then a thread a (frame, sequence, label) for the gradients)."""
-    with _env('SEQDIST_CTC_DIVERGENCE', 'fused'):
-        return [dict(r, op=f"{r['op']} [SEQDIST_CTC_DIVERGENCE=fused]") for r in ctc_questions()
-                if r['op'].startswith(('alignment_entropy', 'alignment_kl'))]
-
-
-def rnnt_divergence_variant_rows(rnnt_questions):
-    """The rnnt_questions family's entropy and KL rows with the CUDA kernel fused ($SEQDIST_RNNT_DIVERGENCE=fused, read
-    at each call), beside the default's (split: both recursions at once, then a thread a node for the edges' gradients)."""
-    with _env('SEQDIST_RNNT_DIVERGENCE', 'fused'):
-        return [dict(r, op=f"{r['op']} [SEQDIST_RNNT_DIVERGENCE=fused]") for r in rnnt_questions()
-                if r['op'].startswith(('alignment_entropy', 'alignment_kl'))]
-
-
-def tdt_divergence_variant_rows(tdt_questions):
-    """The tdt_questions family's entropy and KL rows with the CUDA kernel fused ($SEQDIST_TDT_DIVERGENCE=fused, read
-    at each call), beside the default's (split: both recursions at once, then a thread a node for the edges' gradients)."""
-    with _env('SEQDIST_TDT_DIVERGENCE', 'fused'):
-        return [dict(r, op=f"{r['op']} [SEQDIST_TDT_DIVERGENCE=fused]") for r in tdt_questions()
-                if r['op'].startswith(('alignment_entropy', 'alignment_kl'))]
-
-
-def crf_divergence_variant_rows(crf_questions):
-    """The crf_questions family's entropy rows with the CUDA entropy fused ($SEQDIST_CRF_DIVERGENCE=fused, read at each
-    call: one block a sequence, the backward after the forward), beside the default's (split: both recursions at once,
-    then a thread an edge for the gradients): the rows that choose the default."""
-    with _env('SEQDIST_CRF_DIVERGENCE', 'fused'):
-        return [dict(r, op=f"{r['op']} [SEQDIST_CRF_DIVERGENCE=fused]") for r in crf_questions() if 'entropy' in r['op']]
+def fused_divergence_rows(family, variable):
+    """A questions family's entropy and KL rows with its CUDA kernel fused (`variable`=fused, read at each call: one
+    block a sequence, the backward after the forward, the edges' gradients as it goes), beside the default's (split:
+    both recursions at once, then the gradients a thread an edge, node or label): the rows that choose the default."""
+    with _env(variable, 'fused'):
+        return [dict(r, op=f"{r['op']} [{variable}=fused]") for r in family()
+                if 'entropy' in r['op'] or 'alignment_kl' in r['op']]
 
 
 def launch_rows(device, quick):
@@ -452,14 +428,14 @@ def main():
              ('cross_entropy', lambda: __import__('seqdist.benchmarks.cross_entropy', fromlist=['x']).bench_cross_entropy(
                  quick=a.quick, ce_shapes=[(4096, 32768), (8192, 131072)], lce_shapes=[], stats_shapes=[], device=dev)),
              ('ctc_questions', fams['ctc_questions']),
-             ('ctc_questions_variants', lambda: ctc_divergence_variant_rows(fams['ctc_questions'])),
+             ('ctc_questions_variants', lambda: fused_divergence_rows(fams['ctc_questions'], 'SEQDIST_CTC_DIVERGENCE')),
              ('forced_align', fams['forced_align']),
              ('rnnt', fams['rnnt']), ('rnnt_questions', fams['rnnt_questions']),
-             ('rnnt_questions_variants', lambda: rnnt_divergence_variant_rows(fams['rnnt_questions'])), ('tdt', fams['tdt']),
+             ('rnnt_questions_variants', lambda: fused_divergence_rows(fams['rnnt_questions'], 'SEQDIST_RNNT_DIVERGENCE')), ('tdt', fams['tdt']),
              ('tdt_questions', fams['tdt_questions']),
-             ('tdt_questions_variants', lambda: tdt_divergence_variant_rows(fams['tdt_questions'])),
+             ('tdt_questions_variants', lambda: fused_divergence_rows(fams['tdt_questions'], 'SEQDIST_TDT_DIVERGENCE')),
              ('crf_questions', fams['crf_questions']),
-             ('crf_questions_variants', lambda: crf_divergence_variant_rows(fams['crf_questions'])),
+             ('crf_questions_variants', lambda: fused_divergence_rows(fams['crf_questions'], 'SEQDIST_CRF_DIVERGENCE')),
              ('beam_search', fams['beam_search']), ('align_hour', lambda: align_hour_rows(dev, a.quick)),
              ('decode', lambda: decode_rows(dev, a.quick)), ('graph', lambda: graph_rows(dev, a.quick))]
     if a.profiles: order.insert([n for n, _ in order].index('cross_entropy'), ('profiles', lambda: profiles(dev, a.profiles, a.quick) or []))
