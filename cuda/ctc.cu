@@ -14,6 +14,23 @@
 #define SPLIT 0
 #define LABELS_SMEM 0
 #endif
+#ifndef LOG2               // ctc_alpha_beta's base-2 variant (float Log; see there): sums in base 2 (semiring.cuh),
+#define LOG2 0             // emissions scaled by log2 e as they enter, weights and logZ scaled back as they leave
+#endif
+#if LOG2
+#undef SUM
+#undef SUM3
+#define SUM(a, b) log2sumexp2(a, b)
+#define SUM3(a, b, c) log2sumexp3(a, b, c)
+#define TO_BASE 1.4426950408889634                              // log2 e
+#define EMIT(v, e) fmaf((e), (float)TO_BASE, (v))               // v times emission e (a natural log): one FMA
+#define NATURAL(v) ((v) * 0.6931471805599453f)                   // ln 2
+#else
+#define TO_BASE 1.0
+#define EMIT(v, e) MUL(v, e)
+#define NATURAL(v) (v)
+#endif
+#define PREFETCH_OTHER (SPT <= 4)  // the other recursion's weights of the next frame held in SPT registers (see there)
 
 __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank) {
     return s >= 2 && ext[s] != blank && ext[s] != ext[s - 2];
@@ -31,7 +48,10 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // FORWARD | BACKWARD at once; FORWARD alone (alpha: logZ only, or the first of two launches for targets too long for
 // four frames in shared memory); BACKWARD alone (beta multiplied into a forward launch's alpha). Variants (SPT = 4;
 // 02c): SPLIT=1, a grid (N, 2), a block a recursion (row 0 forward), beta stored in `wb`; LABELS_SMEM=1, the labels in
-// shared memory (int32, after the frames). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions
+// shared memory (int32, after the frames); LOG2=1 (float Log), the recursion on log2-scaled scores, each sum two ex2 and
+// one lg2 (the MUFU's) where e^x and log1p are instruction sequences. A state's second arriving half reads the first's
+// weight a step early (PREFETCH_OTHER), where the write has a barrier behind it: a global load off each frame's
+// critical path (the frame nearest the meeting point, written in the step before, is read when used). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions
 // entering a label state (odd s) in frame t, and on starting in state 1: one number a step, as k2 defines it.
 // PyTorch's non-finite scores: logz[n] is NaN where the forward recursion, which reads every emission of the lattice
 // once, reads a NaN, +inf or ABOVE or more (`HUGE_LOG_PROB`; a pass of its own did it: 1/8 of the loss on an H200);
@@ -57,7 +77,8 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* lp_n = lp + (long long)n * C;          // frame t of sequence n: lp_n + t * frame
     FLOAT* w_n = (SPLIT && backward ? wb : w) + (long long)n * S_max;        // SPLIT: beta apart, in wb
     const long long frame = (long long)N * C, wframe = (long long)N * S_max;
-    FLOAT em[SPT];
+    FLOAT em[SPT], other[PREFETCH_OTHER ? SPT : 1];    // other: the first half's weights of this half's next frame
+    bool other_ready = false;
     unsigned skips = 0;                                 // bit k: state j + k * B takes the skip transition
     const int t_first = backward ? T - 1 : 0;
     #pragma unroll
@@ -79,7 +100,11 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
             const bool first = backward ? t >= h : t < h;
             const int t_next = backward ? t - 1 : t + 1;
             const FLOAT* lp_next = lp_n + t_next * frame;
-            const FLOAT enter = (FLOAT)(delay_penalty * ((T >> 1) - (backward ? t + 1 : t)));   // entering a label then
+            FLOAT* wt_next = w_n + t_next * wframe;
+            const bool next_first = backward ? t_next >= h : t_next < h;    // the step the other half wrote it in:
+            const int written = !both ? -1 : (backward ? t_next : T - 1 - t_next + late);   // (-1: a launch before)
+            const bool prefetch = PREFETCH_OTHER && !SPLIT && t_next >= 0 && t_next < T && !next_first && written < i;
+            const FLOAT enter = (FLOAT)(delay_penalty * TO_BASE * ((T >> 1) - (backward ? t + 1 : t)));   // entering a label
             #pragma unroll
             for (int k = 0; k < SPT; k++) {
                 const int s = j + k * B;
@@ -94,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                         if (s >= 1) v = SUM(v, s & 1 ? MUL(prev[s - 1], enter) : prev[s - 1]);
                         if (skips >> k & 1u) v = SUM(v, MUL(prev[s - 2], enter));
                     }
-                    cur[s] = v = MUL(v, em[k]);             // alpha_t(s)
+                    cur[s] = v = EMIT(v, em[k]);            // alpha_t(s)
                     if (!(em[k] < (FLOAT)ABOVE)) *poisoned = 1;   // (each emission passes here once)
                 } else {
                     if (t == T - 1) v = s >= S - 2 ? ONE : ZERO;
@@ -105,11 +130,13 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                         if (s + 1 < S) v = SUM(v, s & 1 ? prev[s + 1] : MUL(prev[s + 1], enter));
                         if (skips >> k & 1u) v = SUM(v, MUL(prev[s + 2], enter));
                     }
-                    cur[s] = MUL(v, em[k]);                 // beta_t(s) * emission: what frame t - 1 reads
+                    cur[s] = EMIT(v, em[k]);                // beta_t(s) * emission: what frame t - 1 reads
                 }
-                wt[s] = SPLIT || first ? v : MUL(wt[s], v);
+                wt[s] = SPLIT || first ? NATURAL(v) : MUL(PREFETCH_OTHER && other_ready ? other[k] : wt[s], NATURAL(v));
                 if (t_next >= 0 && t_next < T) em[k] = lp_next[LABELS_SMEM ? lab[s] : label[s]];
+                if (prefetch) other[k] = wt_next[s];
             }
+            other_ready = prefetch;
         }
         __syncthreads();
     }
@@ -117,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
         const FLOAT* last = buf + ((T + 1) % 2) * S_max;    // the forward recursion's frame T - 1
         const FLOAT z = T == 0 ? (S == 1 ? ONE : ZERO) : (S > 1 ? SUM(last[S - 1], last[S - 2]) : last[0]);
         logz[n] = *poisoned ? (FLOAT)INFINITY - (FLOAT)INFINITY       // NaN
-                  : z > (FLOAT)-1e30 ? z : -INFINITY;                  // ZERO is finite (-1e38): infeasible
+                  : z > (FLOAT)-1e30 ? NATURAL(z) : -INFINITY;         // ZERO is finite (-1e38): infeasible
     }
 }
 

@@ -22,6 +22,18 @@ template <class T> __device__ __forceinline__ T logsumexp3(T a, T b, T c) {
     return m + (log1p(exp(lo - m) + exp(mid - m)) + (m - m));
 }
 
+// The same sums in base 2, for float (log2(2^a + 2^b (+ 2^c)) of log2-scaled values; ctc_alpha_beta's LOG2 variant):
+// ex2 and lg2 are single instructions of the special function unit (exp2f: 2 ulp; __log2f of an argument in [1, 3]:
+// within 2^-21.4), where e^x and log1p are sequences of some twenty. Same order of terms, same NaN.
+__device__ __forceinline__ float log2sumexp2(float a, float b) {
+    const float m = max2(a, b), lo = a > b ? b : a;
+    return m + (__log2f(1.0f + exp2f(lo - m)) + (m - m));
+}
+__device__ __forceinline__ float log2sumexp3(float a, float b, float c) {
+    const float hi = max2(a, b), lo = a > b ? b : a, m = max2(c, hi), mid = c > hi ? hi : c;
+    return m + (__log2f(1.0f + exp2f(lo - m) + exp2f(mid - m)) + (m - m));
+}
+
 // The max (IS_MAX) or the sum of x over the threads of the block, returned to every thread: shuffles within each
 // warp, then one value per warp through `slots` (32 of them, in shared memory) and shuffles again. Every thread of
 // the block calls it, blockDim.x a multiple of 32.

@@ -61,6 +61,27 @@ def test_ctc_loss_agrees_with_pytorch_and_is_deterministic(C, posteriors, monkey
     torch.testing.assert_close(l1.cpu().double(), lt, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g1.cpu().double(), gt, rtol=1e-4, atol=1e-5)
 
+@pytest.mark.parametrize('variant', ['both', 'split', 'smem', 'split+smem', 'smem+log2', 'split+smem+log2'])
+def test_ctc_recursion_variants_keep_pytorchs_float32_error(variant, monkeypatch):
+    """Every SEQDIST_CTC_VARIANT on a real GPU (the emulator runs a block's threads in turn, and computes log2's ex2 and
+    lg2 exactly): odd and even lengths, so the two recursions meet at every kind of middle frame; deterministic; the
+    losses within 16 float32 roundings of float64's, the gradient within twice F.ctc_loss's own float32 error."""
+    monkeypatch.setenv('SEQDIST_CTC_VARIANT', variant)
+    g = torch.Generator().manual_seed(2)
+    T, N, C = 301, 8, 20
+    lp = torch.randn(T, N, C, generator=g).log_softmax(2).cuda()
+    targets = torch.randint(1, C, (N, 100), generator=g).cuda()
+    il, tl = torch.tensor([301, 300, 299, 250, 201, 120, 3, 1]).cuda(), torch.tensor([100, 99, 60, 80, 100, 40, 1, 0]).cuda()
+    (l1, g1), (l2, g2) = [_grad(lambda x: ctc_loss(x, targets, il, tl, reduction='none').sum(), lp) for _ in range(2)]
+    assert torch.equal(l1, l2) and torch.equal(g1, g2)
+    losses = ctc_loss(lp, targets, il, tl, reduction='none').cpu().double()
+    args = targets.cpu(), il.cpu(), tl.cpu()
+    exact = F.ctc_loss(lp.cpu().double(), *args, reduction='none')
+    assert ((losses - exact).abs() <= 16 * torch.finfo(torch.float32).eps * exact.abs()).all(), (losses - exact)
+    _, g64 = _grad(lambda x: F.ctc_loss(x, *args, reduction='sum'), lp.cpu().double())
+    _, g32 = _grad(lambda x: F.ctc_loss(x, *args, reduction='sum'), lp.cpu())
+    assert (g1.cpu().double() - g64).abs().max() <= 2 * (g32.double() - g64).abs().max()
+
 def _ctc_inputs_on_gpu(T=120, N=8, C=20, seed=1):
     g = torch.Generator().manual_seed(seed)
     lp = torch.randn(T, N, C, generator=g).log_softmax(2).cuda()

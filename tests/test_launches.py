@@ -29,7 +29,7 @@ def budget(fn):
     with count_launches() as launches, CountOps() as ops: fn()
     return launches, ops
 
-@pytest.mark.parametrize('variant', ['', 'both', 'split', 'smem', 'split+smem'])
+@pytest.mark.parametrize('variant', ['', 'both', 'split', 'smem', 'split+smem', 'smem+log2', 'split+smem+log2'])
 def test_ctc_budget(variant, monkeypatch):
     "Each recursion variant (SEQDIST_CTC_VARIANT; '' the default) launches alike: split's two blocks a sequence are one launch."
     monkeypatch.setenv('SEQDIST_CTC_VARIANT', variant)

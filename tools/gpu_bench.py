@@ -50,7 +50,7 @@ def ctc_variant_rows(device, quick):
     shapes = [(200, 16, 20, 30, 40)] if quick else GPU_CTC_SHAPES
     q = dict(warmup=1, reps=3) if quick else dict(warmup=2, reps=7)
     rows = []
-    for variant in ('both', 'split', 'smem', 'split+smem'):
+    for variant in ('smem', 'split+smem', 'smem+log2', 'split+smem+log2'):     # ('both', 'split': behind on the H200)
         with _env('SEQDIST_CTC_VARIANT', variant):
             rows += [dict(r, op=f"{r['op']} [SEQDIST_CTC_VARIANT={variant}]") for r in bench_ctc_gpu(shapes, device, **q)
                      if 'cuDNN' not in r['anchor']]
