@@ -14,22 +14,6 @@
 #define SPLIT 0
 #define LABELS_SMEM 0
 #endif
-#ifndef LOG2               // ctc_alpha_beta's base-2 variant (float Log; see there): sums in base 2 (semiring.cuh),
-#define LOG2 0             // emissions scaled by log2 e as they enter, weights and logZ scaled back as they leave
-#endif
-#if LOG2
-#undef SUM
-#undef SUM3
-#define SUM(a, b) log2sumexp2(a, b)
-#define SUM3(a, b, c) log2sumexp3(a, b, c)
-#define TO_BASE 1.4426950408889634                              // log2 e
-#define EMIT(v, e) fmaf((e), (float)TO_BASE, (v))               // v times emission e (a natural log): one FMA
-#define NATURAL(v) ((v) * 0.6931471805599453f)                   // ln 2
-#else
-#define TO_BASE 1.0
-#define EMIT(v, e) MUL(v, e)
-#define NATURAL(v) (v)
-#endif
 #define PREFETCH_OTHER (SPT <= 4)  // the other recursion's weights of the next frame held in SPT registers (see there)
 
 __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank) {

@@ -14,7 +14,8 @@
 
 // With `poisoned` (N flags, else null): the forward recursion reads every score of the lattice once (stay u < L_n, move
 // u < L_n - 1) and flags a NaN or +inf; a flagged sequence's alpha_T(L_n - 1), its logZ, is NaN (PyTorch's semantics:
-// a pass of PyTorch operations over the scores did it, and a copy with the padding zeroed).
+// a pass of PyTorch operations over the scores did it, and a copy with the padding zeroed). With LOG2 (float Log,
+// `$SEQDIST_CTC_SIMPLE_LOG2=1`) buf holds log2-scaled scores, each score enters by EMIT, alpha and beta natural logs.
 __device__ void simple_alpha(const FLOAT* __restrict__ stay, const FLOAT* __restrict__ move, int Ln,
                              FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int L, int n, int* poisoned) {
     for (int s = threadIdx.x; s < L; s += blockDim.x) buf[s] = alpha[(long long)n * L + s] = s == 0 ? ONE : ZERO;
@@ -29,10 +30,10 @@ __device__ void simple_alpha(const FLOAT* __restrict__ stay, const FLOAT* __rest
         for (int s = s0; s < L; s += blockDim.x) {
             const FLOAT x = s == s0 ? x0 : STAY(t, s), y = s == s0 ? y0 : MOVE_IN(t, s);
             if (poisoned && !(x < (FLOAT)INFINITY && y < (FLOAT)INFINITY)) poisoned[n] = 1;
-            FLOAT a = s < Ln ? MUL(x, prev[s]) : ZERO;
-            if (s > 0 && s < Ln) a = SUM(a, MUL(y, prev[s - 1]));
+            FLOAT a = s < Ln ? EMIT(prev[s], x) : ZERO;
+            if (s > 0 && s < Ln) a = SUM(a, EMIT(prev[s - 1], y));
             cur[s] = a;
-            alpha[(row + N) * L + s] = a;
+            alpha[(row + N) * L + s] = NATURAL(a);
         }
         if (t + 1 < T && s0 < L) { x0 = STAY(t + 1, s0); y0 = MOVE_IN(t + 1, s0); }   // NEXT
         __syncthreads();
@@ -53,10 +54,10 @@ __device__ void simple_beta(const FLOAT* __restrict__ stay, const FLOAT* __restr
         const long long row = ((long long)t * N + n);
         for (int s = s0; s < L; s += blockDim.x) {
             const FLOAT x = s == s0 ? x0 : STAY(t, s), y = s == s0 ? y0 : MOVE_OUT(t, s);
-            FLOAT b = s < Ln ? MUL(x, next[s]) : ZERO;
-            if (s + 1 < Ln) b = SUM(b, MUL(y, next[s + 1]));
+            FLOAT b = s < Ln ? EMIT(next[s], x) : ZERO;
+            if (s + 1 < Ln) b = SUM(b, EMIT(next[s + 1], y));
             cur[s] = b;
-            beta[row * L + s] = b;
+            beta[row * L + s] = NATURAL(b);
         }
         if (t > 0 && s0 < L) { x0 = STAY(t - 1, s0); y0 = MOVE_OUT(t - 1, s0); }     // NEXT
         __syncthreads();

@@ -23,16 +23,35 @@ template <class T> __device__ __forceinline__ T logsumexp3(T a, T b, T c) {
 }
 
 // The same sums in base 2, for float (log2(2^a + 2^b (+ 2^c)) of log2-scaled values; ctc_alpha_beta's LOG2 variant):
-// ex2 and lg2 are single instructions of the special function unit (exp2f: 2 ulp; __log2f of an argument in [1, 3]:
+// ex2 and lg2 are single instructions of the special function unit (ex2_ftz: 2 ulp; __log2f of an argument in [1, 3]:
 // within 2^-21.4), where e^x and log1p are sequences of some twenty. Same order of terms, same NaN.
+__device__ __forceinline__ float ex2_ftz(float x) {   // 2^x: one MUFU instruction (results below 2^-126 flushed to 0,
+#ifdef __CUDA_ARCH__                                   // a term's share of a sum; exp2f adds a denormal's scaling)
+    float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+#else
+    return exp2f(x);                                   // (the emulator)
+#endif
+}
 __device__ __forceinline__ float log2sumexp2(float a, float b) {
     const float m = max2(a, b), lo = a > b ? b : a;
-    return m + (__log2f(1.0f + exp2f(lo - m)) + (m - m));
+    return m + (__log2f(1.0f + ex2_ftz(lo - m)) + (m - m));
 }
 __device__ __forceinline__ float log2sumexp3(float a, float b, float c) {
     const float hi = max2(a, b), lo = a > b ? b : a, m = max2(c, hi), mid = c > hi ? hi : c;
-    return m + (__log2f(1.0f + exp2f(lo - m) + exp2f(mid - m)) + (m - m));
+    return m + (__log2f(1.0f + ex2_ftz(lo - m) + ex2_ftz(mid - m)) + (m - m));
 }
+// A kernel compiled with them (`LOG2`: `seqdist.core.semiring.cuda_macros(base2=True)`) keeps its scores in base 2 and
+// scales those it reads and writes: EMIT(v, e) is v times a score e given as a natural log (one FMA), NATURAL(v) its
+// own score v as a natural log. In every other kernel both are the semiring's own.
+#if defined(LOG2) && LOG2
+#define TO_BASE 1.4426950408889634                              // log2 e
+#define EMIT(v, e) fmaf((e), (float)TO_BASE, (v))
+#define NATURAL(v) ((v) * 0.6931471805599453f)                   // ln 2
+#else
+#define TO_BASE 1.0
+#define EMIT(v, e) MUL(v, e)
+#define NATURAL(v) (v)
+#endif
 
 // The max (IS_MAX) or the sum of x over the threads of the block, returned to every thread: shuffles within each
 // warp, then one value per warp through `slots` (32 of them, in shared memory) and shuffles again. Every thread of

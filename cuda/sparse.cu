@@ -30,25 +30,27 @@ template <class Terms> __device__ __forceinline__ FLOAT grouped_sum(const Terms&
     }
     return SUM_END(m, s);                 // (no term equal to m: m is ZERO, whose own term that is)
 }
-// State c's in-edges at a frame: term j its score times its source's score (`bad`: a NaN or +inf score seen).
+// State c's in-edges at a frame: term j its score times its source's score (`bad`: a NaN or +inf score seen). EMIT:
+// the edge's score (a natural log) into the recursion's base (semiring.cuh: base 2 with LOG2, else the product).
 struct InEdges {
     const FLOAT* M; const int* idx; const FLOAT* prev; bool* bad;
-    __device__ FLOAT operator()(int j) const { const FLOAT w = M[j]; *bad |= !(w < (FLOAT)INFINITY); return MUL(w, prev[idx[j]]); }
+    __device__ FLOAT operator()(int j) const { const FLOAT w = M[j]; *bad |= !(w < (FLOAT)INFINITY); return EMIT(prev[idx[j]], w); }
 };
 // State s's out-edges at a frame: term k its score times its end's backward score.
 struct OutEdges {
     const FLOAT* M; const int* out; const FLOAT* next; int NZ;
-    __device__ FLOAT operator()(int k) const { const int e = out[k]; return MUL(M[e], next[e / NZ]); }
+    __device__ FLOAT operator()(int k) const { const int e = out[k]; return EMIT(next[e / NZ], M[e]); }
 };
 
 // One block per sequence; thread i owns states i, i + blockDim.x, ... (K = C / blockDim.x of them: a tuning knob).
 // The previous frame's scores are in shared memory (buf), double-buffered: one barrier per frame. With `poisoned` (N
 // flags, else null), a NaN or +inf among the scores it reads (every one of Ms, v0 and vT, once) makes the sequence's
 // alpha_T NaN, so its logZ and gradient are: PyTorch's semantics, which a pass of PyTorch operations found before.
+// With LOG2 (float Log, `$SEQDIST_SPARSE_LOG2=1`) buf holds log2-scaled scores, alpha and beta natural logs.
 __device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restrict__ idx, const FLOAT* __restrict__ v0,
                                FLOAT* __restrict__ alpha, FLOAT* buf, int T, int N, int C, int NZ, int n,
                                const FLOAT* __restrict__ vT, int* poisoned) {
-    for (int c = threadIdx.x; c < C; c += blockDim.x) buf[c] = alpha[(long long)n * C + c] = v0[(long long)n * C + c];
+    for (int c = threadIdx.x; c < C; c += blockDim.x) buf[c] = EMIT((FLOAT)ONE, alpha[(long long)n * C + c] = v0[(long long)n * C + c]);
     if (poisoned && threadIdx.x == 0) poisoned[n] = 0;
     __syncthreads();
     if (poisoned)
@@ -63,7 +65,7 @@ __device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restri
             const FLOAT a = grouped_sum(InEdges{M + (long long)c * NZ, idx + (long long)c * NZ, prev, &bad}, NZ);
             if (poisoned && bad) poisoned[n] = 1;
             cur[c] = a;
-            alpha[((long long)(t + 1) * N + n) * C + c] = a;
+            alpha[((long long)(t + 1) * N + n) * C + c] = NATURAL(a);
         }
         __syncthreads();
     }
@@ -78,7 +80,8 @@ __device__ void forward_scores(const FLOAT* __restrict__ Ms, const int* __restri
 // reads rather than scatters, and no atomics are needed.
 __device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restrict__ out_edges, const FLOAT* __restrict__ vT,
                                 FLOAT* __restrict__ beta, FLOAT* buf, int T, int N, int C, int NZ, int n) {
-    for (int c = threadIdx.x; c < C; c += blockDim.x) buf[(T % 2) * C + c] = beta[((long long)T * N + n) * C + c] = vT[(long long)n * C + c];
+    for (int c = threadIdx.x; c < C; c += blockDim.x)
+        buf[(T % 2) * C + c] = EMIT((FLOAT)ONE, beta[((long long)T * N + n) * C + c] = vT[(long long)n * C + c]);
     __syncthreads();
     for (int t = T - 1; t >= 0; t--) {
         const FLOAT* next = buf + ((t + 1) % 2) * C;
@@ -87,7 +90,7 @@ __device__ void backward_scores(const FLOAT* __restrict__ Ms, const int* __restr
         for (int s = threadIdx.x; s < C; s += blockDim.x) {
             const FLOAT b = grouped_sum(OutEdges{M, out_edges + (long long)s * NZ, next, NZ}, NZ);
             cur[s] = b;
-            beta[((long long)t * N + n) * C + s] = b;
+            beta[((long long)t * N + n) * C + s] = NATURAL(b);
         }
         __syncthreads();
     }

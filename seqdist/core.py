@@ -36,9 +36,9 @@ class semiring(namedtuple('semiring', ('zero', 'one', 'mul', 'sum', 'dsum'))):
     A state is one score (`components=0`: Log, Max) or `components` values on a leading dimension (Entropy, KMax(k),
     ...), whose `zero` and `one` are then tuples; `convert` turns edge scores into states, `sum` reduces along `dim`
     (counted in the state tensor, components included)."""
-    def __new__(cls, zero, one, mul, sum, dsum, name=None, cuda=None, components=0, convert=None):
+    def __new__(cls, zero, one, mul, sum, dsum, name=None, cuda=None, components=0, convert=None, cuda_base2=None):
         self = super().__new__(cls, zero, one, mul, sum, dsum)
-        self.name, self.cuda = name, dict(cuda or {})
+        self.name, self.cuda, self.cuda_base2 = name, dict(cuda or {}), dict(cuda_base2 or {})
         self.components, self._convert = components, convert
         return self
 
@@ -64,12 +64,17 @@ class semiring(namedtuple('semiring', ('zero', 'one', 'mul', 'sum', 'dsum'))):
         that has no path. NaN stays NaN."""
         return torch.where(x <= ZERO_BELOW, -math.inf, x)
 
-    def cuda_macros(self, dtype=torch.float32):
-        "Macros that specialise a CUDA source (which includes `semiring.cuh`) to this semiring and `dtype`."
+    def cuda_macros(self, dtype=torch.float32, base2=False):
+        """Macros that specialise a CUDA source (which includes `semiring.cuh`) to this semiring and `dtype`. `base2`:
+        the same semiring on log2-scaled scores (`cuda_base2`'s sums, float32 alone), with `LOG2` defined, by which
+        `semiring.cuh` has a kernel scale the scores it reads (`EMIT`) and the ones it writes (`NATURAL`)."""
         if not self.cuda: raise ValueError(f"semiring {self!r} has no CUDA implementation (its `cuda` macros are empty)")
         if dtype not in _cuda_dtypes:
             raise TypeError(f"CUDA kernels take float32 or float64, got dtype={dtype}")
-        return {'FLOAT': _cuda_dtypes[dtype], **self.cuda}
+        if not base2: return {'FLOAT': _cuda_dtypes[dtype], **self.cuda}
+        if not self.cuda_base2 or dtype != torch.float32:
+            raise ValueError(f"base-2 kernels take float32 and a semiring with base-2 sums, got {self!r} in {dtype}")
+        return {'FLOAT': 'float', **self.cuda_base2, 'LOG2': 1}
 
 # %% ../nbs/00_core.ipynb #357f5ad3
 def _semiring_macros(sum2, sum3, zero, term, end):
@@ -81,7 +86,9 @@ def _semiring_macros(sum2, sum3, zero, term, end):
             'SUM(a, b)': f'{sum2}(a, b)', 'SUM3(a, b, c)': f'{sum3}(a, b, c)', 'SUM_TERM(x, m)': term, 'SUM_END(m, s)': end}
 
 Log = semiring(zero=-1e38, one=0., mul=torch.add, sum=torch.logsumexp, dsum=torch.softmax,
-               name='Log', cuda=_semiring_macros('logsumexp2', 'logsumexp3', -1e38, 'exp((x) - (m))', '((m) + (log1p(s) + ((m) - (m))))'))
+               name='Log', cuda=_semiring_macros('logsumexp2', 'logsumexp3', -1e38, 'exp((x) - (m))', '((m) + (log1p(s) + ((m) - (m))))'),
+               cuda_base2=_semiring_macros('log2sumexp2', 'log2sumexp3', -1e38, 'ex2_ftz((x) - (m))',
+                                           '((m) + (__log2f(1.0f + (s)) + ((m) - (m))))'))   # (float: ex2 and lg2)
 Max = semiring(zero=-1e38, one=0., mul=torch.add, sum=(lambda x, dim=0: torch.max(x, dim=dim)[0]), dsum=max_grad,
                name='Max', cuda=_semiring_macros('max2', 'max3', -1e38, '0', '(m)'))
 SEMIRINGS = {S.name: S for S in (Log, Max)}   # by name: an op's schema passes a semiring as a string

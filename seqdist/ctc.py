@@ -360,14 +360,14 @@ def _ctc_cpu(lp, ext, input_lengths, target_lengths, blank, delay, use_max, g, g
 _LAUNCH_BOUND = {torch.float32: 1024, torch.float64: 512}   # ctc_alpha_beta's largest block: float64 needs 128 registers
 _SPTS = {torch.float32: (4, 32), torch.float64: (4, 16)}      # its states-per-thread variants (the emissions' registers)
 _POISON_BYTES = 16                                           # its flag's, before the frames in shared memory (ctc.cu)
-_CTC_VARIANTS = {v: dict(SPLIT=int('split' in v), LABELS_SMEM=int('smem' in v), **({'LOG2': 1} if 'log2' in v else {})) if v else {}
-                 for v in ('', 'split', 'smem', 'split+smem', 'smem+log2', 'split+smem+log2')}   # log2: float Log's sums in base 2
+_CTC_VARIANTS = {v: dict(SPLIT=int('split' in v), LABELS_SMEM=int('smem' in v)) if v else {}
+                 for v in ('', 'split', 'smem', 'split+smem', 'smem+log2', 'split+smem+log2')}   # log2: Log's base-2 macros
 _CTC_VARIANT_NAMES, _SPLIT_ABOVE = {'both': '', **{v: v for v in _CTC_VARIANTS if v}}, 256    # $SEQDIST_CTC_VARIANT's values;
                                                       # unset: smem up to 256 states, split+smem beyond (the H200's choice)
 def _alpha_beta_kernels(dtype, S):
     "ctc_alpha_beta's instantiations for (dtype, S): variant -> states a thread -> Kernel; `+log2` is float Log's alone (else the variant without it)."
     ks = {v: {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype], ABOVE=HUGE_LOG_PROB,
-                               **macros, **S.cuda_macros(dtype)) for spt in (_SPTS[dtype] if v == '' else (4,))}
+                               **macros, **S.cuda_macros(dtype, base2='log2' in v)) for spt in (_SPTS[dtype] if v == '' else (4,))}
           for v, macros in _CTC_VARIANTS.items() if 'log2' not in v or (dtype, S) == (torch.float32, Log)}
     return {v: ks.get(v) or ks[v.replace('+log2', '')] for v in _CTC_VARIANTS}
 

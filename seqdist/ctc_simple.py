@@ -16,7 +16,7 @@ from .core import semiring, Log, Max, SEMIRINGS, semiring_sum2
 from .kernel import load_kernel, dtype_kernels, EMULATOR_MAX_SHARED_MEM
 from .checks import on_host, require, to_device, nonfinite_sequences, either_poisoned, refuse_nan
 from .compile_check import resource_budget
-from .ops import Op, op_namespace, max_threads, parallel_for
+from .ops import Op, op_namespace, max_threads, parallel_for, env_choice
 
 device = torch.device('cuda') if torch.cuda.is_available() else torch.device('cpu')
 _CACHE = __name__ != "__main__"
@@ -109,6 +109,8 @@ def _simple_scores_cpu(stay, move, lengths, use_max, alpha, beta, logz, lo, hi):
 # %% ../nbs/03_ctc_simple.ipynb #61191d71
 _simple_kernels = {(dtype, S): load_kernel('ctc_simple.cu', 'simple_alpha_beta', **S.cuda_macros(dtype))
                    for dtype in (torch.float32, torch.float64) for S in (Log, Max)}
+_simple_kernels['log2'] = load_kernel('ctc_simple.cu', 'simple_alpha_beta', **Log.cuda_macros(torch.float32, base2=True))
+_LOG2 = ('0', '1')          # $SEQDIST_CTC_SIMPLE_LOG2 (read at each call): float Log's recursion in base 2 with '1'
 _simple_posterior_kernels = dtype_kernels('ctc_simple.cu', 'simple_posteriors')
 RECURSION_THREADS = 1024    # at most, per block of the recursion kernel (fewer inside `launch_limits`)
 POSTERIOR_THREADS = 128     # per (frame, sequence) block of the posterior kernel (a power of two)
@@ -132,7 +134,8 @@ def _scores_cuda(stay, move, lengths, S, check=False):
     alpha, beta = stay.new_empty(T + 1, N, L), stay.new_empty(T + 1, N, L)
     block, shared = min(max_threads(RECURSION_THREADS), 32 * math.ceil(L / 32)), 2 * L * stay.element_size()
     mv = move.contiguous() if L > 1 else stay.new_empty(T, N, 1)
-    _simple_kernels[(dtype, S)]((N, 2), (block,), stay=stay.contiguous(), move=mv, lengths=lengths, alpha=alpha, beta=beta,
+    log2 = (dtype, S) == (torch.float32, Log) and env_choice('SEQDIST_CTC_SIMPLE_LOG2', _LOG2) == '1'
+    _simple_kernels['log2' if log2 else (dtype, S)]((N, 2), (block,), stay=stay.contiguous(), move=mv, lengths=lengths, alpha=alpha, beta=beta,
                                 poisoned=lengths.new_empty(N, dtype=torch.int32) if check else None, T=T, N=N, L=L,
                                 shared_mem=shared)
     return alpha, beta

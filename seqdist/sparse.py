@@ -384,14 +384,21 @@ def _sparse_backward_numba(st, outputs, grads):
 
 
 # %% ../nbs/04_sparse.ipynb #ab17dde0
+_RECURSIONS = ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd')
 _sparse_kernels = {(dtype, S, bounds): {name: load_kernel('sparse.cu', name, SPARSE_TWO_BLOCKS=int(bounds == '2'), **S.cuda_macros(dtype))
-                                        for name in ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd', 'sparse_posteriors')}
+                                        for name in (*_RECURSIONS, 'sparse_posteriors')}
                    for dtype in (torch.float32, torch.float64) for S in (Log, Max) for bounds in ('2', '1')}
+for bounds in ('2', '1'):     # float Log's recursions in base 2 (the posteriors read natural logs: the same kernel)
+    _sparse_kernels[(torch.float32, Log, bounds + '+log2')] = {**_sparse_kernels[(torch.float32, Log, bounds)], **{
+        name: load_kernel('sparse.cu', name, SPARSE_TWO_BLOCKS=int(bounds == '2'), **Log.cuda_macros(torch.float32, base2=True))
+        for name in _RECURSIONS}}
 
 def _kernels(dtype, S):
     """The kernels for `dtype` and `S`: the recursions of float on sm_90 bounded to two blocks an SM, or with
-    `$SEQDIST_SPARSE_BOUNDS=1` (read at each call: the variant the next GPU run compares) not bounded."""
-    return _sparse_kernels[(dtype, S, env_choice('SEQDIST_SPARSE_BOUNDS', ('2', '1')))]
+    `$SEQDIST_SPARSE_BOUNDS=1` not bounded; float Log's in base 2 with `$SEQDIST_SPARSE_LOG2=1` (both read at each
+    call: the variants the next GPU run compares)."""
+    bounds, log2 = env_choice('SEQDIST_SPARSE_BOUNDS', ('2', '1')), env_choice('SEQDIST_SPARSE_LOG2', ('0', '1')) == '1'
+    return _sparse_kernels[(dtype, S, bounds + ('+log2' if log2 and (dtype, S) == (torch.float32, Log) else ''))]
 RECURSION_THREADS = 1024   # at most, per block of the recursion kernels (fewer inside `launch_limits`)
 
 def _threads(C, K):

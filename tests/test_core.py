@@ -64,3 +64,12 @@ def test_fast_logsumexp_semirings_by_name_and_compute_dtype():
     assert np.isnan(fast_logsumexp(np.array([1.0, np.nan, 2.0]), True))
     assert SEMIRINGS == {'Log': Log, 'Max': Max}
     assert [compute_dtype(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)] == [torch.float32] * 3 + [torch.float64]
+
+
+def test_base2_cuda_macros_are_float_logs_alone():
+    "Log's base-2 kernels (the recursions' log2 variants): float32 alone, LOG2 defined; other semirings and float64 refused."
+    m = Log.cuda_macros(torch.float32, base2=True)
+    assert m['LOG2'] == 1 and m['FLOAT'] == 'float' and 'log2sumexp2' in m['SUM(a, b)'] and m['ZERO'] == Log.cuda_macros()['ZERO']
+    for S, dtype in ((Log, torch.float64), (Max, torch.float32)):
+        with pytest.raises(ValueError, match="base-2 kernels take float32 and a semiring with base-2 sums"):
+            S.cuda_macros(dtype, base2=True)

@@ -37,7 +37,9 @@ def test_bonito_style_call_with_cpu_idx_and_cuda_scores():
     torch.testing.assert_close(z.cpu().double(), z_cpu, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(g.cpu().double(), g_cpu, rtol=1e-4, atol=1e-4)
 
-def test_ctc_crf_gradients_are_bitwise_reproducible_and_agree_with_the_cpu():
+@pytest.mark.parametrize('log2', ['0', '1'])    # '1': the recursions in base 2 ($SEQDIST_SPARSE_LOG2, _CTC_SIMPLE_LOG2)
+def test_ctc_crf_gradients_are_bitwise_reproducible_and_agree_with_the_cpu(log2, monkeypatch):
+    monkeypatch.setenv('SEQDIST_SPARSE_LOG2', log2); monkeypatch.setenv('SEQDIST_CTC_SIMPLE_LOG2', log2)
     crf, scores, targets, lengths = crf_inputs(T=200, N=8, state_len=5)
     f = lambda x: crf.ctc_loss(x, targets.cuda(), lengths.cuda())
     (l1, g1), (l2, g2) = _grad(f, scores), _grad(f, scores)

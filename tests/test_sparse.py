@@ -295,3 +295,39 @@ def test_unbounded_variant_runs_and_agrees(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     monkeypatch.setenv('SEQDIST_SPARSE_BOUNDS', '3')
     with pytest.raises(ValueError, match="SEQDIST_SPARSE_BOUNDS must be '2' or '1', got '3'"): logZ(Ms, idx, v0, v0, backend='cuda')
+
+@pytest.mark.parametrize('bounds', ['2', '1'])
+def test_base2_variant_keeps_float32s_error(bounds, monkeypatch):
+    """$SEQDIST_SPARSE_LOG2=1 (float Log's recursions on log2-scaled scores, for the GPU run to compare): logZ and its
+    gradient as close to float64's as the default's (a DNA CTC-CRF's transitions, NZ=5; start and end scores not zero,
+    some -inf; lengths of frames where a sequence's scores are NaN come out NaN); float64 and Max keep the default's
+    bits (the variant is float Log's alone); another value is a clear error."""
+    from seqdist.crf import kmer_transitions
+    monkeypatch.setenv('SEQDIST_SPARSE_BOUNDS', bounds)
+    g = torch.Generator().manual_seed(4)
+    idx = kmer_transitions(3, 4)
+    T, N, C = 40, 3, idx.shape[0]
+    Ms = torch.randn(T, N, C, 5, generator=g, dtype=torch.float64).log_softmax(-1) * 3
+    v0, vT = torch.randn(N, C, generator=g, dtype=torch.float64), torch.randn(N, C, generator=g, dtype=torch.float64)
+    v0[0, :10] = -math.inf
+    Ms[3, 1, 7, 2] = math.nan
+    exact = [logZ(Ms.requires_grad_(), idx, v0, vT, backend='cpu')]
+    exact.append(torch.autograd.grad(exact[0].sum(), Ms)[0])
+    def run(dtype, S=Log):
+        x = Ms.detach().to(dtype).requires_grad_()
+        z = logZ(x, idx, v0.to(dtype), vT.to(dtype), S, backend='cuda')
+        return z.detach(), torch.autograd.grad(z.sum(), x)[0]
+    errors = {}
+    for log2 in ('0', '1'):
+        monkeypatch.setenv('SEQDIST_SPARSE_LOG2', log2)
+        z, grad = run(torch.float32)
+        assert torch.equal(z.isnan(), torch.tensor([False, True, False])) and grad[:, 1].isnan().all()
+        errors[log2] = ((z.double() - exact[0])[[0, 2]].abs().max(), (grad.double() - exact[1])[:, [0, 2]].abs().max())
+        if log2 == '0': default = [run(torch.float64), run(torch.float64, Max), run(torch.float32, Max)]
+        else:
+            for r, d in zip([run(torch.float64), run(torch.float64, Max), run(torch.float32, Max)], default):
+                for a, b in zip(r, d): torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    ulp = torch.finfo(torch.float32).eps * exact[0][[0, 2]].abs().max()          # float32's rounding of logZ
+    assert errors['1'][0] <= max(2 * errors['0'][0], 4 * ulp) and errors['1'][1] <= 2 * errors['0'][1], errors
+    monkeypatch.setenv('SEQDIST_SPARSE_LOG2', 'yes')
+    with pytest.raises(ValueError, match="SEQDIST_SPARSE_LOG2 must be '0' or '1', got 'yes'"): run(torch.float32)

@@ -61,10 +61,14 @@ def ctc_variant_rows(device, quick):
 
 
 def sparse_variant_rows(ctc_crf):
-    """The ctc_crf family's sparse.logZ and CTC_CRF rows with the recursions unbounded ($SEQDIST_SPARSE_BOUNDS=1, read
-    at each call), beside the default's (float on sm_90 bounded to two blocks an SM): the rows that choose the default."""
+    """The ctc_crf family's rows under its variables (read at each call), beside the default's: sparse.logZ and CTC_CRF
+    with the recursions unbounded ($SEQDIST_SPARSE_BOUNDS=1; the default bounds float on sm_90 to two blocks an SM);
+    every row with float Log's recursions in base 2 ($SEQDIST_SPARSE_LOG2=1 and $SEQDIST_CTC_SIMPLE_LOG2=1, ex2 and lg2
+    where the default takes e^x and log1p): the rows that choose the defaults."""
     with _env('SEQDIST_SPARSE_BOUNDS', '1'):
-        return [dict(r, op=f"{r['op']} [SEQDIST_SPARSE_BOUNDS=1]") for r in ctc_crf() if not r['op'].startswith('ctc_simple')]
+        rows = [dict(r, op=f"{r['op']} [SEQDIST_SPARSE_BOUNDS=1]") for r in ctc_crf() if not r['op'].startswith('ctc_simple')]
+    with _env('SEQDIST_SPARSE_LOG2', '1'), _env('SEQDIST_CTC_SIMPLE_LOG2', '1'):
+        return rows + [dict(r, op=f"{r['op']} [SEQDIST_*_LOG2=1]") for r in ctc_crf()]
 
 
 def fused_divergence_rows(family, variable):
