@@ -35,12 +35,15 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // shared memory (int32, after the frames); LOG2=1 (float Log), the recursion on log2-scaled scores, each sum two ex2 and
 // one lg2 (the MUFU's) where e^x and log1p are instruction sequences. A state's second arriving half reads the first's
 // weight a step early (PREFETCH_OTHER), where the write has a barrier behind it: a global load off each frame's
-// critical path (the frame nearest the meeting point, written in the step before, is read when used). `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions
-// entering a label state (odd s) in frame t, and on starting in state 1: one number a step, as k2 defines it.
+// critical path (the frame nearest the meeting point, written in the step before, is read when used). Every state
+// takes one SUM3, its missing terms ZERO (SUM3_ALL): a warp's blank and label states took different branches, two
+// sums in turn; e^(ZERO - m) is 0, so the sums are the two-term ones' bits. `delay_penalty`: k2's offset
+// delay_penalty * (T // 2 - t) on the transitions entering a label state (odd s) in frame t, and on starting in state
+// 1: one number a step, as k2 defines it.
 // PyTorch's non-finite scores: logz[n] is NaN where the forward recursion, which reads every emission of the lattice
 // once, reads a NaN, +inf or ABOVE or more (`HUGE_LOG_PROB`; a pass of its own did it: 1/8 of the loss on an H200);
 // ABOVE an immediate operand, the flag at a fixed address (the first POISON_BYTES of shared memory): no register.
-enum { FORWARD = 1, BACKWARD = 2, SUM3_SKIPS = sizeof(FLOAT) == 4 };    // (float64: SUM's chain; SPT=16 would spill)
+enum { FORWARD = 1, BACKWARD = 2, SUM3_ALL = sizeof(FLOAT) == 4 || SPT <= 4 };   // (float64's SPT=16: SUM's chain: it would spill)
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, FLOAT* __restrict__ w, FLOAT* __restrict__ logz,
@@ -96,8 +99,9 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                 FLOAT v;
                 if (!backward) {
                     if (t == 0) v = s == 0 ? ONE : (s == 1 ? MUL(ONE, enter) : ZERO);
-                    else if (SUM3_SKIPS && (skips >> k & 1u))   // a skip's three terms in one sum: one log, not two
-                        v = SUM3(prev[s], MUL(prev[s - 1], enter), MUL(prev[s - 2], enter));
+                    else if (SUM3_ALL)                      // every state one SUM3, ZERO for a missing term
+                        v = SUM3(prev[s], s >= 1 ? (s & 1 ? MUL(prev[s - 1], enter) : prev[s - 1]) : (FLOAT)ZERO,
+                                 skips >> k & 1u ? MUL(prev[s - 2], enter) : (FLOAT)ZERO);
                     else {                                  // into a label (odd s) from s - 1 or s - 2: + enter
                         v = prev[s];
                         if (s >= 1) v = SUM(v, s & 1 ? MUL(prev[s - 1], enter) : prev[s - 1]);
@@ -107,8 +111,9 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
                     if (!(em[k] < (FLOAT)ABOVE)) *poisoned = 1;   // (each emission passes here once)
                 } else {
                     if (t == T - 1) v = s >= S - 2 ? ONE : ZERO;
-                    else if (SUM3_SKIPS && (skips >> k & 1u))
-                        v = SUM3(prev[s], s & 1 ? prev[s + 1] : MUL(prev[s + 1], enter), MUL(prev[s + 2], enter));
+                    else if (SUM3_ALL)
+                        v = SUM3(prev[s], s + 1 < S ? (s & 1 ? prev[s + 1] : MUL(prev[s + 1], enter)) : (FLOAT)ZERO,
+                                 skips >> k & 1u ? MUL(prev[s + 2], enter) : (FLOAT)ZERO);
                     else {                                  // into a label (s + 1 if s is even, s + 2) in frame t + 1
                         v = prev[s];
                         if (s + 1 < S) v = SUM(v, s & 1 ? prev[s + 1] : MUL(prev[s + 1], enter));
