@@ -236,7 +236,7 @@ def test_simple_cuda_kernels_in_float32_are_as_accurate_as_seqdist_003(log2, mon
     float64, at that shape: about 2.5e-5 here, 0.0.3's algorithm in float32 about 2.0e-5 (the float64 recursions: 3e-8).
     The same bound in base 2 (the emulator's ex2 and lg2 exact), and logZ within 4 float32 roundings."""
     monkeypatch.setenv('SEQDIST_CTC_SIMPLE_LOG2', log2)
-    for seed in range(2):
+    for seed in range(2 if log2 == '0' else 1):        # (the variant at one seed: 9 s emulated a seed)
         torch.manual_seed(seed)
         stay, move, tl = simple.generate_sample_inputs(T=400, N=8, L_min=60, L_max=80, device='cpu')
         stay, move = stay.detach(), move.detach()
