@@ -1,9 +1,7 @@
 // CTC forward-backward over the 2L+1-state lattice, in log space, in any semiring (written by nbs/02_ctc.ipynb).
 #include "semiring.cuh"
-#ifndef SPT
-#define SPT 4      // states per thread at most: the prefetched emissions live in SPT registers
-#endif
-#ifndef MAX_THREADS
+#ifndef SPT                // (ctc_alpha_beta's; the glue defines both)
+#define SPT 4              // states per thread at most: the prefetched emissions live in SPT registers
 #define MAX_THREADS 1024   // the largest block the glue launches ctc_alpha_beta with (float64: 512, see below)
 #endif
 #ifndef ABOVE
@@ -14,7 +12,7 @@
 #define SPLIT 0
 #define LABELS_SMEM 0
 #endif
-#define PREFETCH_OTHER (SPT <= 4)  // the other recursion's weights of the next frame held in SPT registers (see there)
+#define PREFETCH_OTHER (SPT <= 4)  // the other half's weights of the next frame in SPT registers (see there)
 
 __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank) {
     return s >= 2 && ext[s] != blank && ext[s] != ext[s - 2];
@@ -23,26 +21,21 @@ __device__ __forceinline__ bool may_skip(const long long* ext, int s, int blank)
 // Both recursions at once, a block a sequence: its first half computes alpha_t(s) (paths in state s after emitting
 // frame t) for t = 0, 1, ..., its second half beta_t(s) (paths from s after frame t to the end, t's emission excluded)
 // for t = T-1, T-2, ..., a frame each a step, one barrier a step for both. They meet in w[t, n, s]: the first to reach
-// frame t stores its value, the second multiplies its own in (alpha_t(s) beta_t(s), in T steps and alpha's memory; for
-// odd T the backward half starts a step late). Each half double-buffers its frames in shared memory (the backward one
-// keeps beta * emission: a state reads only its own emission) and loads its next frame's emissions before the barrier.
-// Thread j owns states j, j + B, ..., at most SPT, whose emissions must fit unspilled in the registers the launch bounds
-// leave (65536 / MAX_THREADS; `seqdist-compile-check`): so `label` is volatile (else e[s] is hoisted out of the loop,
-// two registers a state), the skips a bit a state, and float64 runs 512-thread blocks. `recursions`, a bit set:
-// FORWARD | BACKWARD at once; FORWARD alone (alpha: logZ only, or the first of two launches for targets too long for
-// four frames in shared memory); BACKWARD alone (beta multiplied into a forward launch's alpha). Variants (SPT = 4;
-// 02c): SPLIT=1, a grid (N, 2), a block a recursion (row 0 forward), beta stored in `wb`; LABELS_SMEM=1, the labels in
-// shared memory (int32, after the frames); LOG2=1 (float Log), the recursion on log2-scaled scores, each sum two ex2 and
-// one lg2 (the MUFU's) where e^x and log1p are instruction sequences. A state's second arriving half reads the first's
-// weight a step early (PREFETCH_OTHER), where the write has a barrier behind it: a global load off each frame's
-// critical path (the frame nearest the meeting point, written in the step before, is read when used). Every state
-// takes one SUM3, its missing terms ZERO (SUM3_ALL): a warp's blank and label states took different branches, two
-// sums in turn; e^(ZERO - m) is 0, so the sums are the two-term ones' bits. `delay_penalty`: k2's offset
-// delay_penalty * (T // 2 - t) on the transitions entering a label state (odd s) in frame t, and on starting in state
-// 1: one number a step, as k2 defines it.
-// PyTorch's non-finite scores: logz[n] is NaN where the forward recursion, which reads every emission of the lattice
-// once, reads a NaN, +inf or ABOVE or more (`HUGE_LOG_PROB`; a pass of its own did it: 1/8 of the loss on an H200);
-// ABOVE an immediate operand, the flag at a fixed address (the first POISON_BYTES of shared memory): no register.
+// frame t stores its value, the second multiplies its own in, read a step early where a barrier stands behind the
+// write (PREFETCH_OTHER: no global load on a frame's path). For odd T the backward half starts a step late. Each half
+// double-buffers its frames in shared memory (the backward one keeps beta * emission) and loads its next frame's
+// emissions before the barrier. Thread j owns states j, j + B, ..., at most SPT, whose emissions must fit unspilled in
+// the registers the launch bounds leave (`seqdist-compile-check`): so `label` is volatile (else hoisted: two registers
+// a state), the skips a bit a state, float64 512-thread blocks. Every state takes one SUM3, a missing term ZERO
+// (SUM3_ALL; e^(ZERO - m) is 0: the two-term sums' bits), where blank and label states branched apart in a warp.
+// `recursions`: FORWARD | BACKWARD at once; FORWARD alone (logZ only, or the first of two launches where four frames
+// do not fit in shared memory); BACKWARD alone (beta multiplied into a forward launch's alpha). Variants (SPT = 4;
+// 02c): SPLIT=1, a grid (N, 2), a block a recursion, beta stored in `wb`; LABELS_SMEM=1, the labels in shared memory
+// (int32, after the frames); LOG2=1 (float Log), log2-scaled scores, a sum two ex2 and one lg2 (semiring.cuh).
+// `delay_penalty`: k2's offset delay_penalty * (T // 2 - t) on the transitions entering a label state (odd s) in frame
+// t, and on starting in state 1. PyTorch's non-finite scores: logz[n] is NaN where the forward recursion, which reads
+// every emission once, reads a NaN, +inf or ABOVE or more (`HUGE_LOG_PROB`), its flag at a fixed address (the first
+// POISON_BYTES of shared memory): no register, and no pass of its own (that was 1/8 of the loss on an H200).
 enum { FORWARD = 1, BACKWARD = 2, SUM3_ALL = sizeof(FLOAT) == 4 || SPT <= 4 };   // (float64's SPT=16: SUM's chain: it would spill)
 extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     const FLOAT* __restrict__ lp, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
@@ -137,12 +130,10 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, 1) ctc_alpha_beta(
     }
 }
 
-// Posteriors from the state weights w (w * wb with SPLIT=1): out[t, n, k] -= posterior, k the state (by_state) or its label.
-// Log: posterior = exp(w - log sum_s exp(w)): every path is in one state at each frame, so the frame's total is Z in
-// exact arithmetic; normalising by it rather than by logZ cancels the rounding that a frame's alpha and beta share
-// (in float32 at T = 2000, L = 450: 4e-3 in the posteriors, measured in the emulator; 2.8e-4 normalised per frame). Max: 1 at
-// the first best state of each frame. Nothing for an infeasible sequence (logz = -inf). One thread per (t, n), which visits its states in order: no two threads write the same element,
-// and no atomics (deterministic).
+// Posteriors from the state weights w (w * wb with SPLIT=1): out[t, n, k] -= posterior, k the state (by_state) or its
+// label. Log: exp(w - log sum_s exp(w)), normalised by the frame's total (Z in exact arithmetic), which cancels the
+// rounding a frame's alpha and beta share (float32, T = 2000, L = 450: 2.8e-4 where logZ gave 4e-3). Max: 1 at the
+// frame's first best state. Nothing where logz = -inf. A thread a (t, n), its states in order: no atomics.
 struct PosteriorFrame {   // frame i = t N + n as both posteriors' kernels read it: weights (SPLIT: beta apart), labels,
     const FLOAT *wt, *bt; const long long* e; FLOAT* o; int S;             // output row, states
     __device__ FLOAT weight(int s) const { return SPLIT ? MUL(wt[s], bt[s]) : wt[s]; }
@@ -242,10 +233,9 @@ __device__ __forceinline__ FLOAT frame_scale(const FLOAT* grad_logz, const FLOAT
     return -grad_logz[n];
 }
 
-// The gradient of the labels, in the backward pass: grad[t, n, c] = scale * (exp(lp[t, n, c]) (with torch_grad,
-// PyTorch's convention) + minus_posteriors[t, n, c] (of the labels, if given)), scale the frame's `frame_scale`, and 0
-// where scale is 0 (frames past an input length, whose padding may hold anything, NaN included). One thread per
-// element: one pass over (T, N, C), where PyTorch ops (exp, add, mul) take three.
+// The labels' gradient: grad[t, n, c] = scale * (exp(lp[t, n, c]) (torch_grad: PyTorch's convention) + minus_posteriors
+// (of the labels, if given)), scale the frame's `frame_scale`, 0 where it is 0 (past an input length, the padding may
+// hold NaN). A thread an element: one pass over (T, N, C), where PyTorch ops (exp, add, mul) took three.
 extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* __restrict__ minus_posteriors,
                                     const FLOAT* __restrict__ grad_logz, const FLOAT* __restrict__ logz,
                                     const long long* __restrict__ input_lengths, FLOAT* __restrict__ grad, long long rows,
@@ -260,9 +250,8 @@ extern "C" __global__ void ctc_grad(const FLOAT* __restrict__ lp, const FLOAT* _
     grad[i] = s == (FLOAT)0 ? (FLOAT)0 : s * v;
 }
 
-// out[t, n, label of s] += scale * minus_posteriors[t, n, s] for the states s of each valid frame (the labels' share
-// of the states' posteriors; scale the frame's `frame_scale`), in state order: one thread per (t, n), so the sum is
-// deterministic, where scatter_add_ on a GPU adds with atomics in any order (every blank state adds into one element).
+// out[t, n, label of s] += scale * minus_posteriors[t, n, s] over each valid frame's states s (scale its
+// `frame_scale`), in state order, a thread a (t, n): deterministic, where scatter_add_ adds with atomics in any order.
 extern "C" __global__ void ctc_states_to_labels(
     const FLOAT* __restrict__ minus_posteriors, const long long* __restrict__ ext, const long long* __restrict__ input_lengths,
     const long long* __restrict__ target_lengths, const FLOAT* __restrict__ grad_logz, const FLOAT* __restrict__ logz,

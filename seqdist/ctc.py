@@ -362,10 +362,8 @@ _SPTS = {torch.float32: (4, 32), torch.float64: (4, 16)}      # its states-per-t
 _POISON_BYTES = 16                                           # its flag's, before the frames in shared memory (ctc.cu)
 _CTC_VARIANTS = {v: dict(SPLIT=int('split' in v), LABELS_SMEM=int('smem' in v)) if v else {}
                  for v in ('', 'split', 'smem', 'split+smem', 'smem+log2', 'split+smem+log2')}   # log2: Log's base-2 macros
-_CTC_VARIANT_NAMES, _SPLIT_ABOVE = {'both': '', **{v: v for v in _CTC_VARIANTS if v}}, 256    # $SEQDIST_CTC_VARIANT's values;
-                                                      # unset: smem up to 256 states, split+smem beyond (the H200's choice)
-def _alpha_beta_kernels(dtype, S):
-    "ctc_alpha_beta's instantiations for (dtype, S): variant -> states a thread -> Kernel; `+log2` is float Log's alone (else the variant without it)."
+_CTC_VARIANT_NAMES, _SPLIT_ABOVE = {'both': '', **{v: v for v in _CTC_VARIANTS if v}}, 256    # $SEQDIST_CTC_VARIANT; unset: smem to 256 states
+def _alpha_beta_kernels(dtype, S):   # variant -> states a thread -> Kernel; +log2: float Log's (else the variant without)
     ks = {v: {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype], ABOVE=HUGE_LOG_PROB,
                                **macros, **S.cuda_macros(dtype, base2='log2' in v)) for spt in (_SPTS[dtype] if v == '' else (4,))}
           for v, macros in _CTC_VARIANTS.items() if 'log2' not in v or (dtype, S) == (torch.float32, Log)}
