@@ -72,9 +72,13 @@ class semiring(namedtuple('semiring', ('zero', 'one', 'mul', 'sum', 'dsum'))):
         if dtype not in _cuda_dtypes:
             raise TypeError(f"CUDA kernels take float32 or float64, got dtype={dtype}")
         if not base2: return {'FLOAT': _cuda_dtypes[dtype], **self.cuda}
-        if not self.cuda_base2 or dtype != torch.float32:
+        if not self.has_base2(dtype):
             raise ValueError(f"base-2 kernels take float32 and a semiring with base-2 sums, got {self!r} in {dtype}")
         return {'FLOAT': 'float', **self.cuda_base2, 'LOG2': 1}
+
+    def has_base2(self, dtype):
+        "Whether `cuda_macros(dtype, base2=True)` exists: base-2 sums (Log's), float32 scores."
+        return bool(self.cuda_base2) and dtype == torch.float32
 
 # %% ../nbs/00_core.ipynb #357f5ad3
 def _semiring_macros(sum2, sum3, zero, term, end):

@@ -366,7 +366,7 @@ _CTC_VARIANT_NAMES, _SPLIT_ABOVE = {'both': '', **{v: v for v in _CTC_VARIANTS i
 def _alpha_beta_kernels(dtype, S):   # variant -> states a thread -> Kernel; +log2: float Log's (else the variant without)
     ks = {v: {spt: load_kernel('ctc.cu', 'ctc_alpha_beta', SPT=spt, MAX_THREADS=_LAUNCH_BOUND[dtype], ABOVE=HUGE_LOG_PROB,
                                **macros, **S.cuda_macros(dtype, base2='log2' in v)) for spt in (_SPTS[dtype] if v == '' else (4,))}
-          for v, macros in _CTC_VARIANTS.items() if 'log2' not in v or (dtype, S) == (torch.float32, Log)}
+          for v, macros in _CTC_VARIANTS.items() if 'log2' not in v or S.has_base2(dtype)}
     return {v: ks.get(v) or ks[v.replace('+log2', '')] for v in _CTC_VARIANTS}
 
 _ctc_kernels = {(dtype, S): {'ctc_alpha_beta': _alpha_beta_kernels(dtype, S),

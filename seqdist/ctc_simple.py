@@ -134,7 +134,7 @@ def _scores_cuda(stay, move, lengths, S, check=False):
     alpha, beta = stay.new_empty(T + 1, N, L), stay.new_empty(T + 1, N, L)
     block, shared = min(max_threads(RECURSION_THREADS), 32 * math.ceil(L / 32)), 2 * L * stay.element_size()
     mv = move.contiguous() if L > 1 else stay.new_empty(T, N, 1)
-    log2 = (dtype, S) == (torch.float32, Log) and env_choice('SEQDIST_CTC_SIMPLE_LOG2', _LOG2) == '1'
+    log2 = env_choice('SEQDIST_CTC_SIMPLE_LOG2', _LOG2) == '1' and S.has_base2(dtype)
     _simple_kernels['log2' if log2 else (dtype, S)]((N, 2), (block,), stay=stay.contiguous(), move=mv, lengths=lengths, alpha=alpha, beta=beta,
                                 poisoned=lengths.new_empty(N, dtype=torch.int32) if check else None, T=T, N=N, L=L,
                                 shared_mem=shared)

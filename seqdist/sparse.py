@@ -388,9 +388,9 @@ _RECURSIONS = ('sparse_fwd', 'sparse_bwd', 'sparse_fwd_bwd')
 _sparse_kernels = {(dtype, S, bounds): {name: load_kernel('sparse.cu', name, SPARSE_TWO_BLOCKS=int(bounds == '2'), **S.cuda_macros(dtype))
                                         for name in (*_RECURSIONS, 'sparse_posteriors')}
                    for dtype in (torch.float32, torch.float64) for S in (Log, Max) for bounds in ('2', '1')}
-for bounds in ('2', '1'):     # float Log's recursions in base 2 (the posteriors read natural logs: the same kernel)
-    _sparse_kernels[(torch.float32, Log, bounds + '+log2')] = {**_sparse_kernels[(torch.float32, Log, bounds)], **{
-        name: load_kernel('sparse.cu', name, SPARSE_TWO_BLOCKS=int(bounds == '2'), **Log.cuda_macros(torch.float32, base2=True))
+for dtype, S, bounds in [k for k in _sparse_kernels if k[1].has_base2(k[0])]:   # the recursions in base 2 (the
+    _sparse_kernels[(dtype, S, bounds + '+log2')] = {**_sparse_kernels[(dtype, S, bounds)], **{  # posteriors read natural logs)
+        name: load_kernel('sparse.cu', name, SPARSE_TWO_BLOCKS=int(bounds == '2'), **S.cuda_macros(dtype, base2=True))
         for name in _RECURSIONS}}
 
 def _kernels(dtype, S):
@@ -398,7 +398,7 @@ def _kernels(dtype, S):
     `$SEQDIST_SPARSE_BOUNDS=1` not bounded; float Log's in base 2 with `$SEQDIST_SPARSE_LOG2=1` (both read at each
     call: the variants the next GPU run compares)."""
     bounds, log2 = env_choice('SEQDIST_SPARSE_BOUNDS', ('2', '1')), env_choice('SEQDIST_SPARSE_LOG2', ('0', '1')) == '1'
-    return _sparse_kernels[(dtype, S, bounds + ('+log2' if log2 and (dtype, S) == (torch.float32, Log) else ''))]
+    return _sparse_kernels[(dtype, S, bounds + ('+log2' if log2 and S.has_base2(dtype) else ''))]
 RECURSION_THREADS = 1024   # at most, per block of the recursion kernels (fewer inside `launch_limits`)
 
 def _threads(C, K):
