@@ -299,8 +299,8 @@ def test_unbounded_variant_runs_and_agrees(monkeypatch):
 def test_base2_variant_keeps_float32s_error(monkeypatch):
     """$SEQDIST_SPARSE_LOG2=1 (float Log's recursions on log2-scaled scores, for the GPU run to compare): logZ and its
     gradient as close to float64's as the default's (a DNA CTC-CRF's transitions, NZ=5; start and end scores not zero,
-    some -inf; lengths of frames where a sequence's scores are NaN come out NaN); float64 and Max keep the default's
-    bits (the variant is float Log's alone); another value is a clear error."""
+    some -inf; a sequence with a NaN score comes out NaN); float64 and Max keep the default's bits (the variant is float
+    Log's alone); another value is a clear error."""
     from seqdist.crf import kmer_transitions      # (with $SEQDIST_SPARSE_BOUNDS=1 the same source, launch bounds apart)
     g = torch.Generator().manual_seed(4)
     idx = kmer_transitions(3, 4)
