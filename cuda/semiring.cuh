@@ -22,7 +22,7 @@ template <class T> __device__ __forceinline__ T logsumexp3(T a, T b, T c) {
     return m + (log1p(exp(lo - m) + exp(mid - m)) + (m - m));
 }
 
-// The same sums in base 2, for float (log2(2^a + 2^b (+ 2^c)) of log2-scaled values; ctc_alpha_beta's LOG2 variant):
+// The same sums in base 2, for float (log2(2^a + 2^b (+ 2^c)) of log2-scaled values; the recursions' LOG2 variants):
 // ex2 and lg2 are single instructions of the special function unit (ex2_ftz: 2 ulp; __log2f of an argument in [1, 3]:
 // within 2^-21.4), where e^x and log1p are sequences of some twenty. Same order of terms, same NaN.
 __device__ __forceinline__ float ex2_ftz(float x) {   // 2^x: one MUFU instruction (results below 2^-126 flushed to 0,
